@@ -1,0 +1,246 @@
+"""The one typed config tree of a zerofit run.
+
+Every loader (zerofit YAML, Accelerate launch YAML, DeepSpeed JSON) produces a `RunConfig`; every
+component receives only its own sub-config. A field may hold `AUTO` until `prepare()` fills it from
+the training script (see `zerofit.config.auto`); components never see `AUTO`.
+
+Cross-field rules live in `zerofit.config.validate`, so one call can list every problem at once;
+`__post_init__` here checks only what a single field can get wrong on its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+
+class _Auto:
+    """The value `"auto"`: filled at `prepare()` time from the script, as Accelerate does."""
+
+    _instance: _Auto | None = None
+
+    def __new__(cls) -> _Auto:
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __repr__(self) -> str:
+        return "AUTO"
+
+    def __reduce__(self):
+        return (_Auto, ())
+
+
+AUTO: Any = _Auto()
+"""Sentinel for a value that `prepare()` resolves; serialised as the string "auto"."""
+
+
+def is_auto(value: Any) -> bool:
+    return value is AUTO
+
+
+OffloadDevice = Literal["none", "cpu", "nvme"]
+MixedPrecision = Literal["no", "fp16", "bf16"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class OffloadConfig:
+    """Where one kind of state lives when it is not on the accelerator."""
+
+    device: OffloadDevice = "none"
+    """none: stays on the accelerator; cpu: pinned host memory; nvme: files under nvme_path."""
+    nvme_path: str | None = None
+    """Directory for NVMe offload files (required when device is nvme)."""
+    pin_memory: bool = True
+    """Page-lock host buffers so copies to and from the accelerator run asynchronously."""
+    buffer_count: int = 4
+    """Number of pinned staging buffers in the NVMe pool."""
+    buffer_size: int = 100_000_000
+    """Elements per NVMe staging buffer."""
+    max_in_cpu: int = 1_000_000_000
+    """Elements of parameters kept in host memory when parameters go to NVMe."""
+    ratio: float = 1.0
+    """Fraction of communication units whose optimizer step runs on the CPU (the rest stay on GPU)."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.device != "none"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ZeroConfig:
+    """What the ZeRO engine shards and when it communicates."""
+
+    stage: int = 0
+    """0: DDP (gradients all-reduced); 1: + optimizer state sharded; 2: + gradients; 3: + parameters."""
+    offload_optimizer: OffloadConfig = field(default_factory=OffloadConfig)
+    """fp32 master weights and optimizer states off the accelerator (stages 1-3)."""
+    offload_param: OffloadConfig = field(default_factory=OffloadConfig)
+    """Parameter shards off the accelerator (stage 3 only)."""
+    reduce_bucket_size: int | Any = 500_000_000
+    """Elements per gradient reduction bucket; "auto" = hidden_size**2."""
+    allgather_bucket_size: int = 500_000_000
+    """Elements per parameter all-gather bucket after the step (stages 1-2)."""
+    prefetch_bucket_size: int | Any = 50_000_000
+    """Elements of parameters prefetched ahead of use (stage 3); "auto" = 0.9 * hidden_size**2."""
+    param_persistence_threshold: int | Any = 100_000
+    """Units with fewer elements than this stay unsharded (stage 3); "auto" = 10 * hidden_size."""
+    max_live_parameters: int = 1_000_000_000
+    """Upper bound on gathered parameter elements at any time (stage 3)."""
+    sub_group_size: int = 1_000_000_000
+    """Elements per optimizer sub-group when stepping offloaded state."""
+    overlap_comm: bool = True
+    """Run collectives on a side stream, overlapped with compute."""
+    contiguous_gradients: bool = True
+    """Copy gradients into contiguous buffers as they are produced."""
+    gather_16bit_weights_on_model_save: bool = False
+    """Consolidate 16-bit weights on save under stage 3 (zerofit always can; kept for compatibility)."""
+    unit_size_threshold: int = 10_000_000
+    """Parameter count above which a module becomes its own communication unit when no repeated block is found."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LossScaleConfig:
+    """fp16 loss scaling, with DeepSpeed's meaning of every field."""
+
+    loss_scale: float = 0.0
+    """0: dynamic loss scaling; any other value: that static scale."""
+    initial_scale_power: int = 16
+    """Dynamic scaling starts at 2**initial_scale_power."""
+    loss_scale_window: int = 1000
+    """Overflow-free steps before the scale is doubled."""
+    hysteresis: int = 2
+    """Overflows tolerated before the scale is halved."""
+    consecutive_hysteresis: bool = False
+    """Refill the hysteresis on every overflow-free step, not only when the scale grows."""
+    min_loss_scale: float = 1.0
+    """The scale never drops below this; overflowing at it is an error."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrecisionConfig:
+    """Compute precision; master weights and optimizer states are always fp32."""
+
+    mixed_precision: MixedPrecision | Any = "no"
+    """no: fp32 compute; bf16 or fp16: compute in that dtype."""
+    loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
+    """Used when mixed_precision is fp16."""
+    communication_data_type: Literal["fp32", "fp16", "bf16"] | None = None
+    """dtype of gradient reductions; None: fp32."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class BatchConfig:
+    """The batch triple: train_batch_size = micro_batch * accumulation * world size."""
+
+    train_batch_size: int | Any | None = None
+    """Samples per optimizer step over all ranks."""
+    train_micro_batch_size_per_gpu: int | Any | None = None
+    """Samples per forward/backward on one rank."""
+    gradient_accumulation_steps: int | Any = 1
+    """Micro-steps per optimizer step."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerConfig:
+    """An optimizer named by the config (used when the script passes `DummyOptim`)."""
+
+    type: str
+    """AdamW, Adam, SGD, or any torch.optim class name."""
+    params: dict[str, Any] = field(default_factory=dict)
+    """Constructor arguments; lr and weight_decay may be "auto"."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SchedulerConfig:
+    """A learning-rate schedule named by the config (used when the script passes `DummyScheduler`)."""
+
+    type: str
+    """WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle or LRRangeTest."""
+    params: dict[str, Any] = field(default_factory=dict)
+    """The schedule's parameters, with DeepSpeed's names; some may be "auto"."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchConfig:
+    """How many processes, on which machines, talking where."""
+
+    num_processes: int | None = None
+    """Processes in total over all machines; None: one per GPU, or 1 on CPU."""
+    num_machines: int = 1
+    """Machines taking part."""
+    machine_rank: int = 0
+    """This machine's index, 0 .. num_machines - 1."""
+    main_process_ip: str | None = None
+    """Address of machine 0's rendezvous; None: 127.0.0.1 on one machine."""
+    main_process_port: int | None = None
+    """Port of the rendezvous; None: a free port on one machine, 29500 on several."""
+    rdzv_backend: Literal["static", "c10d"] = "static"
+    """torchrun rendezvous backend."""
+    use_cpu: bool = False
+    """Run on CPU with gloo even where GPUs exist."""
+    max_restarts: int = 0
+    """Elastic restarts of the worker group after a failure."""
+    main_training_function: str = "main"
+    """Kept from Accelerate configs; scripts are run as __main__."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """Where and how `save_state` writes."""
+
+    output_dir: str | None = None
+    """Default directory for checkpoints; None: the script passes one."""
+    total_limit: int | None = None
+    """Keep at most this many checkpoints (oldest removed first); None: keep all."""
+    use_node_local_storage: bool = False
+    """Every node writes its own ranks' shards to local disk."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoggingConfig:
+    """What the run reports."""
+
+    log_with: tuple[str, ...] = ()
+    """Trackers: jsonl (always available), tensorboard."""
+    logging_dir: str | None = None
+    """Where trackers write."""
+    steps_per_print: int | None = None
+    """Print a progress line every this many optimizer steps; None: never."""
+    wall_clock_breakdown: bool = False
+    """Time forward, backward and step separately."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """Everything a zerofit run needs, after loading and before `auto` resolution."""
+
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    batch: BatchConfig = field(default_factory=BatchConfig)
+    gradient_clipping: float | Any = 0.0
+    """Clip the global gradient norm to this before each optimizer step; 0: no clipping."""
+    optimizer: OptimizerConfig | None = None
+    scheduler: SchedulerConfig | None = None
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    source: str | None = None
+    """The file(s) this config was loaded from, for messages."""
+
+    def replace(self, **changes: Any) -> RunConfig:
+        return dataclasses.replace(self, **changes)
+
+
+def to_dict(config: Any) -> Any:
+    """Plain JSON-ready data from a config tree (AUTO becomes the string "auto")."""
+    if dataclasses.is_dataclass(config) and not isinstance(config, type):
+        return {f.name: to_dict(getattr(config, f.name)) for f in dataclasses.fields(config)}
+    if isinstance(config, (list, tuple)):
+        return [to_dict(v) for v in config]
+    if isinstance(config, dict):
+        return {k: to_dict(v) for k, v in config.items()}
+    if is_auto(config):
+        return "auto"
+    return config

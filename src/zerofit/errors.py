@@ -1,0 +1,23 @@
+"""The exceptions zerofit raises on purpose, so callers can catch them by kind."""
+
+
+class ZerofitError(Exception):
+    """Base class of every error zerofit raises on purpose."""
+
+
+class ConfigError(ZerofitError, ValueError):
+    """A config problem; the message lists every problem found, each naming the dotted key, value and fix."""
+
+    def __init__(self, problems: list[str] | str, source: str | None = None):
+        self.problems = [problems] if isinstance(problems, str) else list(problems)
+        where = f" in {source}" if source else ""
+        head = f"{len(self.problems)} problem(s){where}:"
+        super().__init__("\n".join([head] + [f"  - {p}" for p in self.problems]))
+
+
+class EngineError(ZerofitError, RuntimeError):
+    """The engine met a state it cannot continue from (the message says which rank and what to change)."""
+
+
+class LossScaleError(EngineError):
+    """fp16 dynamic loss scaling reached its minimum and still overflows."""

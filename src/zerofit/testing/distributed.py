@@ -1,0 +1,93 @@
+"""Run a function on N processes joined by a gloo process group, for tests.
+
+`run_distributed(fn, world_size, *args)` spawns the ranks, rendezvous through a file (no ports to race
+for), returns every rank's result in rank order, and turns any rank's exception or a timeout into one
+error in the caller that shows each failing rank's traceback. Sibling ranks are killed on failure, so a
+crash never leaves a hung collective behind.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+class DistributedTestError(AssertionError):
+    """One or more ranks failed or timed out; the message holds their tracebacks."""
+
+
+def _worker(rank: int, world_size: int, init_file: str, backend: str, timeout_s: float,
+            threads: int, fn: Callable, args: tuple, results: Any) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size))
+    torch.set_num_threads(threads)
+    try:
+        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
+                                world_size=world_size, timeout=timedelta(seconds=timeout_s))
+        out = fn(rank, world_size, *args)
+        results.put((rank, True, out))
+    except BaseException:  # noqa: BLE001 - every failure must reach the parent
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 180.0,
+                    backend: str = "gloo", threads: int | None = None) -> list[Any]:
+    """Call `fn(rank, world_size, *args)` on `world_size` fresh processes; return their results by rank.
+
+    `fn` must be importable (defined at module top level) because ranks are spawned, not forked.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    threads = threads or max(1, (os.cpu_count() or 1) // world_size)
+    with tempfile.TemporaryDirectory(prefix="zerofit-rdzv-") as tmp:
+        init_file = os.path.join(tmp, "rendezvous")
+        procs = [ctx.Process(target=_worker, daemon=True,
+                             args=(r, world_size, init_file, backend, timeout, threads, fn, args, results))
+                 for r in range(world_size)]
+        for p in procs:
+            p.start()
+        outputs: dict[int, Any] = {}
+        failures: dict[int, str] = {}
+        deadline = time.monotonic() + timeout
+        try:
+            while len(outputs) + len(failures) < world_size:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    missing = sorted(set(range(world_size)) - set(outputs) - set(failures))
+                    failures.update({r: f"rank {r} did not finish within {timeout:.0f}s" for r in missing})
+                    break
+                try:
+                    rank, ok, payload = results.get(timeout=min(left, 1.0))
+                except queue.Empty:
+                    dead = [r for r, p in enumerate(procs)
+                            if not p.is_alive() and p.exitcode not in (0, None)
+                            and r not in outputs and r not in failures]
+                    for r in dead:
+                        failures[r] = f"rank {r} died with exit code {procs[r].exitcode}"
+                    continue
+                (outputs if ok else failures)[rank] = payload
+                if failures:
+                    break  # a failed rank can leave its peers blocked in a collective: stop them all now
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+            for p in procs:
+                p.join(timeout=10)
+        if failures:
+            text = "\n".join(f"--- rank {r} ---\n{failures[r]}" for r in sorted(failures))
+            raise DistributedTestError(f"{len(failures)} of {world_size} ranks failed:\n{text}")
+        return [outputs[r] for r in range(world_size)]
