@@ -9,6 +9,7 @@ crash never leaves a hung collective behind.
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import tempfile
 import time
@@ -35,7 +36,8 @@ def _worker(rank: int, world_size: int, init_file: str, backend: str, timeout_s:
         dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
                                 world_size=world_size, timeout=timedelta(seconds=timeout_s))
         out = fn(rank, world_size, *args)
-        results.put((rank, True, out))
+        # Plain pickle bytes: tensors travel by value, not as shared-memory handles that die with us.
+        results.put((rank, True, pickle.dumps(out)))
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -78,7 +80,10 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
                     for r in dead:
                         failures[r] = f"rank {r} died with exit code {procs[r].exitcode}"
                     continue
-                (outputs if ok else failures)[rank] = payload
+                if ok:
+                    outputs[rank] = pickle.loads(payload)
+                else:
+                    failures[rank] = payload
                 if failures:
                     break  # a failed rank can leave its peers blocked in a collective: stop them all now
         finally:

@@ -1,0 +1,117 @@
+"""The collectives the engine uses, issued off the compute stream and labelled for the profiler.
+
+Every call returns a `Pending`; its `wait()` makes the caller's stream (GPU) or thread (CPU) wait for
+the result and runs the follow-up work given as `then`. With one rank every call is a no-op apart from
+`then`, so the same engine code runs unchanged on one rank and on many.
+
+[Note: streams and lifetimes]
+On CUDA a collective runs on `Collectives.stream`, a high-priority side stream that first waits for
+the compute stream (so it reads finished data); `then` runs on the same side stream right after it.
+`wait()` makes the current stream wait for the event recorded after `then`. Tensors the collective
+touches are held by the `Pending` until `wait()` returns: after that the compute stream is ordered
+after the collective, so the caching allocator may safely reuse their memory. No `record_stream`.
+On CPU (gloo) the collective is async on gloo's own thread; `wait()` blocks on it, then runs `then`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch.profiler import record_function
+
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class Pending:
+    """A collective in flight (or a finished no-op), plus the work to run once it is done."""
+
+    __slots__ = ("_work", "_event", "_then", "_keep", "done")
+
+    def __init__(self, work=None, event=None, then: Callable[[], None] | None = None, keep=()):
+        self._work, self._event, self._then, self._keep = work, event, then, keep
+        self.done = False
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        if self._event is not None:
+            torch.cuda.current_stream().wait_event(self._event)
+        else:
+            if self._work is not None:
+                self._work.wait()
+            if self._then is not None:
+                self._then()
+        self._work = self._event = self._then = None
+        self._keep = ()
+        self.done = True
+
+
+class Collectives:
+    """Collectives over one process group, run on a side stream on CUDA and asynchronously on CPU."""
+
+    def __init__(self, group: dist.ProcessGroup | None, device: torch.device):
+        self.group = group
+        self.world = dist.get_world_size(group) if dist.is_initialized() else 1
+        self.rank = dist.get_rank(group) if dist.is_initialized() else 0
+        self.device = device
+        self.calls = 0
+        """Collectives issued so far (world > 1 only): lets tests prove a micro-step stayed silent."""
+        # High priority so that gathers needed by the next layer are not queued behind compute.
+        self.stream = torch.cuda.Stream(device=device, priority=-1) if device.type == "cuda" else None
+
+    def _issue(self, label: str, run: Callable[[bool], object], then, keep) -> Pending:
+        if self.world == 1:
+            if then is not None:
+                then()
+            return _finished()
+        self.calls += 1
+        with record_function(f"zerofit::{label}"):
+            if self.stream is None:
+                return Pending(work=run(True), then=then, keep=keep)
+            self.stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self.stream):
+                run(False)
+                if then is not None:
+                    then()
+                event = torch.cuda.Event()
+                event.record(self.stream)
+            return Pending(event=event, keep=keep)
+
+    def all_gather(self, out_full: torch.Tensor, in_shard: torch.Tensor, label: str,
+                   then: Callable[[], None] | None = None) -> Pending:
+        """Fill `out_full` with every rank's `in_shard` in rank order (in place if `in_shard` is its slice)."""
+        return self._issue(f"all_gather:{label}",
+                           lambda a: _all_gather(out_full, in_shard, group=self.group, async_op=a),
+                           then, (out_full, in_shard))
+
+    def reduce_scatter(self, out_shard: torch.Tensor, in_full: torch.Tensor, label: str,
+                       then: Callable[[], None] | None = None) -> Pending:
+        """Sum `in_full` over ranks and leave this rank's shard of the sum in `out_shard`."""
+        if self.world == 1:
+            out_shard.copy_(in_full)
+        return self._issue(f"reduce_scatter:{label}",
+                           lambda a: _reduce_scatter(out_shard, in_full, group=self.group, async_op=a),
+                           then, (out_shard, in_full))
+
+    def all_reduce(self, tensor: torch.Tensor, label: str, then: Callable[[], None] | None = None) -> Pending:
+        """Sum `tensor` over ranks in place."""
+        return self._issue(f"all_reduce:{label}",
+                           lambda a: dist.all_reduce(tensor, group=self.group, async_op=a),
+                           then, (tensor,))
+
+    def all_reduce_now(self, tensor: torch.Tensor, label: str) -> torch.Tensor:
+        """Sum `tensor` over ranks in place on the current stream (for small scalars on the step path)."""
+        if self.world > 1:
+            self.calls += 1
+            with record_function(f"zerofit::all_reduce:{label}"):
+                dist.all_reduce(tensor, group=self.group)
+        return tensor
+
+
+def _finished() -> Pending:
+    p = Pending()
+    p.done = True
+    return p

@@ -1,0 +1,254 @@
+"""`ZeroEngine`: the training step of one rank, as a short list of phases.
+
+    engine = ZeroEngine(model, optimizer, zero=ZeroConfig(stage=2), precision=PrecisionConfig(...))
+    for batch in data:
+        loss = model(**batch).loss          # the model is changed in place, not wrapped
+        engine.backward(loss)               # scales, backpropagates, reduces as the stage says
+        if engine.at_boundary:              # every gradient_accumulation_steps micro-steps
+            engine.step()                   # unscale, clip, overflow check, optimizer step, publish
+
+Phases of `step()`: wait for reductions -> unscale and clip (global norm over all shards) -> skip on
+fp16 overflow (decided the same on every rank) -> optimizer step on the fp32 master shards -> copy
+the masters back into compute-dtype parameters and all-gather them where they are replicated.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zerofit.config.schema import PrecisionConfig, ZeroConfig
+from zerofit.engine.comm import Collectives, Pending
+from zerofit.engine.flat_group import FlatGroup
+from zerofit.engine.loss_scale import LossScaler
+from zerofit.engine.optim import local_grad_sumsq, param_group_index, rebind_optimizer, scale_grads
+from zerofit.engine.policy import StagePolicy
+from zerofit.engine.stage3 import Stage3Hooks
+from zerofit.engine.unit import Unit
+from zerofit.engine.units import plan_units
+from zerofit.errors import EngineError
+
+_DTYPES = {"no": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_ALIGN = 16  # shard sizes are a multiple of 16 elements: aligned collectives and kernels
+_MAX_INFLIGHT = 2  # reductions in flight before backward waits: bounds transient gradient memory
+
+
+def default_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+class ZeroEngine:
+    """Shards one model's training state over a process group, per the ZeRO stage in `zero`."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+                 zero: ZeroConfig | None = None, precision: PrecisionConfig | None = None,
+                 gradient_accumulation_steps: int = 1, gradient_clipping: float = 0.0,
+                 group: dist.ProcessGroup | None = None, device: torch.device | None = None):
+        self.model = model
+        self.optimizer = optimizer
+        self.zero = zero or ZeroConfig()
+        self.precision = precision or PrecisionConfig()
+        if gradient_accumulation_steps < 1:
+            raise EngineError(f"gradient_accumulation_steps must be >= 1 (got {gradient_accumulation_steps})")
+        self.gradient_accumulation_steps = gradient_accumulation_steps
+        self.gradient_clipping = float(gradient_clipping or 0.0)
+        self.device = device or default_device()
+        self.comm = Collectives(group, self.device)
+        self.compute_dtype = _DTYPES[self.precision.mixed_precision]
+        self.scaler = LossScaler(self.precision.loss_scale, enabled=self.precision.mixed_precision == "fp16")
+        self.policy = StagePolicy(stage=self.zero.stage, world=self.comm.world, rank=self.comm.rank,
+                                  persistence_threshold=int(self.zero.param_persistence_threshold))
+        self._move_buffers()
+        self.units = self._build_units()
+        self.groups = [g for u in self.units for g in u.groups]
+        self._trainable = [g for g in self.groups if g.trainable]
+        if optimizer is not None:
+            rebind_optimizer(optimizer, self._trainable, self.comm.rank)
+        self._inflight: deque[Pending] = deque()
+        self._micro_step = 0
+        self._sync = True
+        self._in_backward = False
+        self._grads_prepared: torch.Tensor | None = None
+        self._hooks = [p.register_post_accumulate_grad_hook(partial(self._on_grad, u, gi, i))
+                       for u in self.units for gi, g in enumerate(u.trainable) for i, p in enumerate(g.params)]
+        self.stage3 = Stage3Hooks(self.units[0], self.units, lambda: self._in_backward)
+        if any(u.sharded for u in self.units):
+            self.stage3.install()
+        if self.compute_dtype != torch.float32:
+            self._hooks.append(model.register_forward_pre_hook(self._cast_inputs, with_kwargs=True))
+
+    # --- construction ---------------------------------------------------------------------------
+    def _move_buffers(self) -> None:
+        for module in self.model.modules():
+            for name, buf in list(module.named_buffers(recurse=False)):
+                if buf is not None and buf.device != self.device:
+                    setattr(module, name, buf.to(self.device))
+
+    def _build_units(self) -> list[Unit]:
+        group_of = param_group_index(self.optimizer)
+        model_params = {id(p) for p in self.model.parameters()}
+        missing = [i for i in group_of if i not in model_params]
+        if missing:
+            raise EngineError(f"the optimizer holds {len(missing)} tensor(s) that are not parameters of the "
+                              "model: build the optimizer from model.parameters()")
+        units = []
+        for spec in plan_units(self.model, size_threshold=self.zero.unit_size_threshold):
+            train = [(n, p) for n, p in spec.params if p.requires_grad and id(p) in group_of]
+            frozen = [(n, p) for n, p in spec.params if not (p.requires_grad and id(p) in group_of)]
+            if self.optimizer is not None:
+                lost = [n for n, p in frozen if p.requires_grad]
+                if lost:
+                    raise EngineError(f"parameters {lost[:3]} require grad but are not in the optimizer: "
+                                      "add them to the optimizer or set requires_grad=False")
+            train.sort(key=lambda item: group_of[id(item[1])])  # stable: module order inside a group
+            groups = []
+            for members, trainable in ((train, True), (frozen, False)):
+                if not members:
+                    continue
+                placement = self.policy.placement(trainable=trainable, unit_numel=spec.numel)
+                groups.append(FlatGroup(
+                    spec.name, [n for n, _ in members], [p for _, p in members],
+                    [group_of[id(p)] if trainable else 0 for _, p in members], trainable=trainable,
+                    placement=placement, compute_dtype=self.compute_dtype, device=self.device, align=_ALIGN))
+            units.append(Unit(spec.name, spec.module, groups, self.comm))
+        return units
+
+    def _cast_inputs(self, _module, args, kwargs):
+        def cast(x):
+            if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != self.compute_dtype:
+                return x.to(self.compute_dtype)
+            return x
+        return tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()}
+
+    # --- backward -------------------------------------------------------------------------------
+    @property
+    def at_boundary(self) -> bool:
+        """True when the last backward completed an accumulation window (time to `step()`)."""
+        return self._micro_step == 0
+
+    def backward(self, loss: torch.Tensor, *, sync: bool | None = None) -> None:
+        """Backpropagate `loss / gradient_accumulation_steps` (times the fp16 loss scale).
+
+        `sync` says whether this micro-step closes an accumulation window; by default the engine
+        counts micro-steps itself.
+        """
+        if sync is None:
+            sync = self._micro_step + 1 >= self.gradient_accumulation_steps
+        self._sync = sync
+        for unit in self.units:
+            unit.begin_backward()
+        self._in_backward = True
+        try:
+            (loss * (self.scaler.scale / self.gradient_accumulation_steps)).backward()
+        finally:
+            self._in_backward = False
+        for unit in self.units:  # units backward did not finish (unused or frozen parameters)
+            needs_sync_reduce = sync and not self.policy.reduces_every_micro_step and unit.trainable
+            if not unit.reduced and (unit.has_new_grads() or needs_sync_reduce):
+                self._launch(unit.reduce(sync=sync))
+            unit.release()
+        self._micro_step = 0 if sync else self._micro_step + 1
+
+    def _on_grad(self, unit: Unit, group: int, index: int, param: nn.Parameter) -> None:
+        grad, param.grad = param.grad, None
+        if unit.on_grad(group, index, grad):
+            self._launch(unit.reduce(sync=self._sync))
+            if unit is not self.units[0]:
+                unit.release()
+
+    def _launch(self, pendings: list[Pending]) -> None:
+        self._inflight.extend(pendings)
+        while len(self._inflight) > _MAX_INFLIGHT:
+            self._inflight.popleft().wait()
+
+    def _drain(self) -> None:
+        while self._inflight:
+            self._inflight.popleft().wait()
+
+    # --- step -----------------------------------------------------------------------------------
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Unscale, then clip the global gradient norm to `max_norm`; returns the norm before clipping."""
+        self._drain()
+        self._grads_prepared = self._unscale_and_clip(float(max_norm), need_norm=True)
+        return self._grads_prepared
+
+    def _unscale_and_clip(self, max_norm: float, *, need_norm: bool) -> torch.Tensor | None:
+        inv_scale = 1.0 / self.scaler.scale
+        norm = None
+        if need_norm or max_norm > 0 or self.scaler.enabled:
+            sumsq = local_grad_sumsq(self._trainable).to(self.device)
+            if any(g.placement.shard_world > 1 for g in self._trainable):
+                self.comm.all_reduce_now(sumsq, "grad_norm")
+            norm = sumsq.sqrt() * inv_scale
+        factor: torch.Tensor | float = inv_scale
+        if max_norm > 0:
+            factor = torch.clamp(max_norm / (norm + 1e-6), max=1.0) * inv_scale
+        if isinstance(factor, torch.Tensor) or factor != 1.0:
+            scale_grads(self._trainable, factor)
+        return norm
+
+    def step(self) -> bool:
+        """Apply the accumulated gradients; returns False when an fp16 overflow skipped the step."""
+        self._drain()
+        norm = self._grads_prepared
+        if norm is None:
+            norm = self._unscale_and_clip(self.gradient_clipping, need_norm=False)
+        self._grads_prepared = None
+        self.last_grad_norm = norm
+        if self.scaler.enabled:
+            # Host sync on purpose: every rank must agree to skip. The norm was all-reduced, so an
+            # overflow on any one rank is an overflow everywhere.
+            overflow = not bool(torch.isfinite(norm))
+            self.scaler.update(overflow)
+            if overflow:
+                self.zero_grad()
+                return False
+        if self.optimizer is not None:
+            self.optimizer.step()
+        self._publish()
+        self.zero_grad()
+        return True
+
+    def _publish(self) -> None:
+        gathers = []
+        for g in self._trainable:
+            g.publish_master()
+            if g.placement.shard_world > 1 and not g.placement.shard_params:
+                lo, hi = g.layout.shard_range(g.placement.rank)
+                gathers.append(self.comm.all_gather(g.param_flat, g.param_flat[lo:hi], f"publish:{g.unit_name}"))
+        for p in gathers:
+            p.wait()
+
+    def zero_grad(self) -> None:
+        self._drain()
+        for g in self._trainable:
+            g.zero_grads()
+        self._micro_step = 0
+
+    # --- inspection (tests, checkpoints) --------------------------------------------------------
+    def named_full_tensors(self, what: str) -> dict[str, torch.Tensor]:
+        """Reassembled full fp32 `master` weights or reduced `grad`s (or compute-dtype `param`s), by name.
+
+        Collective: every rank must call it. Meant for tests and consolidation, not the hot path.
+        """
+        self._drain()
+        out: dict[str, torch.Tensor] = {}
+        for g in self.groups:
+            if what != "param" and not g.trainable:
+                continue
+            local = {"master": g.master, "grad": g.grad_shard, "param": g.param_shard}[what]
+            full = torch.empty(g.layout.padded_numel, dtype=local.dtype, device=local.device)
+            if g.placement.shard_world > 1:
+                self.comm.all_gather(full, local.contiguous(), "inspect").wait()
+            else:
+                full.copy_(local)
+            for name, off, n, shape in zip(g.names, g.layout.offsets, g.layout.numels, g.shapes):
+                out[name] = full[off:off + n].view(shape).clone()
+        return out

@@ -1,0 +1,138 @@
+"""One flat buffer of a unit and the state that goes with it: parameters, master, gradients.
+
+A unit has up to two flat groups: its trainable parameters (with fp32 master shard and gradient
+buffers) and its frozen parameters (compute-dtype parameters only: frozen weights never cost gradient
+or optimizer memory). The model's parameters become views into `param_flat`.
+
+[Note: aliasing]
+Buffers alias each other whenever the math allows, so one rank and stage 0 cost nothing extra:
+- `param_shard` is a view of `param_flat` unless parameters are sharded (stage 3);
+- `master` (fp32) is `param_shard` itself when compute runs in fp32;
+- `grad_flat` (where backward accumulates full gradients) is `grad_shard` when the optimizer is not
+  sharded (stage 0, or one rank), so reduction is in place or nothing at all.
+
+[Note: released parameters]
+Under stage 3 a released group keeps its `param_flat` tensor and the parameter views into it, but its
+storage is resized to zero bytes. Gathering resizes it back and all-gathers into it, so every view -
+including tensors autograd saved during forward - sees the gathered values again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from zerofit.engine.layout import FlatLayout, plan_layout
+
+
+@dataclass(frozen=True)
+class GroupPlacement:
+    """How one flat group is held, decided by the stage policy."""
+
+    shard_world: int
+    """Ranks the optimizer state and gradient shards are split over (1: not split)."""
+    rank: int
+    shard_params: bool
+    """Parameters exist only as shards between uses (stage 3, above the persistence threshold)."""
+    keep_full_grads: bool
+    """Full gradients persist across micro-steps (stages 0-1); else reduced every micro-step."""
+
+
+class FlatGroup:
+    """Parameters of one unit with one requires_grad value, flattened into padded equal shards."""
+
+    def __init__(self, unit_name: str, names: list[str], params: list[nn.Parameter], groups: list[int],
+                 *, trainable: bool, placement: GroupPlacement, compute_dtype: torch.dtype,
+                 device: torch.device, align: int):
+        self.unit_name = unit_name
+        self.names = names
+        self.params = params
+        self.shapes = [p.shape for p in params]
+        self.trainable = trainable
+        self.placement = placement
+        self.compute_dtype = compute_dtype
+        self.layout: FlatLayout = plan_layout([p.numel() for p in params], placement.shard_world,
+                                              groups=groups, align=align)
+        lo, hi = self.layout.shard_range(placement.rank)
+        flat = torch.zeros(self.layout.padded_numel, dtype=compute_dtype, device=device)
+        master_src = None
+        with torch.no_grad():
+            for p, off in zip(params, self.layout.offsets):
+                flat[off:off + p.numel()].copy_(p.detach().reshape(-1))
+            if trainable and compute_dtype != torch.float32:
+                master_src = self._gather_fp32_shard(params, lo, hi, device)
+        self.param_flat = flat
+        self._full_bytes = flat.untyped_storage().nbytes()
+        self.param_shard = flat[lo:hi].clone() if placement.shard_params else flat[lo:hi]
+        self.master: torch.Tensor | None = None
+        self.grad_shard: torch.Tensor | None = None
+        self.grad_flat: torch.Tensor | None = None
+        if trainable:
+            self.master = master_src if master_src is not None else self.param_shard
+            self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=torch.float32, device=device)
+            if placement.shard_world == 1:
+                self.grad_flat = self.grad_shard
+            elif placement.keep_full_grads:
+                self.grad_flat = torch.zeros(self.layout.padded_numel, dtype=torch.float32, device=device)
+        for p, off, shape in zip(params, self.layout.offsets, self.shapes):
+            p.data = flat[off:off + p.numel()].view(shape)
+        self.gathered = True
+        if placement.shard_params:
+            self.release()
+
+    def _gather_fp32_shard(self, params, lo: int, hi: int, device: torch.device) -> torch.Tensor:
+        """The fp32 values of this rank's shard, read from the original (full precision) parameters."""
+        out = torch.zeros(hi - lo, dtype=torch.float32, device=device)
+        for o in self.layout.overlaps(self.placement.rank):
+            src = params[o.index].detach().reshape(-1)[o.param_start:o.param_start + o.length]
+            out[o.shard_offset:o.shard_offset + o.length].copy_(src)
+        return out
+
+    @property
+    def numel(self) -> int:
+        return self.layout.numel
+
+    # --- parameters -------------------------------------------------------------------------
+    def alloc_full(self) -> None:
+        """Give `param_flat` its storage back (contents undefined until gathered)."""
+        storage = self.param_flat.untyped_storage()
+        if storage.nbytes() != self._full_bytes:
+            storage.resize_(self._full_bytes)
+
+    def release(self) -> None:
+        """Free the gathered parameters (stage 3); their views stay valid for the next gather."""
+        if self.placement.shard_params and self.gathered:
+            self.param_flat.untyped_storage().resize_(0)
+            self.gathered = False
+
+    def publish_master(self) -> None:
+        """Copy the updated fp32 master into this rank's compute-dtype shard."""
+        if self.master is not None and self.master is not self.param_shard:
+            self.param_shard.copy_(self.master)
+
+    # --- gradients --------------------------------------------------------------------------
+    def accumulate(self, index: int, grad: torch.Tensor) -> None:
+        """Add one parameter's gradient into the full gradient buffer (allocated on first use)."""
+        if self.grad_flat is None:
+            self.grad_flat = torch.zeros(self.layout.padded_numel, dtype=torch.float32,
+                                         device=self.param_flat.device)
+        off = self.layout.offsets[index]
+        self.grad_flat[off:off + grad.numel()].view_as(grad).add_(grad)
+
+    def drop_grad_flat(self) -> None:
+        """Forget the transient full gradient buffer (stages 2-3 after its reduce-scatter)."""
+        if self.grad_flat is not self.grad_shard and not self.placement.keep_full_grads:
+            self.grad_flat = None
+
+    def zero_grads(self) -> None:
+        if self.grad_shard is not None:
+            self.grad_shard.zero_()
+        if self.grad_flat is not None and self.grad_flat is not self.grad_shard:
+            self.grad_flat.zero_()
+
+    def full_param(self, index: int) -> torch.Tensor:
+        """The parameter's values as a view (valid while gathered)."""
+        off, n = self.layout.offsets[index], self.layout.numels[index]
+        return self.param_flat[off:off + n].view(self.shapes[index])

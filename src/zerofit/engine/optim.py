@@ -1,0 +1,72 @@
+"""The optimizer step on shards: rebinding the user's optimizer, gradient norm, clipping.
+
+[Note: one optimizer object]
+The script's optimizer object stays the one that steps: its param groups keep every setting (lr,
+betas, weight decay, ...) but their `params` are replaced by this rank's fp32 master pieces, one per
+(flat group, param group) intersection (see `zerofit.engine.layout`). LR schedulers built on that
+optimizer before `prepare()` therefore keep working, and any torch optimizer whose update is
+elementwise (Adam, AdamW, SGD with momentum, ...) computes exactly what it would on the whole model.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from zerofit.engine.flat_group import FlatGroup
+from zerofit.errors import EngineError
+
+_FUSED_CAPABLE = ("Adam", "AdamW", "SGD", "Adagrad")
+
+
+def param_group_index(optimizer: torch.optim.Optimizer | None) -> dict[int, int]:
+    """id(parameter) -> index of its param group in `optimizer`."""
+    index: dict[int, int] = {}
+    if optimizer is None:
+        return index
+    for g, group in enumerate(optimizer.param_groups):
+        for p in group["params"]:
+            if id(p) in index:
+                raise EngineError(f"a parameter of shape {tuple(p.shape)} is in two optimizer param groups "
+                                  f"({index[id(p)]} and {g}): put each parameter in one group")
+            index[id(p)] = g
+    return index
+
+
+def rebind_optimizer(optimizer: torch.optim.Optimizer, groups: list[FlatGroup], rank: int) -> None:
+    """Point `optimizer` at this rank's master pieces and give every piece its gradient view."""
+    pieces: list[list[torch.Tensor]] = [[] for _ in optimizer.param_groups]
+    for fg in groups:
+        if not fg.trainable:
+            continue
+        for piece in fg.layout.pieces(fg.placement.rank):
+            sl = slice(piece.shard_offset, piece.shard_offset + piece.length)
+            master = fg.master[sl]
+            master.grad = fg.grad_shard[sl]
+            pieces[piece.group].append(master)
+    use_fused = type(optimizer).__name__ in _FUSED_CAPABLE
+    for group, tensors in zip(optimizer.param_groups, pieces):
+        group["params"] = tensors
+        # Fused kernels step many big flat tensors fastest, on CPU as on GPU (unless the script chose).
+        if use_fused and group.get("fused") is None and not group.get("foreach") \
+                and not group.get("differentiable") and "fused" in optimizer.defaults:
+            group["fused"] = True
+            if "foreach" in group:
+                group["foreach"] = False
+    optimizer.state = defaultdict(dict)
+
+
+def local_grad_sumsq(groups: list[FlatGroup]) -> torch.Tensor:
+    """Sum of squared gradient elements of this rank's shards (fp32, on device)."""
+    shards = [fg.grad_shard for fg in groups if fg.grad_shard is not None]
+    if not shards:
+        return torch.zeros((), dtype=torch.float32)
+    norms = torch._foreach_norm(shards, 2.0)
+    return torch.stack(norms).square().sum()
+
+
+def scale_grads(groups: list[FlatGroup], factor: torch.Tensor | float) -> None:
+    shards = [fg.grad_shard for fg in groups if fg.grad_shard is not None]
+    if shards:
+        torch._foreach_mul_(shards, factor)

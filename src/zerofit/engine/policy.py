@@ -1,0 +1,50 @@
+"""ZeRO stages as policies: what is sharded, and when gradients are reduced.
+
+The engine never asks "which stage is this?"; it asks the policy. Stage 0 is the DDP baseline: full
+replicas, gradients all-reduced once per optimizer step. Each higher stage shards one more thing:
+
+| stage | optimizer state + master | gradients                          | parameters           |
+|-------|--------------------------|------------------------------------|----------------------|
+| 0     | replicated               | all-reduced at the step            | replicated           |
+| 1     | sharded                  | reduce-scattered at the step       | replicated           |
+| 2     | sharded                  | reduce-scattered every micro-step  | replicated           |
+| 3     | sharded                  | reduce-scattered every micro-step  | sharded between uses |
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from zerofit.engine.flat_group import GroupPlacement
+
+
+@dataclass(frozen=True)
+class StagePolicy:
+    stage: int
+    world: int
+    rank: int
+    persistence_threshold: int
+
+    def __post_init__(self) -> None:
+        if self.stage not in (0, 1, 2, 3):
+            raise ValueError(f"zero_optimization.stage must be 0, 1, 2 or 3 (got {self.stage})")
+
+    @property
+    def shards_optimizer(self) -> bool:
+        return self.stage >= 1 and self.world > 1
+
+    @property
+    def reduces_every_micro_step(self) -> bool:
+        """Only the gradient shard is kept, so each micro-step's gradients are reduced as they appear."""
+        return self.stage >= 2 and self.world > 1
+
+    def shards_params_of(self, unit_numel: int) -> bool:
+        """Stage 3 shards a unit's parameters unless it is small enough to stay whole."""
+        return self.stage == 3 and self.world > 1 and unit_numel >= self.persistence_threshold
+
+    def placement(self, *, trainable: bool, unit_numel: int) -> GroupPlacement:
+        shard_params = self.shards_params_of(unit_numel)
+        shard_world = self.world if (shard_params or (trainable and self.shards_optimizer)) else 1
+        return GroupPlacement(shard_world=shard_world, rank=self.rank if shard_world > 1 else 0,
+                              shard_params=shard_params,
+                              keep_full_grads=trainable and not self.reduces_every_micro_step)

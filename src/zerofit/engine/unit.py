@@ -1,0 +1,112 @@
+"""A communication unit at run time and its three verbs: gather, release, reduce.
+
+The stage policy decides what each verb does (see `zerofit.engine.policy`); the unit only knows its
+flat groups and how to move them through `Collectives`.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+from torch import nn
+
+from zerofit.engine.comm import Collectives, Pending
+from zerofit.engine.flat_group import FlatGroup
+
+
+class ParamState(enum.Enum):
+    RELEASED = "released"
+    GATHERING = "gathering"
+    GATHERED = "gathered"
+
+
+class Unit:
+    """A module whose parameters travel together, held as one or two flat groups."""
+
+    def __init__(self, name: str, module: nn.Module, groups: list[FlatGroup], comm: Collectives):
+        self.name = name or "<root>"
+        self.module = module
+        self.groups = groups
+        self.trainable = [g for g in groups if g.trainable]
+        self.comm = comm
+        self.sharded = any(g.placement.shard_params for g in groups)
+        self.state = ParamState.RELEASED if self.sharded else ParamState.GATHERED
+        self._gathers: list[Pending] = []
+        self.reported: list[set[int]] = [set() for _ in self.trainable]
+        self.reduced = False
+        """Gradients of this backward have been handed to a reduction."""
+
+    @property
+    def numel(self) -> int:
+        return sum(g.numel for g in self.groups)
+
+    # --- gather / release (stage 3) -------------------------------------------------------------
+    def gather(self) -> None:
+        """Start gathering the full parameters (returns at once; `wait_gathered` before use)."""
+        if self.state is not ParamState.RELEASED:
+            return
+        for g in self.groups:
+            if g.placement.shard_params:
+                g.alloc_full()
+                self._gathers.append(self.comm.all_gather(g.param_flat, g.param_shard, self.name))
+                g.gathered = True
+        self.state = ParamState.GATHERING
+
+    def wait_gathered(self) -> None:
+        if self.state is ParamState.RELEASED:
+            self.gather()
+        if self.state is ParamState.GATHERING:
+            for p in self._gathers:
+                p.wait()
+            self._gathers.clear()
+            self.state = ParamState.GATHERED
+
+    def release(self) -> None:
+        if not self.sharded or self.state is ParamState.RELEASED:
+            return
+        self.wait_gathered()  # never free memory a gather is still writing into
+        for g in self.groups:
+            g.release()
+        self.state = ParamState.RELEASED
+
+    # --- gradients ------------------------------------------------------------------------------
+    def begin_backward(self) -> None:
+        for s in self.reported:
+            s.clear()
+        self.reduced = False
+
+    def on_grad(self, group: int, index: int, grad: torch.Tensor) -> bool:
+        """Take one parameter's gradient; True once every trainable parameter has reported."""
+        self.trainable[group].accumulate(index, grad)
+        self.reported[group].add(index)
+        return all(len(s) == len(g.params) for s, g in zip(self.reported, self.trainable))
+
+    def has_new_grads(self) -> bool:
+        return any(self.reported)
+
+    def reduce(self, *, sync: bool) -> list[Pending]:
+        """Hand this unit's gradients to the reduction the policy wants now (maybe none)."""
+        self.reduced = True
+        out: list[Pending] = []
+        world = self.comm.world
+        for g in self.trainable:
+            pl = g.placement
+            if world == 1:
+                continue  # grad_flat is grad_shard: backward already accumulated in place
+            if pl.shard_world == 1:
+                if sync:  # stage 0: replicas agree on the mean gradient once per optimizer step
+                    shard = g.grad_shard
+                    out.append(self.comm.all_reduce(shard, self.name, then=lambda s=shard: s.div_(world)))
+            elif pl.keep_full_grads:
+                if sync:  # stage 1: one reduce-scatter per optimizer step
+                    shard = g.grad_shard
+                    out.append(self.comm.reduce_scatter(shard, g.grad_flat, self.name,
+                                                        then=lambda s=shard: s.div_(world)))
+            elif g.grad_flat is not None:  # stages 2-3: keep only the shard, every micro-step
+                full, shard = g.grad_flat, g.grad_shard
+                part = torch.empty_like(shard)
+                g.drop_grad_flat()
+                out.append(self.comm.reduce_scatter(part, full, self.name,
+                                                    then=lambda s=shard, p=part: s.add_(p.div_(world))))
+        return out

@@ -1,0 +1,130 @@
+"""Models, data and the unsharded reference shared by the engine tests (imported by spawned ranks)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from zerofit.config.schema import LossScaleConfig, PrecisionConfig, ZeroConfig
+from zerofit.engine import ZeroEngine
+
+VOCAB, DIM, SEQ = 37, 13, 5  # prime sizes: nothing divides evenly by the world size
+
+
+class Block(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.l1 = nn.Linear(d, 2 * d + 1)
+        self.l2 = nn.Linear(2 * d + 1, d)
+        self.norm = nn.LayerNorm(d)
+
+    def forward(self, x):
+        return x + self.l2(torch.tanh(self.l1(self.norm(x))))
+
+
+class TinyLM(nn.Module):
+    """Embedding tied to the head, repeated blocks, a frozen part when asked."""
+
+    def __init__(self, n_blocks: int = 3, freeze: bool = False):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList(Block(DIM) for _ in range(n_blocks))
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        self.head.weight = self.emb.weight
+        if freeze:  # a frozen block, and a frozen parameter inside a trainable block
+            self.blocks[0].requires_grad_(False)
+            self.blocks[1].l1.bias.requires_grad_(False)
+
+    def forward(self, x):
+        h = self.emb(x)
+        for b in self.blocks:
+            h = b(h)
+        return self.head(h)
+
+
+@dataclass(frozen=True)
+class Case:
+    stage: int = 0
+    gas: int = 1
+    precision: str = "no"
+    optim: str = "adamw"
+    clip: float = 0.0
+    freeze: bool = False
+    steps: int = 10
+    batch: int = 8  # global batch per optimizer step
+    persistence: int = 0
+    overflow_at: int = -1  # inject inf into rank 1's loss at this step
+
+
+def batches(case: Case):
+    g = torch.Generator().manual_seed(1234)
+    return [(torch.randint(0, VOCAB, (case.batch, SEQ), generator=g),
+             torch.randint(0, VOCAB, (case.batch, SEQ), generator=g)) for _ in range(case.steps)]
+
+
+def loss_fn(logits, y):
+    return nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def make_model_and_optim(case: Case):
+    torch.manual_seed(0)
+    model = TinyLM(freeze=case.freeze)
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.ndim > 1]
+    no_decay = [p for p in params if p.ndim <= 1]
+    groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+    if case.optim == "adamw":
+        opt = torch.optim.AdamW(groups, lr=1e-2, fused=True)
+    else:
+        opt = torch.optim.SGD(groups, lr=0.1, momentum=0.9, fused=True)
+    return model, opt
+
+
+def reference(case: Case):
+    """One process, whole model, whole global batch: losses, grads before each step, final params."""
+    model, opt = make_model_and_optim(case)
+    losses, grads = [], []
+    for x, y in batches(case):
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        losses.append(loss.item())
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+        if case.clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), case.clip)
+        opt.step()
+        opt.zero_grad()
+    return losses, grads, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def run_engine(rank: int, world: int, case: Case, record_grads: bool = True):
+    """The same training on `world` ranks through ZeroEngine; returns what `reference` returns, + stats."""
+    model, opt = make_model_and_optim(case)
+    precision = PrecisionConfig(mixed_precision=case.precision,
+                                loss_scale=LossScaleConfig(initial_scale_power=8, hysteresis=1))
+    engine = ZeroEngine(model, opt, zero=ZeroConfig(stage=case.stage, param_persistence_threshold=case.persistence),
+                        precision=precision, gradient_accumulation_steps=case.gas,
+                        gradient_clipping=case.clip, device=torch.device("cpu"))
+    micro = case.batch // (world * case.gas)
+    losses, grads, skipped, micro_comm = [], [], [], []
+    for step, (x, y) in enumerate(batches(case)):
+        total = torch.zeros(())
+        for k in range(case.gas):
+            start = (k * world + rank) * micro  # micro-batch k of every rank, back to back
+            loss = loss_fn(model(x[start:start + micro]), y[start:start + micro])
+            total += loss.detach() / case.gas
+            if step == case.overflow_at and rank == 1:
+                loss = loss * float("inf")
+            before = engine.comm.calls
+            engine.backward(loss)
+            if k < case.gas - 1:
+                micro_comm.append(engine.comm.calls - before)
+        torch.distributed.all_reduce(total)
+        losses.append(total.item() / world)
+        if record_grads and case.precision == "no":
+            grads.append(engine.named_full_tensors("grad"))
+        skipped.append(not engine.step())
+    params = engine.named_full_tensors("master")
+    return {"losses": losses, "grads": grads, "params": params, "skipped": skipped,
+            "micro_comm": micro_comm, "scale": engine.scaler.scale}
