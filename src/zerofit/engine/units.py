@@ -80,33 +80,25 @@ def _find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def _carve_large(model: nn.Module, block_ids: set[int], threshold: int) -> list[tuple[str, nn.Module]]:
-    """Modules outside the blocks holding at least `threshold` parameters and containing no block."""
-    contains_block: dict[int, bool] = {}
-    loose_numel: dict[int, int] = {}
+    """Smallest modules outside the blocks whose not-yet-claimed parameters reach `threshold`.
 
-    def measure(module: nn.Module) -> None:
-        if id(module) in block_ids:
-            contains_block[id(module)], loose_numel[id(module)] = True, 0
-            return
-        has, total = False, sum(p.numel() for p in module.parameters(recurse=False))
-        for child in module.children():
-            measure(child)
-            has = has or contains_block[id(child)]
-            total += loose_numel[id(child)]
-        contains_block[id(module)], loose_numel[id(module)] = has, total
-
-    measure(model)
+    Bottom-up: a child that reaches the threshold claims its parameters first, so a parent is carved
+    only for what its children left. Modules that contain a block are never carved (units don't nest).
+    """
     carved: list[tuple[str, nn.Module]] = []
 
-    def visit(prefix: str, module: nn.Module) -> None:
+    def visit(path: str, module: nn.Module) -> tuple[int, bool]:
+        """(unclaimed parameter count of the subtree, whether it contains a block)."""
+        if id(module) in block_ids:
+            return 0, True
+        left, has_block = sum(p.numel() for p in module.parameters(recurse=False)), False
         for name, child in module.named_children():
-            if id(child) in block_ids:
-                continue
-            path = f"{prefix}{name}"
-            if not contains_block[id(child)] and loose_numel[id(child)] >= threshold:
-                carved.append((path, child))
-            else:
-                visit(f"{path}.", child)
+            n, b = visit(f"{path}.{name}" if path else name, child)
+            left, has_block = left + n, has_block or b
+        if module is not model and not has_block and left >= threshold:
+            carved.append((path, module))
+            return 0, False
+        return left, has_block
 
     visit("", model)
     return carved

@@ -1,0 +1,139 @@
+"""Step time of zerofit's stages against plain PyTorch on the GPT-2 XL workload of shared/ANCHORS.md.
+
+    python bench/engine_step.py                    # every method, one process each, table on stdout
+    python bench/engine_step.py --methods torch zerofit-s2 --steps 8 --out results/
+
+Workload: GPT-2 XL architecture (random init), batch 16 x 128 tokens, bf16 compute, AdamW, gradient
+clipping 1.0, one GPU. Each method runs in its own process (clean memory peaks); the step time is the
+median over `--steps` steps after two warm-up steps. Results: a markdown table (ratios to plain
+PyTorch) and a JSON record with versions and hardware.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+METHODS = ["torch", "zerofit-s0", "zerofit-s1", "zerofit-s2", "zerofit-s3"]
+
+
+def build_model(args):
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_embd=args.n_embd, n_layer=args.n_layer, n_head=args.n_head, vocab_size=50257,
+                        n_positions=1024, use_cache=False)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        return GPT2LMHeadModel(config)
+
+
+def run_one(method: str, args) -> dict:
+    import torch
+
+    model = build_model(args)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=True)
+    ids = torch.randint(0, 50257, (args.batch, args.seq), device="cuda")
+    if method == "torch":
+        def step():
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss
+    else:
+        from zerofit.config.schema import PrecisionConfig, ZeroConfig
+        from zerofit.engine import ZeroEngine
+
+        engine = ZeroEngine(model, opt, zero=ZeroConfig(stage=int(method[-1])),
+                            precision=PrecisionConfig(mixed_precision="bf16"), gradient_clipping=1.0)
+
+        def step():
+            loss = model(input_ids=ids, labels=ids).loss
+            engine.backward(loss)
+            engine.step()
+            return loss
+
+    times, losses = [], []
+    torch.cuda.reset_peak_memory_stats()
+    for i in range(args.steps + 2):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss = step()
+        torch.cuda.synchronize()
+        if i >= 2:
+            times.append(time.perf_counter() - t0)
+        losses.append(float(loss))
+    s = statistics.median(times)
+    return {"method": method, "s_per_step": s, "tokens_per_s": args.batch * args.seq / s,
+            "gpu_peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+            "host_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+            "losses": losses, "times": times}
+
+
+def environment() -> dict:
+    import torch
+    import transformers
+
+    return {"python": platform.python_version(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "cuda": torch.version.cuda,
+            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+            "cpus": os.cpu_count()}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--n_embd", type=int, default=1600)
+    p.add_argument("--n_layer", type=int, default=48)
+    p.add_argument("--n_head", type=int, default=25)
+    p.add_argument("--out", default=None, help="directory for results.json and table.md")
+    p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: run one method, print JSON
+    args = p.parse_args()
+    if args.one:
+        print("RESULT " + json.dumps(run_one(args.one, args)), flush=True)
+        return
+    rows = []
+    passthrough = [a for a in sys.argv[1:] if not a.startswith("--methods")]
+    for m in args.methods:
+        cmd = [sys.executable, __file__, "--one", m] + [a for a in passthrough if a not in args.methods]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+        if line is None:
+            rows.append({"method": m, "error": (proc.stderr or proc.stdout)[-3000:]})
+            print(f"{m}: FAILED\n{rows[-1]['error']}", file=sys.stderr)
+            continue
+        rows.append(json.loads(line[7:]))
+    base = next((r for r in rows if r["method"] == "torch" and "error" not in r), None)
+    table = ["| method | s / step | tokens / s | vs plain PyTorch | GPU peak GiB | host RSS GiB |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            table.append(f"| {r['method']} | failed | | | | |")
+            continue
+        ratio = f"{base['s_per_step'] / r['s_per_step']:.3f}x" if base else "-"
+        table.append(f"| {r['method']} | {r['s_per_step']:.3f} | {r['tokens_per_s']:,.0f} | {ratio} | "
+                     f"{r['gpu_peak_gib']:.1f} | {r['host_rss_gib']:.1f} |")
+    print("\n".join(table))
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "results.json"), "w") as f:
+            json.dump({"workload": vars(args), "environment": environment(), "rows": rows}, f, indent=1)
+        with open(os.path.join(args.out, "table.md"), "w") as f:
+            f.write("\n".join(table) + "\n")
+
+
+if __name__ == "__main__":
+    main()
