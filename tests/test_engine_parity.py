@@ -9,7 +9,6 @@ bf16/fp16 compute is compared with the reference loss to 3e-2 and between stages
 from __future__ import annotations
 
 import pytest
-import torch
 from engine_cases import Case, reference, run_engine
 
 from zerofit.testing.distributed import run_distributed

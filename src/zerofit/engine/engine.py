@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 from collections import deque
+from collections.abc import Callable
 from functools import partial
 
 import torch
@@ -26,6 +27,7 @@ from zerofit.config.schema import PrecisionConfig, ZeroConfig
 from zerofit.engine.comm import Collectives, Pending
 from zerofit.engine.flat_group import FlatGroup
 from zerofit.engine.loss_scale import LossScaler
+from zerofit.engine.materialize import Materializer, has_meta_tensors
 from zerofit.engine.optim import local_grad_sumsq, param_group_index, rebind_optimizer, scale_grads
 from zerofit.engine.policy import StagePolicy
 from zerofit.engine.stage3 import Stage3Hooks
@@ -50,7 +52,10 @@ class ZeroEngine:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
                  zero: ZeroConfig | None = None, precision: PrecisionConfig | None = None,
                  gradient_accumulation_steps: int = 1, gradient_clipping: float = 0.0,
-                 group: dist.ProcessGroup | None = None, device: torch.device | None = None):
+                 group: dist.ProcessGroup | None = None, device: torch.device | None = None,
+                 init_fn: Callable[[nn.Module], None] | None = None):
+        """`init_fn(module)` initialises a module of a model built on the meta device (default: the
+        model's Hugging Face `_init_weights`, else `reset_parameters()`); see `zerofit.engine.materialize`."""
         self.model = model
         self.optimizer = optimizer
         self.zero = zero or ZeroConfig()
@@ -66,7 +71,7 @@ class ZeroEngine:
         self.policy = StagePolicy(stage=self.zero.stage, world=self.comm.world, rank=self.comm.rank,
                                   persistence_threshold=int(self.zero.param_persistence_threshold))
         self._move_buffers()
-        self.units = self._build_units()
+        self.units = self._build_units(init_fn)
         self.groups = [g for u in self.units for g in u.groups]
         self._trainable = [g for g in self.groups if g.trainable]
         if optimizer is not None:
@@ -88,11 +93,12 @@ class ZeroEngine:
     def _move_buffers(self) -> None:
         for module in self.model.modules():
             for name, buf in list(module.named_buffers(recurse=False)):
-                if buf is not None and buf.device != self.device:
+                if buf is not None and not buf.is_meta and buf.device != self.device:
                     setattr(module, name, buf.to(self.device))
 
-    def _build_units(self) -> list[Unit]:
+    def _build_units(self, init_fn) -> list[Unit]:
         group_of = param_group_index(self.optimizer)
+        meta = Materializer(self.model, self.device, init_fn) if has_meta_tensors(self.model) else None
         model_params = {id(p) for p in self.model.parameters()}
         missing = [i for i in group_of if i not in model_params]
         if missing:
@@ -100,6 +106,12 @@ class ZeroEngine:
                               "model: build the optimizer from model.parameters()")
         units = []
         for spec in plan_units(self.model, size_threshold=self.zero.unit_size_threshold):
+            if meta is not None:  # one unit at a time: never the whole model at once
+                real = meta.materialize([p for _, p in spec.params])
+                for (_, old), new in zip(spec.params, real):
+                    if id(old) in group_of:
+                        group_of[id(new)] = group_of[id(old)]
+                spec.params = [(n, new) for (n, _), new in zip(spec.params, real)]
             train = [(n, p) for n, p in spec.params if p.requires_grad and id(p) in group_of]
             frozen = [(n, p) for n, p in spec.params if not (p.requires_grad and id(p) in group_of)]
             if self.optimizer is not None:
@@ -118,6 +130,8 @@ class ZeroEngine:
                     [group_of[id(p)] if trainable else 0 for _, p in members], trainable=trainable,
                     placement=placement, compute_dtype=self.compute_dtype, device=self.device, align=_ALIGN))
             units.append(Unit(spec.name, spec.module, groups, self.comm))
+        if meta is not None:
+            meta.finish()
         return units
 
     def _cast_inputs(self, _module, args, kwargs):
