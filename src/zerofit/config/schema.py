@@ -62,10 +62,32 @@ class OffloadConfig:
     """Elements of parameters kept in host memory when parameters go to NVMe."""
     ratio: float = 1.0
     """Fraction of communication units whose optimizer step runs on the CPU (the rest stay on GPU)."""
+    fast_init: bool = False
+    """Initialise NVMe-offloaded optimizer state without a round trip through the files."""
+    pipeline_read: bool = False
+    """Overlap NVMe reads of the next sub-group with the current optimizer step."""
+    pipeline_write: bool = False
+    """Overlap NVMe writes of the finished sub-group with the next optimizer step."""
 
     @property
     def enabled(self) -> bool:
         return self.device != "none"
+
+
+@dataclass(frozen=True, kw_only=True)
+class AioConfig:
+    """Asynchronous file I/O used by NVMe offload (DeepSpeed's top-level `aio` block)."""
+
+    block_size: int = 1_048_576
+    """Bytes per I/O request."""
+    queue_depth: int = 8
+    """Requests in flight per submitting thread."""
+    thread_count: int = 1
+    """Threads submitting I/O."""
+    single_submit: bool = False
+    """Submit requests one at a time instead of in batches."""
+    overlap_events: bool = True
+    """Let submission and completion of requests overlap."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,6 +110,8 @@ class ZeroConfig:
     """Units with fewer elements than this stay unsharded (stage 3); "auto" = 10 * hidden_size."""
     max_live_parameters: int = 1_000_000_000
     """Upper bound on gathered parameter elements at any time (stage 3)."""
+    max_reuse_distance: int = 1_000_000_000
+    """Keep a gathered unit when it is used again within this many parameter elements (stage 3)."""
     sub_group_size: int = 1_000_000_000
     """Elements per optimizer sub-group when stepping offloaded state."""
     overlap_comm: bool = True
@@ -98,6 +122,8 @@ class ZeroConfig:
     """Consolidate 16-bit weights on save under stage 3 (zerofit always can; kept for compatibility)."""
     unit_size_threshold: int = 10_000_000
     """Parameter count above which a module becomes its own communication unit when no repeated block is found."""
+    aio: AioConfig = field(default_factory=AioConfig)
+    """File I/O settings for NVMe offload."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -138,8 +164,8 @@ class BatchConfig:
     """Samples per optimizer step over all ranks."""
     train_micro_batch_size_per_gpu: int | Any | None = None
     """Samples per forward/backward on one rank."""
-    gradient_accumulation_steps: int | Any = 1
-    """Micro-steps per optimizer step."""
+    gradient_accumulation_steps: int | Any | None = 1
+    """Micro-steps per optimizer step; None: derived from the other two, as DeepSpeed does."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -180,6 +206,8 @@ class LaunchConfig:
     """torchrun rendezvous backend."""
     use_cpu: bool = False
     """Run on CPU with gloo even where GPUs exist."""
+    gpu_ids: str | None = None
+    """Comma-separated GPU indices to use on each machine ("0,1"); None or "all": every visible GPU."""
     max_restarts: int = 0
     """Elastic restarts of the worker group after a failure."""
     main_training_function: str = "main"
@@ -228,6 +256,8 @@ class RunConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     source: str | None = None
     """The file(s) this config was loaded from, for messages."""
+    source_format: Literal["zerofit", "accelerate", "deepspeed", "accelerate+deepspeed"] = "zerofit"
+    """The format the user wrote, so later messages (after `auto` resolution, on workers) use the user's key names."""
 
     def replace(self, **changes: Any) -> RunConfig:
         return dataclasses.replace(self, **changes)

@@ -1,0 +1,419 @@
+"""DeepSpeed JSON configs, as people write them, read into zerofit keys.
+
+Every key DeepSpeed documents falls into one of four groups, and this module is mostly the lists:
+
+* `TABLE`: keys with a zerofit home, converted to the schema type (`"5e8"` and `1e9` are integers,
+  `"true"` is a boolean, `"auto"` is AUTO where the schema allows it);
+* keys read by hand: `fp16.enabled` / `bf16.enabled` become `precision.mixed_precision`, deprecated
+  spellings map onto their successors with a warning, monitors become trackers;
+* keys accepted and ignored because zerofit behaves well without them (`_IGNORED`), with a warning
+  when the value asks for something zerofit does differently;
+* keys that switch on a feature zerofit lacks (`_NEEDS_FEATURE`): an error naming the key.
+
+Anything else, at any depth, is an unknown key (typos are silently ignored by DeepSpeed itself at the
+top level; here they are errors with the closest spelling).
+
+DeepSpeed's `"type": "Adam"` runs AdamW (decoupled weight decay) unless `adam_w_mode` is false, so it
+is read as AdamW; `torch_adam` only picks DeepSpeed's kernel and is dropped.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from .coerce import is_auto_text, to_bool, to_choice, to_int
+from .reading import INVALID, Reading, dig, has, walk
+from .schema import AUTO
+
+_ZERO = "zero_optimization"
+_OPT = f"{_ZERO}.offload_optimizer"
+_PARAM = f"{_ZERO}.offload_param"
+
+TABLE: dict[str, str] = {
+    "train_batch_size": "batch.train_batch_size",
+    "train_micro_batch_size_per_gpu": "batch.train_micro_batch_size_per_gpu",
+    "gradient_accumulation_steps": "batch.gradient_accumulation_steps",
+    "gradient_clipping": "gradient_clipping",
+    "wall_clock_breakdown": "logging.wall_clock_breakdown",
+    "communication_data_type": "precision.communication_data_type",
+    "checkpoint.use_node_local_storage": "checkpoint.use_node_local_storage",
+    "optimizer.type": "optimizer.type",
+    "optimizer.params": "optimizer.params",
+    "scheduler.type": "scheduler.type",
+    "scheduler.params": "scheduler.params",
+    f"{_ZERO}.stage": "zero.stage",
+    f"{_ZERO}.reduce_bucket_size": "zero.reduce_bucket_size",
+    f"{_ZERO}.allgather_bucket_size": "zero.allgather_bucket_size",
+    f"{_ZERO}.overlap_comm": "zero.overlap_comm",
+    f"{_ZERO}.contiguous_gradients": "zero.contiguous_gradients",
+    f"{_ZERO}.sub_group_size": "zero.sub_group_size",
+    f"{_ZERO}.stage3_prefetch_bucket_size": "zero.prefetch_bucket_size",
+    f"{_ZERO}.stage3_param_persistence_threshold": "zero.param_persistence_threshold",
+    f"{_ZERO}.stage3_max_live_parameters": "zero.max_live_parameters",
+    f"{_ZERO}.stage3_max_reuse_distance": "zero.max_reuse_distance",
+    f"{_ZERO}.stage3_gather_16bit_weights_on_model_save": "zero.gather_16bit_weights_on_model_save",
+    **{
+        f"{_OPT}.{k}": f"zero.offload_optimizer.{k}"
+        for k in (
+            "device",
+            "nvme_path",
+            "pin_memory",
+            "buffer_count",
+            "ratio",
+            "fast_init",
+            "pipeline_read",
+            "pipeline_write",
+        )
+    },
+    **{
+        f"{_PARAM}.{k}": f"zero.offload_param.{k}"
+        for k in ("device", "nvme_path", "pin_memory", "buffer_count", "buffer_size", "max_in_cpu")
+    },
+    **{
+        f"fp16.{k}": f"precision.loss_scale.{k}"
+        for k in (
+            "loss_scale",
+            "initial_scale_power",
+            "loss_scale_window",
+            "hysteresis",
+            "consecutive_hysteresis",
+            "min_loss_scale",
+        )
+    },
+    **{
+        f"aio.{k}": f"zero.aio.{k}"
+        for k in ("block_size", "queue_depth", "thread_count", "single_submit", "overlap_events")
+    },
+}
+"""DeepSpeed key -> zerofit key, for every key that maps one to one."""
+
+SECTION_NAMES = {
+    "zero.offload_optimizer": _OPT,
+    "zero.offload_param": _PARAM,
+    "precision.mixed_precision": "fp16.enabled / bf16.enabled",
+}
+"""Names of zerofit sections and derived keys, for messages (see `naming`)."""
+
+# Launch-time values Accelerate substitutes for "auto" before the script runs (its plugin defaults).
+_AUTO_MEANS = {
+    "zero.offload_optimizer.device": "none",
+    "zero.offload_param.device": "none",
+    "zero.offload_optimizer.nvme_path": None,
+    "zero.offload_param.nvme_path": None,
+    "zero.gather_16bit_weights_on_model_save": False,
+}
+
+_IGNORED = (
+    # Accepted as written; zerofit's engine has one behaviour for each of these.
+    "zero_allow_untested_optimizer",
+    "zero_force_ds_cpu_optimizer",
+    "dump_state",
+    "memory_breakdown",
+    "dataloader_drop_last",
+    "data_types",
+    "timers",
+    "activation_checkpointing",
+    "pipeline",
+    "seq_parallel_communication_data_type",
+    "graph_harvesting",
+    "use_data_before_expert_parallelism",
+    "checkpoint.tag_validation",
+    "checkpoint.parallel_write",
+    "fp16.auto_cast",
+    "bf16.enabled",
+    "bf16.immediate_grad_update",
+    "bf16.check_grad_overflow",
+    "aio.intra_op_parallelism",
+    "aio.use_gds",
+    f"{_ZERO}.allgather_partitions",
+    f"{_ZERO}.reduce_scatter",
+    f"{_ZERO}.use_multi_rank_bucket_allreduce",
+    f"{_ZERO}.load_from_fp32_weights",
+    f"{_ZERO}.ignore_unused_parameters",
+    f"{_ZERO}.round_robin_gradients",
+    f"{_ZERO}.memory_efficient_linear",
+    f"{_ZERO}.pipeline_loading_checkpoint",
+    f"{_ZERO}.override_module_apply",
+    f"{_ZERO}.log_trace_cache_warnings",
+    f"{_ZERO}.enable_sanity_checks",
+    f"{_ZERO}.leaf_module",
+    f"{_ZERO}.save_muon_momentum_buffer_in_memory",
+    f"{_ZERO}.stage3_model_persistence_threshold",
+    f"{_ZERO}.stage3_module_granularity_threshold",
+    f"{_ZERO}.stage3_use_all_reduce_for_fetch_params",
+    f"{_ZERO}.stage3_allgather_sequential",
+    f"{_ZERO}.stage3_partition_stream_chunk_size",
+    f"{_OPT}.pipeline",
+    f"{_OPT}.cpuadam_cores_perc",
+)
+
+_NO = "zerofit does not provide it: remove the key or set it off"
+# Keys whose value switches on a feature zerofit lacks: key -> (the largest value that is fine, what to say).
+_NEEDS_FEATURE: dict[str, tuple[Any, str]] = {
+    f"{_ZERO}.zero_quantized_weights": (False, f"ZeRO++ quantized weights; {_NO}"),
+    f"{_ZERO}.zero_quantized_gradients": (False, f"ZeRO++ quantized gradients; {_NO}"),
+    f"{_ZERO}.zero_quantized_nontrainable_weights": (False, f"quantized frozen weights; {_NO}"),
+    f"{_ZERO}.zero_hpz_partition_size": (1, f"ZeRO++ hierarchical partitioning; {_NO} (1)"),
+    f"{_ZERO}.mics_shard_size": (0, f"MiCS sharding; {_NO} (-1)"),
+    f"{_ZERO}.mics_hierarchical_params_gather": (False, f"MiCS; {_NO}"),
+    f"{_ZERO}.legacy_stage1": (False, f"the legacy stage 1 implementation; {_NO}"),
+    f"{_ZERO}.elastic_checkpoint": (False, f"elastic checkpoints; {_NO}"),
+    f"{_OPT}.super_offload": (False, f"SuperOffload; {_NO}"),
+    "fp16.fp16_master_weights_and_grads": (
+        False,
+        "16-bit master weights; zerofit keeps master weights in fp32: set it to false",
+    ),
+    "bf16.bf16_master_weights_and_grads": (
+        False,
+        "16-bit master weights; zerofit keeps master weights in fp32: set it to false",
+    ),
+    "bf16.bf16_optimizer_states": (
+        False,
+        "16-bit optimizer states; zerofit keeps optimizer states in fp32: set it to false",
+    ),
+    "sparse_gradients": (False, f"sparse gradients; {_NO}"),
+    "disable_allgather": (False, f"disabling the parameter all-gather; {_NO}"),
+    "prescale_gradients": (
+        False,
+        "gradient prescaling; zerofit averages after the reduction: set it to false",
+    ),
+    "checkpoint.load_universal": (
+        False,
+        f"universal checkpoint loading; {_NO} (zerofit checkpoints re-shard on load)",
+    ),
+}
+
+# Sections that only matter when they are on; their other keys are not read. Value: (whether a section
+# without an `enabled` key is on, what to say).
+_FEATURE_SECTIONS = {
+    "amp": (
+        False,
+        "Apex AMP, which is not compatible with ZeRO: remove it and use fp16.enabled or bf16.enabled",
+    ),
+    "torch_autocast": (False, "torch autocast: remove it and use bf16.enabled or fp16.enabled instead"),
+    "elasticity": (False, f"elastic training; {_NO}"),
+    "autotuning": (False, f"the autotuner; {_NO}"),
+    "curriculum_learning": (False, f"curriculum learning; {_NO}"),
+    "data_efficiency": (False, f"data efficiency; {_NO}"),
+    "hybrid_engine": (False, f"the hybrid engine; {_NO}"),
+    "eigenvalue": (False, f"eigenvalue computation; {_NO}"),
+    "progressive_layer_drop": (False, f"progressive layer drop; {_NO}"),
+    "quantize_training": (False, f"quantized training; {_NO}"),
+    "nebula": (False, f"Nebula checkpointing; {_NO}"),
+    "sparse_attention": (True, f"sparse attention; {_NO}"),
+    "compression_training": (True, f"compression training; {_NO}"),
+    "weight_quantization": (True, f"weight quantization; {_NO}"),
+    f"{_ZERO}.zenflow": (True, f"ZenFlow; {_NO}"),
+    f"{_ZERO}.zeropp_loco_param": (True, f"LoCo ZeRO++; {_NO}"),
+}
+# Sections that zerofit does not act on even when enabled; a warning says so.
+_WARN_SECTIONS = {
+    "flops_profiler": "the flops profiler is not part of zerofit; use torch.profiler",
+    "comms_logger": "the communication logger is not part of zerofit; use torch.profiler",
+    "compile": "DeepSpeed compile is not part of zerofit; call torch.compile in the script if wanted",
+    "tensor_parallel": "tensor parallelism is not part of zerofit; the section is ignored",
+}
+
+_MONITORS = {
+    "tensorboard": ("enabled", "output_path", "job_name"),
+    "csv_monitor": ("enabled", "output_path", "job_name"),
+    "wandb": ("enabled", "group", "team", "project"),
+    "comet": (
+        "enabled",
+        "samples_log_interval",
+        "project",
+        "workspace",
+        "api_key",
+        "experiment_name",
+        "experiment_key",
+        "online",
+        "mode",
+    ),
+}
+
+_DEPRECATED = {
+    f"{_ZERO}.cpu_offload": f"{_OPT}.device",
+    f"{_ZERO}.cpu_offload_param": f"{_PARAM}.device",
+    f"{_ZERO}.cpu_offload_use_pin_memory": f"{_OPT}.pin_memory and {_PARAM}.pin_memory",
+    f"{_ZERO}.stage3_gather_fp16_weights_on_model_save": f"{_ZERO}.stage3_gather_16bit_weights_on_model_save",
+}
+
+_HANDLED = (
+    "fp16.enabled",
+    "steps_per_print",
+    "gradient_predivide_factor",
+    "gradient_allreduce_op",
+    *_IGNORED,
+    *_NEEDS_FEATURE,
+    *_FEATURE_SECTIONS,
+    *_WARN_SECTIONS,
+    *_DEPRECATED,
+    *(f"{name}.{key}" for name, keys in _MONITORS.items() for key in keys),
+)
+
+
+TOP_LEVEL = frozenset(key.split(".")[0] for key in (*TABLE, *_HANDLED))
+"""Every top-level name a DeepSpeed config may use (for telling formats apart)."""
+
+
+def read(data: Mapping[str, Any], source: str | None = None) -> Reading:
+    """Every key of a DeepSpeed config, converted to zerofit keys; problems are collected, not raised."""
+    reading = Reading(source=source, source_format="deepspeed")
+    if "bfloat16" in data and "bf16" not in data:
+        data = {("bf16" if k == "bfloat16" else k): v for k, v in data.items()}  # DeepSpeed's alias
+    walk(reading, data, table=TABLE, handled=_HANDLED, auto_means=_AUTO_MEANS)
+    _read_precision(reading, data)
+    _read_deprecated(reading, data)
+    _read_features(reading, data)
+    _read_monitors(reading, data)
+    _read_top_level(reading, data)
+    _read_optimizer(reading)
+    if not has(data, "gradient_accumulation_steps"):
+        reading.set(
+            "batch.gradient_accumulation_steps", None
+        )  # derived from the other two (DeepSpeed's rule)
+    return reading
+
+
+def _enabled(reading: Reading, data: Mapping[str, Any], path: str) -> Any:
+    """The value of a `<section>.enabled` flag: True, False, AUTO, or INVALID after an error."""
+    value = dig(data, path, False)
+    if is_auto_text(value):
+        return AUTO
+    return reading.coerce(path, value, to_bool, key="precision.mixed_precision")
+
+
+def _read_precision(reading: Reading, data: Mapping[str, Any]) -> None:
+    if "fp16" not in data and "bf16" not in data:
+        return  # neither named: zerofit's default ("no"), or the Accelerate YAML's mixed_precision
+    fp16_on = _enabled(reading, data, "fp16.enabled")
+    bf16_on = _enabled(reading, data, "bf16.enabled")
+    if fp16_on is INVALID or bf16_on is INVALID:
+        return
+    if fp16_on is True and bf16_on is True:
+        reading.error(
+            "fp16.enabled and bf16.enabled are both true: enable only one of them "
+            "(bf16 needs no loss scaling and is the usual choice on Ampere or newer GPUs)",
+            key="precision.mixed_precision",
+        )
+    elif fp16_on is True:
+        reading.set("precision.mixed_precision", "fp16")
+    elif bf16_on is True:
+        reading.set("precision.mixed_precision", "bf16")
+    elif fp16_on is AUTO or bf16_on is AUTO:
+        reading.set("precision.mixed_precision", AUTO)
+    else:
+        reading.set("precision.mixed_precision", "no")
+
+
+def _read_deprecated(reading: Reading, data: Mapping[str, Any]) -> None:
+    for old, new in _DEPRECATED.items():
+        if not has(data, old):
+            continue
+        reading.warn(f"{old} is deprecated: write {new} instead")
+        value = reading.coerce(old, dig(data, old), to_bool)
+        if value is INVALID:
+            continue
+        if old.endswith("cpu_offload_use_pin_memory"):
+            for kind in ("offload_optimizer", "offload_param"):
+                if not has(data, f"{_ZERO}.{kind}.pin_memory"):
+                    reading.set(f"zero.{kind}.pin_memory", value)
+        elif old.endswith("on_model_save"):
+            if not has(data, new):
+                reading.set("zero.gather_16bit_weights_on_model_save", value)
+        elif value and not has(data, new):
+            kind = "offload_optimizer" if old.endswith("cpu_offload") else "offload_param"
+            reading.set(f"zero.{kind}.device", "cpu")
+
+
+def _check_feature(
+    reading: Reading, data: Mapping[str, Any], key: str, name: str, fine: Any, why: str
+) -> None:
+    if key not in data:
+        return
+    value = data[key]
+    if isinstance(fine, bool):
+        value = reading.coerce(name, value, to_bool)
+    elif isinstance(fine, int):
+        value = reading.coerce(name, value, to_int)
+    if value is not INVALID and value > fine:
+        reading.error(f"{name} = {value!r} asks for {why}")
+
+
+def _read_features(reading: Reading, data: Mapping[str, Any]) -> None:
+    for path, (fine, why) in _NEEDS_FEATURE.items():
+        parent, _, key = path.rpartition(".")
+        section = dig(data, parent) if parent else data
+        if isinstance(section, Mapping):
+            _check_feature(reading, section, key, path, fine, why)
+    for path, (on_by_default, why) in _FEATURE_SECTIONS.items():
+        section = dig(data, path)
+        if section is None or section == {}:
+            continue
+        enabled = section.get("enabled", on_by_default) if isinstance(section, Mapping) else section
+        if reading.coerce(f"{path}.enabled", enabled, to_bool) is True:
+            reading.error(f"{path} is enabled, which asks for {why}")
+    for path, why in _WARN_SECTIONS.items():
+        section = data.get(path)
+        if isinstance(section, Mapping) and section.get("enabled", False) not in (False, "false"):
+            reading.warn(f"{path} is enabled but ignored: {why}")
+
+
+def _read_monitors(reading: Reading, data: Mapping[str, Any]) -> None:
+    trackers: list[str] = []
+    for name in _MONITORS:
+        if not isinstance(data.get(name), Mapping):
+            continue
+        if reading.coerce(f"{name}.enabled", data[name].get("enabled", False), to_bool) is not True:
+            continue
+        if name == "tensorboard":
+            trackers.append("tensorboard")
+            if data[name].get("output_path"):
+                reading.set("logging.logging_dir", str(data[name]["output_path"]))
+        else:
+            reading.warn(
+                f"{name}.enabled is ignored: zerofit logs to jsonl and tensorboard (set tensorboard.enabled)"
+            )
+    if trackers:
+        reading.set("logging.log_with", tuple(trackers))
+
+
+def _read_top_level(reading: Reading, data: Mapping[str, Any]) -> None:
+    if "steps_per_print" in data:
+        value = data["steps_per_print"]
+        if (
+            value is None
+            or (isinstance(value, float) and math.isinf(value))
+            or str(value).lower() in ("inf", "infinity")
+        ):
+            reading.set("logging.steps_per_print", None)  # Accelerate writes inf to mean "never"
+        else:
+            reading.put("logging.steps_per_print", "steps_per_print", value)
+    if "gradient_predivide_factor" in data and data["gradient_predivide_factor"] not in (1, 1.0, "1", "1.0"):
+        reading.warn(
+            "gradient_predivide_factor is ignored: zerofit averages gradients once, after the reduction"
+        )
+    if "gradient_allreduce_op" in data:
+        op = reading.coerce(
+            "gradient_allreduce_op", data["gradient_allreduce_op"], lambda v: to_choice(v, ("mean", "sum"))
+        )
+        if op == "sum":
+            reading.error(
+                'gradient_allreduce_op "sum" is not supported: zerofit averages gradients; set it to "mean"'
+            )
+
+
+def _read_optimizer(reading: Reading) -> None:
+    """DeepSpeed's Adam is AdamW unless `adam_w_mode` is false; its kernel switches are not arguments."""
+    kind = reading.values.get("optimizer.type")
+    if not isinstance(kind, str):
+        return
+    params = dict(reading.values.get("optimizer.params", {}))
+    params.pop("torch_adam", None)
+    adam_w_mode = reading.coerce("optimizer.params.adam_w_mode", params.pop("adam_w_mode", True), to_bool)
+    if kind.lower() == "adam" and adam_w_mode is True:
+        reading.set("optimizer.type", "AdamW")
+    if "optimizer.params" in reading.values:
+        reading.set("optimizer.params", params)
