@@ -1,0 +1,108 @@
+"""The engine's training state as per-parameter fragments, the unit checkpoints are made of.
+
+A rank's flat shards cut parameters at arbitrary element offsets. `local_fragments` turns them back
+into the natural coordinates: for every parameter, the contiguous run of its flattened elements this
+rank holds, with views of the fp32 master and of every optimizer state tensor over exactly that run.
+A checkpoint written as "parameter name -> chunks of a 1-D tensor of `numel` elements" reloads at
+any world size, stage or layout: the loader asks for its own fragments and reads whatever chunks
+overlap them. Writing into the views writes into the engine.
+
+Ranks holding replicated state (stage 0, unsharded units) report the whole parameter on rank 0 only,
+so every element is owned by exactly one rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from zerofit.engine.flat_group import FlatGroup
+
+
+@dataclass
+class Fragment:
+    """This rank's run [start, start + length) of one flattened parameter."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    """The parameter's compute dtype (what the model sees)."""
+    numel: int
+    start: int
+    length: int
+    trainable: bool
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    """'master' (fp32) or 'param' (frozen, compute dtype), plus optimizer state tensors by state key."""
+    group: int = 0
+    """Optimizer param group of the parameter."""
+
+
+def _piece_state(optimizer, master: torch.Tensor) -> dict:
+    return optimizer.state.get(master, {}) if optimizer is not None else {}
+
+
+def local_fragments(groups: list[FlatGroup], optimizer: torch.optim.Optimizer | None,
+                    rank: int) -> list[Fragment]:
+    """Every parameter run this rank owns, with views into its master/param and optimizer state."""
+    out: list[Fragment] = []
+    for g in groups:
+        if g.placement.shard_world == 1 and rank != 0:
+            continue  # replicated: rank 0 speaks for everyone
+        lay = g.layout
+        pieces = lay.pieces(g.placement.rank)
+        piece_masters = {}
+        if g.trainable:
+            for opt_group in (optimizer.param_groups if optimizer is not None else []):
+                for t in opt_group["params"]:
+                    piece_masters[t.data_ptr()] = t
+        for o in lay.overlaps(g.placement.rank):
+            sl = slice(o.shard_offset, o.shard_offset + o.length)
+            frag = Fragment(name=g.names[o.index], shape=tuple(g.shapes[o.index]), dtype=g.compute_dtype,
+                            numel=lay.numels[o.index], start=o.param_start, length=o.length,
+                            trainable=g.trainable, group=lay.groups[o.index])
+            if not g.trainable:
+                frag.tensors["param"] = g.param_shard[sl]
+            else:
+                frag.tensors["master"] = g.master[sl]
+                piece = next(p for p in pieces if p.shard_offset <= o.shard_offset < p.shard_offset + p.length)
+                piece_master = piece_masters.get(g.master[piece.shard_offset:].data_ptr())
+                state = _piece_state(optimizer, piece_master) if piece_master is not None else {}
+                rel = slice(o.shard_offset - piece.shard_offset, o.shard_offset - piece.shard_offset + o.length)
+                for key, value in state.items():
+                    if isinstance(value, torch.Tensor) and value.ndim == 1 and value.numel() == piece.length:
+                        frag.tensors[key] = value[rel]
+            out.append(frag)
+    return out
+
+
+def optimizer_scalars(optimizer: torch.optim.Optimizer | None) -> list[dict]:
+    """Per param group: hyperparameters and the scalar state (e.g. Adam's `step`) shared by its pieces."""
+    if optimizer is None:
+        return []
+    out = []
+    for group in optimizer.param_groups:
+        hyper = {k: v for k, v in group.items() if k != "params"}
+        scalars: dict = {}
+        for t in group["params"]:
+            for key, value in optimizer.state.get(t, {}).items():
+                if not (isinstance(value, torch.Tensor) and value.ndim == 1 and value.numel() == t.numel()):
+                    scalars[key] = value
+            if scalars:
+                break
+        out.append({"hyper": hyper, "scalars": scalars})
+    return out
+
+
+def allocate_optimizer_state(optimizer: torch.optim.Optimizer, tensor_keys: list[str],
+                             scalars: list[dict]) -> None:
+    """Give every master piece zeroed state tensors under `tensor_keys` and each group's scalar state,
+    so a checkpoint can be read into the views `local_fragments` then returns (fresh optimizers create
+    their state only on the first step)."""
+    for group, saved in zip(optimizer.param_groups, scalars):
+        for t in group["params"]:
+            state = optimizer.state[t]
+            for key in tensor_keys:
+                state.setdefault(key, torch.zeros_like(t, memory_format=torch.preserve_format))
+            for key, value in saved.get("scalars", {}).items():
+                state[key] = value.clone().to(t.device) if isinstance(value, torch.Tensor) else value
