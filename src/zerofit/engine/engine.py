@@ -64,6 +64,10 @@ class ZeroEngine:
             raise EngineError(f"gradient_accumulation_steps must be >= 1 (got {gradient_accumulation_steps})")
         self.gradient_accumulation_steps = gradient_accumulation_steps
         self.gradient_clipping = float(gradient_clipping or 0.0)
+        for key, off in (("offload_optimizer", self.zero.offload_optimizer), ("offload_param", self.zero.offload_param)):
+            if off.enabled:
+                raise EngineError(f"zero_optimization.{key}.device {off.device!r} is not supported by this "
+                                  f"zerofit version yet: set it to 'none' (offload lands with the offload engine)")
         self.device = device or default_device()
         self.comm = Collectives(group, self.device)
         self.compute_dtype = _DTYPES[self.precision.mixed_precision]
