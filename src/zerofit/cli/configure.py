@@ -1,0 +1,184 @@
+"""`zerofit config`: write a config file for a ZeRO stage and offload setting, in any of the three formats.
+
+The settings are first validated as a zerofit config (so `--offload_param cpu` with stage 2 is caught
+here, not at launch), then written as zerofit YAML, as a DeepSpeed JSON of the kind people already
+keep, or as an Accelerate launch YAML with the DeepSpeed keys inline. Each loads back, through
+`zerofit.config.load_config`, to the same settings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from typing import Any
+
+import yaml
+
+from zerofit.config import load_config
+from zerofit.config.schema import RunConfig, to_dict
+from zerofit.errors import ConfigError
+
+FORMATS = ("zerofit", "deepspeed", "accelerate")
+OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "config", allow_abbrev=False, help="write a config file for a ZeRO stage and offload setting",
+        description="Write a config file that `zerofit launch --config_file FILE` (and DeepSpeed or Accelerate, "
+                    "for those formats) reads back to the same settings.")
+    p.add_argument("--stage", type=int, choices=(0, 1, 2, 3), required=True,
+                   help="0: DDP; 1: shard optimizer state; 2: + gradients; 3: + parameters")
+    p.add_argument("--offload_optimizer", "--offload-optimizer", choices=OFFLOAD_DEVICES, default="none",
+                   help="where fp32 master weights and optimizer states live (stages 1-3)")
+    p.add_argument("--offload_param", "--offload-param", choices=OFFLOAD_DEVICES, default="none",
+                   help="where parameter shards live (stage 3)")
+    p.add_argument("--nvme_path", "--nvme-path", metavar="DIR", help="directory for nvme offload files")
+    p.add_argument("--mixed_precision", "--mixed-precision", choices=("no", "fp16", "bf16"), default="no",
+                   help="compute precision")
+    p.add_argument("--num_processes", "--num-processes", type=int, metavar="N",
+                   help="processes over all machines (zerofit and accelerate formats)")
+    p.add_argument("--gradient_accumulation_steps", "--gradient-accumulation-steps", type=int, metavar="K",
+                   help="micro-steps per optimizer step (default: 1; \"auto\" in deepspeed and accelerate "
+                        "files, taken from the script)")
+    p.add_argument("--gradient_clipping", "--gradient-clipping", type=float, metavar="C",
+                   help="clip the global gradient norm to C, 0: no clipping (default: 0; \"auto\" in "
+                        "deepspeed and accelerate files, taken from the script)")
+    p.add_argument("--format", choices=FORMATS, default="zerofit", help="file format (default: zerofit)")
+    p.add_argument("-o", "--output", required=True, metavar="FILE", help="file to write (overwritten)")
+    p.set_defaults(func=run)
+
+
+def settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """Dotted zerofit keys for the chosen settings."""
+    problems = []
+    nvme_users = [f"--{flag} nvme" for flag in ("offload_optimizer", "offload_param") if getattr(args, flag) == "nvme"]
+    if nvme_users and not args.nvme_path:
+        problems.append(f"{' and '.join(nvme_users)} needs a directory: add --nvme_path DIR (a fast local disk)")
+    if args.nvme_path and not nvme_users:
+        problems.append(f"--nvme_path {args.nvme_path} is unused: add --offload_optimizer nvme and/or "
+                        "--offload_param nvme, or drop --nvme_path")
+    if args.format == "deepspeed" and args.num_processes is not None:
+        problems.append("--num_processes has no place in a DeepSpeed JSON: pass it to `zerofit launch` instead, "
+                        "or use --format zerofit or --format accelerate")
+    if problems:
+        raise ConfigError(problems)
+    settings: dict[str, Any] = {
+        "zero.stage": args.stage,
+        "zero.offload_optimizer.device": args.offload_optimizer,
+        "zero.offload_param.device": args.offload_param,
+        "precision.mixed_precision": args.mixed_precision,
+    }
+    # Unset, these stay "auto" in the formats whose users expect the script to supply them.
+    unset = None if args.format == "zerofit" else "auto"
+    for key, value in (("batch.gradient_accumulation_steps", args.gradient_accumulation_steps),
+                       ("gradient_clipping", args.gradient_clipping)):
+        if value is not None or unset is not None:
+            settings[key] = unset if value is None else value
+    for flag in ("offload_optimizer", "offload_param"):
+        if getattr(args, flag) == "nvme":
+            settings[f"zero.{flag}.nvme_path"] = args.nvme_path
+    if args.num_processes is not None:
+        settings["launch.num_processes"] = args.num_processes
+    return settings
+
+
+def _offload_block(offload: Any) -> dict[str, Any]:
+    block: dict[str, Any] = {"device": offload.device, "pin_memory": offload.pin_memory}
+    if offload.device == "nvme":
+        block["nvme_path"] = offload.nvme_path
+    return block
+
+
+def deepspeed_dict(cfg: RunConfig) -> dict[str, Any]:
+    """The DeepSpeed JSON for these settings; batch sizes stay "auto", filled from the script's dataloader."""
+    zero: dict[str, Any] = {"stage": cfg.zero.stage, "overlap_comm": cfg.zero.overlap_comm,
+                            "contiguous_gradients": cfg.zero.contiguous_gradients}
+    for name in ("offload_optimizer", "offload_param"):
+        offload = getattr(cfg.zero, name)
+        if offload.enabled:
+            zero[name] = _offload_block(offload)
+    if cfg.zero.stage == 3:
+        zero["stage3_gather_16bit_weights_on_model_save"] = True
+    out: dict[str, Any] = {"zero_optimization": zero}
+    precision = cfg.precision.mixed_precision
+    if precision == "bf16":
+        out["bf16"] = {"enabled": True}
+    elif precision == "fp16":
+        ls = cfg.precision.loss_scale
+        out["fp16"] = {"enabled": True, "loss_scale": ls.loss_scale, "initial_scale_power": ls.initial_scale_power,
+                       "loss_scale_window": ls.loss_scale_window, "hysteresis": ls.hysteresis,
+                       "min_loss_scale": ls.min_loss_scale}
+    out.update({"gradient_accumulation_steps": cfg.batch.gradient_accumulation_steps,
+                "gradient_clipping": cfg.gradient_clipping,
+                "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto"})
+    return out
+
+
+def accelerate_dict(cfg: RunConfig) -> dict[str, Any]:
+    """An Accelerate launch YAML with the DeepSpeed settings inline (as `accelerate config` writes them)."""
+    z = cfg.zero
+    ds: dict[str, Any] = {
+        "zero_stage": z.stage,
+        "offload_optimizer_device": z.offload_optimizer.device,
+        "offload_param_device": z.offload_param.device,
+        "gradient_accumulation_steps": cfg.batch.gradient_accumulation_steps,
+        "gradient_clipping": cfg.gradient_clipping,
+        "zero3_init_flag": z.stage == 3,
+    }
+    if z.offload_optimizer.device == "nvme":
+        ds["offload_optimizer_nvme_path"] = z.offload_optimizer.nvme_path
+    if z.offload_param.device == "nvme":
+        ds["offload_param_nvme_path"] = z.offload_param.nvme_path
+    if z.stage == 3:
+        ds["zero3_save_16bit_model"] = True
+    la = cfg.launch
+    out: dict[str, Any] = {
+        "compute_environment": "LOCAL_MACHINE",
+        "distributed_type": "DEEPSPEED",
+        "deepspeed_config": ds,
+        "mixed_precision": cfg.precision.mixed_precision,
+        "num_machines": la.num_machines,
+        "machine_rank": la.machine_rank,
+        "main_training_function": la.main_training_function,
+        "rdzv_backend": la.rdzv_backend,
+        "same_network": True,
+        "use_cpu": la.use_cpu,
+    }
+    if la.num_processes is not None:
+        out["num_processes"] = la.num_processes
+    return out
+
+
+def zerofit_dict(cfg: RunConfig, keys: list[str]) -> dict[str, Any]:
+    """Only the chosen settings, nested by section: every other key keeps its default when loaded."""
+    full, out = to_dict(cfg), {}
+    for key in keys:
+        *sections, leaf = key.split(".")
+        src, dst = full, out
+        for section in sections:
+            src, dst = src[section], dst.setdefault(section, {})
+        dst[leaf] = src[leaf]
+    return out
+
+
+def write(cfg: RunConfig, fmt: str, path: str, keys: list[str]) -> None:
+    if fmt == "deepspeed":
+        text = json.dumps(to_dict(deepspeed_dict(cfg)), indent=2) + "\n"  # to_dict: AUTO -> "auto"
+    else:
+        data = zerofit_dict(cfg, keys) if fmt == "zerofit" else accelerate_dict(cfg)
+        text = yaml.safe_dump(to_dict(data), sort_keys=False)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+
+
+def run(args: argparse.Namespace) -> int:
+    settings = settings_from_args(args)
+    cfg = load_config(None, overrides=settings)
+    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+    write(cfg, args.format, args.output, list(settings))
+    print(f"wrote {args.format} config to {args.output} (ZeRO stage {cfg.zero.stage}, offload optimizer "
+          f"{cfg.zero.offload_optimizer.device}, offload param {cfg.zero.offload_param.device}); use it with: "
+          f"zerofit launch --config_file {args.output} train.py")
+    return 0

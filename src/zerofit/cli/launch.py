@@ -1,0 +1,303 @@
+"""`zerofit launch`: resolve the config, then start the workers through torchrun.
+
+The launcher is a thin front end over `torch.distributed.run`. It turns the config (file plus flags)
+into a `LaunchPlan` (a pure function of the config and the machine's GPU count, so it is testable
+without processes), writes the resolved config where every worker can read it (`ZEROFIT_CONFIG_FILE`,
+see `zerofit.runtime`), builds a torchrun argv and runs it in this process.
+
+[Note: loopback by default] A one-machine run binds its rendezvous to 127.0.0.1 on a free port, so
+nothing is announced on the network and two runs on one machine never fight over 29500. torchrun's
+TCPStore may still listen on every interface (a torch limitation), which the README tells users to
+firewall on shared hosts. Several machines use `main_process_ip:main_process_port` (port 29500 when
+unset), through torchrun's static rendezvous (machine ranks as given) or its c10d rendezvous.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import importlib.util
+import os
+import socket
+import sys
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from zerofit.config import load_config, save_config
+from zerofit.config.schema import RunConfig
+from zerofit.errors import ConfigError
+from zerofit.runtime import CONFIG_FILE_ENV
+
+WORKER_MODULE = "zerofit.cli.worker"
+"""Every worker starts here; it runs the user's target as __main__ and records its traceback."""
+
+DEFAULT_MULTI_NODE_PORT = 29500
+"""Rendezvous port on several machines when the config names none (the port every launcher uses)."""
+
+# flag -> dotted config key it overrides; the flag wins over the config file.
+FLAG_TO_KEY = {
+    "num_processes": "launch.num_processes",
+    "num_machines": "launch.num_machines",
+    "machine_rank": "launch.machine_rank",
+    "main_process_ip": "launch.main_process_ip",
+    "main_process_port": "launch.main_process_port",
+    "mixed_precision": "precision.mixed_precision",
+    "cpu": "launch.use_cpu",
+    "max_restarts": "launch.max_restarts",
+}
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "launch", allow_abbrev=False,
+        help="run a training script on several processes (one per GPU, or N on CPU)",
+        description="Run SCRIPT (or -m MODULE) on every process of the run. Flags override the config file.")
+    p.add_argument("--config_file", "--config-file", metavar="FILE",
+                   help="zerofit YAML, Accelerate launch YAML or DeepSpeed JSON (default: built-in defaults)")
+    p.add_argument("--num_processes", "--num-processes", type=int, metavar="N",
+                   help="processes over all machines (default: one per GPU, or 1 on CPU)")
+    p.add_argument("--num_machines", "--num-machines", type=int, metavar="M", help="machines taking part")
+    p.add_argument("--machine_rank", "--machine-rank", type=int, metavar="R", help="this machine's index, 0..M-1")
+    p.add_argument("--main_process_ip", "--main-process-ip", metavar="IP",
+                   help="address of machine 0 (default on one machine: 127.0.0.1)")
+    p.add_argument("--main_process_port", "--main-process-port", type=int, metavar="PORT",
+                   help=f"rendezvous port (default: a free port on one machine, {DEFAULT_MULTI_NODE_PORT} on several)")
+    p.add_argument("--mixed_precision", "--mixed-precision", choices=("no", "fp16", "bf16"),
+                   help="compute precision")
+    p.add_argument("--cpu", action="store_true", default=None, help="run on CPU with gloo even where GPUs exist")
+    p.add_argument("--max_restarts", "--max-restarts", type=int, metavar="K",
+                   help="restart the worker group up to K times after a failure")
+    p.add_argument("--dry-run", "--dry_run", dest="dry_run", action="store_true",
+                   help="validate, print the resolved config and the launch plan, start nothing")
+    add_target_arguments(p)
+    p.set_defaults(func=run)
+
+
+def add_target_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-m", "--module", action="store_true", help="TARGET is a module, run as with `python -m`")
+    p.add_argument("target", metavar="TARGET", help="the training script (or module, with -m)")
+    p.add_argument("target_args", nargs=argparse.REMAINDER, metavar="...", help="arguments for the script")
+
+
+def overrides_from_args(args: argparse.Namespace) -> dict[str, object]:
+    """The dotted config overrides for the flags the user actually gave."""
+    return {key: getattr(args, flag) for flag, key in FLAG_TO_KEY.items() if getattr(args, flag) is not None}
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """Everything torchrun needs for this machine, derived from a resolved config."""
+
+    config: RunConfig
+    """The config the workers read, with process count, address, port and use_cpu filled in."""
+    nproc_per_node: int
+    omp_num_threads: int
+    """Threads per worker when OMP_NUM_THREADS is unset: this machine's cores shared by its workers."""
+    target: tuple[str, ...]
+    """What the worker runs: (script, *args) or ("-m", module, *args)."""
+    cuda_visible_devices: str | None = None
+    """The GPUs the workers may see, from `launch.gpu_ids`; None: leave CUDA_VISIBLE_DEVICES as it is."""
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc_per_node * self.config.launch.num_machines
+
+    @property
+    def backend(self) -> str:
+        return "gloo" if self.config.launch.use_cpu else "nccl"
+
+    def rendezvous(self) -> str:
+        la = self.config.launch
+        return f"{la.rdzv_backend} at {la.main_process_ip}:{la.main_process_port}"
+
+    def torchrun_argv(self) -> list[str]:
+        la = self.config.launch
+        argv = ["--nnodes", str(la.num_machines), "--nproc-per-node", str(self.nproc_per_node),
+                "--max-restarts", str(la.max_restarts), "--rdzv-backend", la.rdzv_backend]
+        if la.rdzv_backend == "static":
+            argv += ["--master-addr", la.main_process_ip, "--master-port", str(la.main_process_port),
+                     "--node-rank", str(la.machine_rank)]
+        else:  # c10d assigns machine ranks itself, in the order machines join
+            argv += ["--rdzv-endpoint", f"{la.main_process_ip}:{la.main_process_port}",
+                     "--rdzv-id", f"zerofit-{la.main_process_port}"]
+        return [*argv, "--module", WORKER_MODULE, *self.target]
+
+
+def free_loopback_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def plan_launch(config: RunConfig, target: tuple[str, ...], *, gpu_count: int) -> LaunchPlan:
+    """Check the launch settings against each other and this machine; fill in what was left unset.
+
+    Every problem is reported at once, each naming the flag, the config key, the value and the fix.
+    """
+    la = config.launch
+    problems: list[str] = []
+    nnodes = la.num_machines
+    if nnodes < 1:
+        problems.append(f"--num_machines (launch.num_machines) is {nnodes}: set it to 1 or more")
+        nnodes = 1
+    if not 0 <= la.machine_rank < nnodes:
+        problems.append(f"--machine_rank (launch.machine_rank) is {la.machine_rank} but there are {nnodes} "
+                        f"machine(s): set it to a value from 0 to {nnodes - 1}")
+    if la.max_restarts < 0:
+        problems.append(f"--max_restarts (launch.max_restarts) is {la.max_restarts}: set it to 0 or more")
+    use_cpu = bool(la.use_cpu) or gpu_count == 0
+    visible = None
+    if not use_cpu and la.gpu_ids not in (None, "", "all"):
+        ids = [i.strip() for i in str(la.gpu_ids).split(",") if i.strip()]
+        bad = [i for i in ids if not i.isdigit() or int(i) >= gpu_count]
+        if bad or not ids:
+            problems.append(f"launch.gpu_ids is {la.gpu_ids!r} but this machine has GPUs 0..{gpu_count - 1}: "
+                            "list GPU indices that exist, comma separated (\"0,1\"), or use \"all\"")
+        else:
+            visible, gpu_count = ",".join(ids), len(ids)
+    if la.num_processes is None:
+        per_node = 1 if use_cpu else gpu_count
+    elif la.num_processes < 1 or la.num_processes % nnodes:
+        problems.append(f"--num_processes (launch.num_processes) is {la.num_processes}, which does not split "
+                        f"evenly over {nnodes} machine(s): set it to a positive multiple of {nnodes} "
+                        f"(it counts processes over all machines)")
+        per_node = 1
+    else:
+        per_node = la.num_processes // nnodes
+    if not use_cpu and per_node > gpu_count:
+        problems.append(f"--num_processes (launch.num_processes) asks for {per_node} process(es) per machine "
+                        f"but this machine has {gpu_count} GPU(s): set --num_processes to at most "
+                        f"{gpu_count * nnodes}, or pass --cpu")
+    ip, port = la.main_process_ip, la.main_process_port
+    if nnodes > 1 and not ip:
+        problems.append(f"--main_process_ip (launch.main_process_ip) is unset but --num_machines is {nnodes}: "
+                        f"set it to the address of machine 0, the same on every machine")
+    if port is not None and not 0 < port < 65536:
+        problems.append(f"--main_process_port (launch.main_process_port) is {port}: set a port from 1 to 65535")
+    if problems:
+        raise ConfigError(problems, source=config.source)
+    if port is None:
+        port = free_loopback_port() if nnodes == 1 else DEFAULT_MULTI_NODE_PORT
+    resolved_launch = dataclasses.replace(
+        la, num_processes=per_node * nnodes, main_process_ip=ip or "127.0.0.1", main_process_port=port,
+        use_cpu=use_cpu)
+    return LaunchPlan(config=config.replace(launch=resolved_launch), nproc_per_node=per_node,
+                      omp_num_threads=max(1, usable_cpus() // per_node), target=target,
+                      cuda_visible_devices=visible)
+
+
+def check_target(target: tuple[str, ...]) -> None:
+    """Fail before any process starts when the script or module does not exist."""
+    if target[0] == "-m":
+        name = target[1]
+        sys.path.insert(0, os.getcwd())  # workers run with the working directory on sys.path, as `python -m`
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except ImportError:  # a parent package is missing
+            found = False
+        finally:
+            sys.path.remove(os.getcwd())
+        if not found:
+            raise ConfigError(f"-m {name}: no module named {name!r} is importable from {os.getcwd()}: "
+                              "check the name, install its package, or run from the directory that holds it")
+    elif not os.path.isfile(target[0]):
+        raise ConfigError(f"script {target[0]!r} does not exist (from {os.getcwd()}): pass the path of a "
+                          "Python file, or -m NAME for a module")
+
+
+def config_yaml(config: RunConfig) -> str:
+    """The config exactly as the workers will read it."""
+    with tempfile.TemporaryDirectory(prefix="zerofit-") as tmp:
+        path = os.path.join(tmp, "config.yaml")
+        save_config(config, path)
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+
+
+def describe(plan: LaunchPlan) -> str:
+    """The dry-run report: the plan as YAML comments, then the resolved config as YAML."""
+    la = plan.config.launch
+    lines = [
+        f"# zerofit launch plan: {plan.world_size} rank(s) = {la.num_machines} machine(s) x "
+        f"{plan.nproc_per_node} process(es); this is machine {la.machine_rank}",
+        f"# backend {plan.backend} on {'cpu' if la.use_cpu else 'one GPU per process'}; "
+        f"rendezvous {plan.rendezvous()}",
+        f"# each rank runs: {' '.join(plan.target)}",
+        f"# torchrun {' '.join(plan.torchrun_argv())}",
+    ]
+    return "\n".join(lines) + "\n" + config_yaml(plan.config)
+
+
+@contextlib.contextmanager
+def _environ(values: dict[str, str]) -> Iterator[None]:
+    """Set environment variables for the workers (torchrun hands them this process's environment)."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def execute(plan: LaunchPlan) -> int:
+    """Run the plan through torchrun; return the exit code (the first failing rank's, else 0)."""
+    # Imported here: torch.distributed.run is slow to import and `--dry-run` does not need it.
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
+
+    with tempfile.TemporaryDirectory(prefix="zerofit-run-") as run_dir:
+        config_path = os.path.join(run_dir, "config.json")  # JSON: exact and fast for every worker to read
+        save_config(plan.config, config_path)
+        env = {CONFIG_FILE_ENV: config_path}
+        if plan.cuda_visible_devices is not None:
+            env["CUDA_VISIBLE_DEVICES"] = plan.cuda_visible_devices
+        if "OMP_NUM_THREADS" not in os.environ:  # else torchrun sets 1 and prints a warning about it
+            env["OMP_NUM_THREADS"] = str(plan.omp_num_threads)
+        with _environ(env):
+            try:
+                torchrun.run(torchrun.parse_args(plan.torchrun_argv()))
+            except ChildFailedError as e:
+                # The summary holds each failed rank's exit code and, through zerofit.cli.worker, its traceback.
+                e.name = " ".join(plan.target[:2] if plan.target[0] == "-m" else plan.target[:1])
+                print(e.format_msg(), file=sys.stderr, flush=True)
+                code = e.get_first_failure()[1].exitcode
+                return 128 - code if code < 0 else (code or 1)  # killed by signal s: 128 + s, as shells do
+            except SignalException as e:
+                print(f"zerofit launch: stopped by {e.sigval.name}; the workers were terminated", file=sys.stderr)
+                return 128 + int(e.sigval)
+            except RendezvousError as e:
+                print(f"zerofit launch: rendezvous {plan.rendezvous()} failed: {e}\n"
+                      "  check that machine 0 is started, that --main_process_ip/--main_process_port match on "
+                      "every machine, and that the port is reachable", file=sys.stderr)
+                return 1
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    target = ("-m", args.target, *args.target_args) if args.module else (args.target, *args.target_args)
+    config = load_config(args.config_file, overrides=overrides_from_args(args))
+    import torch
+
+    plan = plan_launch(config, target, gpu_count=torch.cuda.device_count())
+    check_target(target)
+    if args.dry_run:
+        sys.stdout.write(describe(plan))
+        return 0
+    return execute(plan)
+

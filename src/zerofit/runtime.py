@@ -1,0 +1,59 @@
+"""What a worker process asks about the run it belongs to: its config, its backend, its device.
+
+`zerofit launch` resolves the config once, writes it to a file and points every worker at it through
+`ZEROFIT_CONFIG_FILE`. A script started without the launcher (plain `python train.py`) gets the
+default config, so the same script runs on one process unchanged.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from zerofit.config import load_config
+from zerofit.config.schema import RunConfig
+from zerofit.errors import ConfigError
+
+CONFIG_FILE_ENV = "ZEROFIT_CONFIG_FILE"
+"""Environment variable naming the resolved config file the launcher wrote for its workers."""
+
+_cache: dict[str, RunConfig] = {}
+
+
+def current_config() -> RunConfig:
+    """The run's resolved config: the launcher's file when there is one, else the defaults."""
+    path = os.environ.get(CONFIG_FILE_ENV) or ""
+    if path not in _cache:
+        if path and not os.path.isfile(path):
+            raise ConfigError(f"{CONFIG_FILE_ENV}={path!r} does not exist: start the script with "
+                              f"`zerofit launch`, or unset {CONFIG_FILE_ENV} to use the defaults")
+        _cache[path] = load_config(path or None)
+    return _cache[path]
+
+
+def local_rank() -> int:
+    """This process's index among the workers of its machine (0 without a launcher)."""
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def use_cpu(config: RunConfig | None = None) -> bool:
+    """True when the run computes on CPU: `launch.use_cpu` is set or there is no GPU."""
+    config = config or current_config()
+    return bool(config.launch.use_cpu) or not torch.cuda.is_available()
+
+
+def backend(config: RunConfig | None = None) -> str:
+    """The torch.distributed backend: gloo on CPU, NCCL on GPUs."""
+    return "gloo" if use_cpu(config) else "nccl"
+
+
+def device(config: RunConfig | None = None) -> torch.device:
+    """The device this process computes on: the CPU, or the GPU numbered by its local rank."""
+    if use_cpu(config):
+        return torch.device("cpu")
+    rank, count = local_rank(), torch.cuda.device_count()
+    if rank >= count:
+        raise ConfigError(f"local rank {rank} has no GPU (this machine has {count}): set "
+                          f"--num_processes to at most {count} per machine, or pass --cpu")
+    return torch.device("cuda", rank)

@@ -1,0 +1,153 @@
+"""`zerofit --version`, `launch --dry-run`, `env`, `config` and `demo`, run in-process (no workers start)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from zerofit import __version__
+from zerofit.cli import launch
+from zerofit.cli.main import main
+from zerofit.config import AUTO, load_config
+
+CHECK = Path(__file__).parent / "scripts" / "allreduce_check.py"
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0 and capsys.readouterr().out.strip() == f"zerofit {__version__}"
+
+
+def test_dry_run_prints_the_plan_and_a_loadable_resolved_config(capsys, tmp_path):
+    assert main(["launch", "--dry-run", "--num_processes", "4", "--mixed_precision", "bf16", "--cpu",
+                 str(CHECK), "--lr", "1"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("# zerofit launch plan: 4 rank(s) = 1 machine(s) x 4 process(es)")
+    assert "backend gloo" in out and "rendezvous static at 127.0.0.1:" in out
+    assert f"# each rank runs: {CHECK} --lr 1" in out
+    (tmp_path / "resolved.yaml").write_text(out)
+    cfg = load_config(tmp_path / "resolved.yaml")
+    assert (cfg.launch.num_processes, cfg.launch.use_cpu, cfg.precision.mixed_precision) == (4, True, "bf16")
+    assert cfg.launch.main_process_ip == "127.0.0.1" and cfg.launch.main_process_port
+
+
+def test_dry_run_reads_a_deepspeed_config_and_flags_override_it(capsys, tmp_path):
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
+                              "bf16": {"enabled": True}, "gradient_accumulation_steps": 2}))
+    assert main(["launch", "--dry-run", "--config_file", str(ds), "--num_processes", "2",
+                 "--mixed_precision", "no", str(CHECK)]) == 0
+    resolved = yaml.safe_load(capsys.readouterr().out)
+    assert resolved["zero"]["stage"] == 3 and resolved["zero"]["offload_optimizer"]["device"] == "cpu"
+    assert resolved["precision"]["mixed_precision"] == "no"  # the flag wins over the file
+    assert resolved["launch"]["num_processes"] == 2
+
+
+def test_missing_script_is_one_clear_error(capsys, tmp_path):
+    assert main(["launch", str(tmp_path / "nope.py")]) == 2
+    err = capsys.readouterr().err
+    assert "zerofit launch: error:" in err and "nope.py' does not exist" in err and "-m NAME" in err
+
+
+def test_missing_module_is_one_clear_error(capsys):
+    assert main(["launch", "-m", "zerofit_no_such_module.train"]) == 2
+    assert "no module named 'zerofit_no_such_module.train'" in capsys.readouterr().err
+
+
+def test_a_misspelt_launch_flag_is_rejected_not_passed_on(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["launch", "--num_procs", "2", str(CHECK)])
+    assert info.value.code == 2 and "--num_procs" in capsys.readouterr().err
+
+
+def test_env_prints_a_paste_ready_block(capsys):
+    assert main(["env"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("```") == 2
+    for line in (f"zerofit: {__version__}", "python: 3.", "torch: ", "NCCL: ", "transformers: ", "deepspeed: ",
+                 "GPUs: ", "CPUs: ", "host memory: ", "locked-memory limit"):
+        assert line in out
+
+
+def test_env_can_show_a_resolved_config(capsys, tmp_path):
+    path = tmp_path / "z.yaml"
+    path.write_text("zero:\n  stage: 2\n")
+    assert main(["env", "--config_file", str(path)]) == 0
+    assert "stage: 2" in capsys.readouterr().out
+
+
+CASES = [
+    ["--stage", "0"],
+    ["--stage", "1", "--offload_optimizer", "cpu", "--mixed_precision", "bf16", "--gradient_accumulation_steps", "4",
+     "--gradient_clipping", "1.0"],
+    ["--stage", "2", "--offload_optimizer", "cpu", "--mixed_precision", "fp16"],
+    ["--stage", "3", "--offload_optimizer", "cpu", "--offload_param", "cpu", "--mixed_precision", "bf16"],
+    ["--stage", "3", "--offload_optimizer", "nvme", "--offload_param", "nvme", "--nvme_path", "/local_nvme"],
+]
+
+
+def _flag(case: list[str], name: str, default: str | None) -> str | None:
+    return case[case.index(name) + 1] if name in case else default
+
+
+@pytest.mark.parametrize("fmt", ["zerofit", "deepspeed", "accelerate"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(c[1::2]))
+def test_config_writes_a_file_that_loads_back_to_the_same_settings(fmt, case, tmp_path, capsys):
+    suffix = ".json" if fmt == "deepspeed" else ".yaml"
+    out = tmp_path / f"cfg{suffix}"
+    procs = [] if fmt == "deepspeed" else ["--num_processes", "2"]
+    assert main(["config", *case, *procs, "--format", fmt, "-o", str(out)]) == 0
+    assert "zerofit launch --config_file" in capsys.readouterr().out
+    cfg = load_config(out)
+    assert cfg.zero.stage == int(case[1])
+    assert cfg.zero.offload_optimizer.device == _flag(case, "--offload_optimizer", "none")
+    assert cfg.zero.offload_param.device == _flag(case, "--offload_param", "none")
+    for offload in (cfg.zero.offload_optimizer, cfg.zero.offload_param):
+        if offload.device == "nvme":
+            assert offload.nvme_path == "/local_nvme"
+    assert cfg.precision.mixed_precision == _flag(case, "--mixed_precision", "no")
+    unset = 1 if fmt == "zerofit" else AUTO  # deepspeed and accelerate users expect "auto" from the script
+    gas, clip = _flag(case, "--gradient_accumulation_steps", None), _flag(case, "--gradient_clipping", None)
+    assert cfg.batch.gradient_accumulation_steps == (unset if gas is None else int(gas))
+    assert cfg.gradient_clipping == ((0.0 if fmt == "zerofit" else AUTO) if clip is None else float(clip))
+    if procs:
+        assert cfg.launch.num_processes == 2
+    if fmt == "deepspeed":
+        assert "zero_optimization" in json.loads(out.read_text())
+    if fmt == "accelerate":
+        assert yaml.safe_load(out.read_text())["distributed_type"] == "DEEPSPEED"
+
+
+@pytest.mark.parametrize(("args", "match"), [
+    (["--stage", "3", "--offload_param", "nvme"], r"--offload_param nvme needs a directory: add --nvme_path"),
+    (["--stage", "2", "--nvme_path", "/x"], r"--nvme_path /x is unused"),
+    (["--stage", "2", "--format", "deepspeed", "--num_processes", "2"], r"--num_processes has no place in a DeepSpeed"),
+    (["--stage", "2", "--offload_param", "cpu"], r"offload_param"),
+])
+def test_config_rejects_contradictions_naming_the_flag(args, match, tmp_path, capsys):
+    out = tmp_path / "c.yaml"
+    assert main(["config", *args, "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "zerofit config: error:" in err
+    assert re.search(match, err), err
+    assert not out.exists()
+
+
+def test_demo_is_a_two_process_cpu_launch_of_the_demo_module(monkeypatch):
+    seen = {}
+
+    def execute(plan):
+        seen["plan"] = plan
+        return 0
+
+    monkeypatch.setattr(launch, "check_target", lambda target: None)  # the demo module ships with the engine
+    monkeypatch.setattr(launch, "execute", execute)
+    assert main(["demo", "--stage", "3", "--steps", "20"]) == 0
+    plan = seen["plan"]
+    assert plan.world_size == 2 and plan.backend == "gloo" and plan.config.launch.use_cpu
+    assert plan.target == ("-m", "zerofit.demo.train", "--stage", "3", "--steps", "20")

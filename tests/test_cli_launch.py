@@ -1,0 +1,104 @@
+"""`zerofit launch` end to end: real torchrun launches of tests/scripts/allreduce_check.py on CPU.
+
+Each launch takes a few seconds (process start-up and a gloo rendezvous); every one is bounded by a timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from zerofit.cli.launch import free_loopback_port
+
+pytestmark = pytest.mark.slow
+
+SCRIPTS = Path(__file__).parent / "scripts"
+CHECK = SCRIPTS / "allreduce_check.py"
+TIMEOUT_S = 120
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("ZEROFIT_CONFIG_FILE", None)
+    env.pop("OMP_NUM_THREADS", None)
+    return env
+
+
+def zerofit_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "zerofit.cli.main", *args]
+
+
+def run_zerofit(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(zerofit_cmd(*args), capture_output=True, text=True, timeout=TIMEOUT_S,
+                          env=_env(), cwd=cwd)
+
+
+def reports(stdout: str) -> list[dict]:
+    """The JSON lines the check script prints, one per rank, sorted by rank."""
+    found = [json.loads(line.split(" ", 1)[1]) for line in stdout.splitlines() if line.startswith("ZEROFIT_TEST ")]
+    return sorted(found, key=lambda r: r["rank"])
+
+
+def test_two_process_cpu_launch_runs_all_reduce_on_gloo_with_the_config_file():
+    proc = run_zerofit("launch", "--num_processes", "2", str(CHECK))
+    assert proc.returncode == 0, proc.stderr
+    ranks = reports(proc.stdout)
+    assert [r["rank"] for r in ranks] == [0, 1]
+    for r in ranks:
+        assert r["world_size"] == 2 and r["backend"] == "gloo" and r["sum"] == 3.0
+        assert r["master_addr"] == "127.0.0.1"  # single-node rendezvous stays on loopback
+        assert r["config_file"] and r["num_processes"] == 2 and r["use_cpu"] is True  # read from the launcher's file
+        assert r["omp"] == str(max(1, len(os.sched_getaffinity(0)) // 2))
+        assert r["argv0"] == "allreduce_check.py"
+    assert "OMP_NUM_THREADS" not in proc.stderr  # torchrun's warning is not shown
+
+
+def test_failing_rank_shows_its_traceback_and_fails_the_launch():
+    proc = run_zerofit("launch", "--num_processes", "2", "-m", "allreduce_check", "--fail-rank", "1", cwd=SCRIPTS)
+    assert proc.returncode == 1
+    summary = proc.stderr[proc.stderr.index("allreduce_check FAILED"):]
+    assert "rank      : 1" in summary
+    assert "Traceback (most recent call last)" in summary
+    assert "RuntimeError: deliberate failure on rank 1" in summary
+    assert "zerofit/cli/worker.py" not in summary  # the bootstrap's frames are trimmed
+
+
+def test_exit_code_of_a_worker_is_the_exit_code_of_the_launch():
+    proc = run_zerofit("launch", str(CHECK), "--exit-code", "3")
+    assert proc.returncode == 3, proc.stderr
+    assert [r["world_size"] for r in reports(proc.stdout)] == [1]
+
+
+def test_two_machines_on_loopback_join_one_world():
+    port = str(free_loopback_port())
+    procs = [subprocess.Popen(zerofit_cmd("launch", "--num_machines", "2", "--machine_rank", str(rank),
+                                          "--main_process_ip", "127.0.0.1", "--main_process_port", port,
+                                          "--num_processes", "2", str(CHECK)),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+             for rank in (0, 1)]
+    outputs = []
+    try:
+        for p in procs:
+            outputs.append(p.communicate(timeout=TIMEOUT_S))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for p, (_, err) in zip(procs, outputs, strict=True):
+        assert p.returncode == 0, err
+    ranks = [reports(out)[0] for out, _ in outputs]
+    assert [r["rank"] for r in ranks] == [0, 1]
+    assert all(r["world_size"] == 2 and r["sum"] == 3.0 and r["num_processes"] == 2 for r in ranks)
+
+
+def test_zerofit_demo_trains_on_two_cpu_processes():
+    pytest.importorskip("zerofit.demo.train")
+    proc = run_zerofit("demo", "--steps", "3")
+    assert proc.returncode == 0, proc.stderr
+    assert "2 processes (gloo)" in proc.stdout and "done:" in proc.stdout

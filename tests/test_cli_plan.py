@@ -1,0 +1,128 @@
+"""The launch plan and the flag set, without starting any process."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from torch.distributed import run as torchrun
+
+from zerofit.cli.launch import DEFAULT_MULTI_NODE_PORT, WORKER_MODULE, plan_launch
+from zerofit.cli.main import build_parser
+from zerofit.config.schema import LaunchConfig, RunConfig
+from zerofit.errors import ConfigError
+
+TARGET = ("train.py", "--lr", "1e-3")
+
+
+def config(**launch) -> RunConfig:
+    return RunConfig(launch=dataclasses.replace(LaunchConfig(), **launch))
+
+
+def test_cpu_default_is_one_process_on_a_free_loopback_port():
+    plan = plan_launch(config(), TARGET, gpu_count=0)
+    la = plan.config.launch
+    assert (plan.world_size, plan.nproc_per_node, plan.backend) == (1, 1, "gloo")
+    assert la.num_processes == 1 and la.use_cpu is True and la.main_process_ip == "127.0.0.1"
+    assert 0 < la.main_process_port < 65536
+
+
+def test_gpu_default_is_one_process_per_gpu_on_nccl():
+    plan = plan_launch(config(), TARGET, gpu_count=4)
+    assert (plan.world_size, plan.backend, plan.config.launch.use_cpu) == (4, "nccl", False)
+
+
+def test_use_cpu_wins_over_gpus():
+    plan = plan_launch(config(use_cpu=True, num_processes=3), TARGET, gpu_count=8)
+    assert (plan.world_size, plan.backend) == (3, "gloo")
+
+
+def test_num_processes_counts_all_machines():
+    plan = plan_launch(config(num_processes=8, num_machines=2, machine_rank=1, main_process_ip="10.0.0.1"),
+                       TARGET, gpu_count=4)
+    assert plan.nproc_per_node == 4 and plan.world_size == 8
+    assert plan.config.launch.main_process_port == DEFAULT_MULTI_NODE_PORT
+
+
+def test_static_argv_is_accepted_by_torchrun():
+    plan = plan_launch(config(num_processes=2, main_process_port=1234), TARGET, gpu_count=0)
+    args = torchrun.parse_args(plan.torchrun_argv())
+    assert (args.nnodes, args.nproc_per_node, args.rdzv_backend) == ("1", "2", "static")
+    assert (args.master_addr, args.master_port, args.node_rank) == ("127.0.0.1", 1234, 0)
+    assert args.module and args.training_script == WORKER_MODULE
+    assert args.training_script_args == list(TARGET)
+
+
+def test_c10d_argv_uses_an_endpoint_and_no_node_rank():
+    plan = plan_launch(config(num_machines=2, machine_rank=1, main_process_ip="10.0.0.1", main_process_port=29400,
+                              rdzv_backend="c10d", use_cpu=True, num_processes=2),
+                       ("-m", "pkg.train"), gpu_count=0)
+    argv = plan.torchrun_argv()
+    args = torchrun.parse_args(argv)
+    assert args.rdzv_backend == "c10d" and args.rdzv_endpoint == "10.0.0.1:29400"
+    assert "--node-rank" not in argv
+    assert args.training_script_args == ["-m", "pkg.train"]
+
+
+def test_every_launch_problem_is_reported_at_once():
+    with pytest.raises(ConfigError) as info:
+        plan_launch(config(num_processes=3, num_machines=2, machine_rank=2, max_restarts=-1), TARGET, gpu_count=0)
+    message = str(info.value)
+    assert "4 problem(s)" in message
+    assert "--num_processes (launch.num_processes) is 3" in message and "multiple of 2" in message
+    assert "--machine_rank (launch.machine_rank) is 2" in message
+    assert "--main_process_ip (launch.main_process_ip) is unset" in message
+    assert "--max_restarts (launch.max_restarts) is -1" in message
+
+
+def test_more_processes_than_gpus_names_the_flag_and_the_fix():
+    with pytest.raises(ConfigError, match=r"--num_processes .* 3 process\(es\) per machine .* 2 GPU\(s\).*--cpu"):
+        plan_launch(config(num_processes=3), TARGET, gpu_count=2)
+
+
+def test_bad_port_is_rejected():
+    with pytest.raises(ConfigError, match=r"--main_process_port \(launch.main_process_port\) is 70000"):
+        plan_launch(config(main_process_port=70000), TARGET, gpu_count=0)
+
+
+def _subparser(name: str):
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    return sub.choices[name]
+
+
+def test_subcommands_are_frozen():
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    assert set(sub.choices) == {"launch", "env", "config", "demo"}
+
+
+def test_launch_flag_set_is_frozen():
+    """A change here is a change of the public CLI: update the README's reference with it."""
+    flags = {s for a in _subparser("launch")._actions for s in a.option_strings}
+    assert flags == {
+        "-h", "--help", "--config_file", "--config-file", "--num_processes", "--num-processes",
+        "--num_machines", "--num-machines", "--machine_rank", "--machine-rank",
+        "--main_process_ip", "--main-process-ip", "--main_process_port", "--main-process-port",
+        "--mixed_precision", "--mixed-precision", "--cpu", "--max_restarts", "--max-restarts",
+        "--dry-run", "--dry_run", "-m", "--module",
+    }
+
+
+def test_config_flag_set_is_frozen():
+    flags = {s for a in _subparser("config")._actions for s in a.option_strings if s.startswith("--")}
+    assert {f for f in flags if "-" not in f[2:]} == {
+        "--help", "--stage", "--offload_optimizer", "--offload_param", "--nvme_path", "--mixed_precision",
+        "--num_processes", "--gradient_accumulation_steps", "--gradient_clipping", "--format", "--output"}
+
+
+def test_script_arguments_after_the_target_are_not_zerofit_flags():
+    args = build_parser().parse_args(["launch", "--num_processes", "2", "train.py", "--num_processes", "9", "-m"])
+    assert args.num_processes == 2 and args.target == "train.py" and not args.module
+    assert args.target_args == ["--num_processes", "9", "-m"]
+
+
+def test_gpu_ids_limit_the_processes_and_the_visible_gpus():
+    plan = plan_launch(config(gpu_ids="1,3"), TARGET, gpu_count=4)
+    assert plan.world_size == 2 and plan.cuda_visible_devices == "1,3"
+    with pytest.raises(ConfigError, match=r"launch.gpu_ids is '1,7' .* GPUs 0..3"):
+        plan_launch(config(gpu_ids="1,7"), TARGET, gpu_count=4)

@@ -1,0 +1,47 @@
+"""`zerofit.runtime`: what a worker learns about its run, with and without the launcher."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from zerofit import runtime
+from zerofit.config import load_config, save_config
+from zerofit.errors import ConfigError
+
+
+@pytest.fixture(autouse=True)
+def _fresh(monkeypatch):
+    monkeypatch.delenv(runtime.CONFIG_FILE_ENV, raising=False)
+    monkeypatch.setattr(runtime, "_cache", {})
+
+
+def test_without_the_launcher_the_config_is_the_default():
+    assert runtime.current_config() == load_config(None)
+
+
+def test_with_the_launcher_the_config_is_its_file(monkeypatch, tmp_path):
+    path = tmp_path / "config.json"
+    save_config(load_config(None, overrides={"zero.stage": 2, "launch.use_cpu": True}), path)
+    monkeypatch.setenv(runtime.CONFIG_FILE_ENV, str(path))
+    cfg = runtime.current_config()
+    assert cfg.zero.stage == 2 and runtime.current_config() is cfg  # read once per process
+    assert runtime.backend(cfg) == "gloo" and runtime.device(cfg) == torch.device("cpu")
+
+
+def test_a_missing_config_file_names_the_variable_and_the_fix(monkeypatch, tmp_path):
+    monkeypatch.setenv(runtime.CONFIG_FILE_ENV, str(tmp_path / "gone.json"))
+    with pytest.raises(ConfigError, match=r"ZEROFIT_CONFIG_FILE=.*gone.json.* does not exist: start the script with"):
+        runtime.current_config()
+
+
+def test_gpu_selection_follows_the_local_rank(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    cfg = load_config(None)
+    assert runtime.backend(cfg) == "nccl" and runtime.device(cfg) == torch.device("cuda", 1)
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    with pytest.raises(ConfigError, match=r"local rank 2 has no GPU \(this machine has 2\)"):
+        runtime.device(cfg)
+    assert runtime.backend(load_config(None, overrides={"launch.use_cpu": True})) == "gloo"
