@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from zerofit.config.schema import LossScaleConfig, PrecisionConfig, ZeroConfig
+from zerofit.config.schema import LossScaleConfig, OffloadConfig, PrecisionConfig, ZeroConfig
 from zerofit.engine import ZeroEngine
 
 VOCAB, DIM, SEQ = 37, 13, 5  # prime sizes: nothing divides evenly by the world size
@@ -56,6 +56,9 @@ class Case:
     batch: int = 8  # global batch per optimizer step
     persistence: int = 0
     overflow_at: int = -1  # inject inf into rank 1's loss at this step
+    offload: str = "none"  # offload_optimizer.device
+    ratio: float = 1.0
+    offload_param: str = "none"
 
 
 def batches(case: Case):
@@ -103,7 +106,10 @@ def run_engine(rank: int, world: int, case: Case, record_grads: bool = True):
     model, opt = make_model_and_optim(case)
     precision = PrecisionConfig(mixed_precision=case.precision,
                                 loss_scale=LossScaleConfig(initial_scale_power=8, hysteresis=1))
-    engine = ZeroEngine(model, opt, zero=ZeroConfig(stage=case.stage, param_persistence_threshold=case.persistence),
+    zero = ZeroConfig(stage=case.stage, param_persistence_threshold=case.persistence,
+                      offload_optimizer=OffloadConfig(device=case.offload, ratio=case.ratio),
+                      offload_param=OffloadConfig(device=case.offload_param))
+    engine = ZeroEngine(model, opt, zero=zero,
                         precision=precision, gradient_accumulation_steps=case.gas,
                         gradient_clipping=case.clip, device=torch.device("cpu"))
     micro = case.batch // (world * case.gas)
@@ -127,4 +133,6 @@ def run_engine(rank: int, world: int, case: Case, record_grads: bool = True):
         skipped.append(not engine.step())
     params = engine.named_full_tensors("master")
     return {"losses": losses, "grads": grads, "params": params, "skipped": skipped,
-            "micro_comm": micro_comm, "scale": engine.scaler.scale}
+            "micro_comm": micro_comm, "scale": engine.scaler.scale,
+            "offloaded": sum(g.placement.offload_state for g in engine.groups),
+            "param_offloaded": sum(g.placement.offload_params for g in engine.groups)}

@@ -62,18 +62,23 @@ class Collectives:
         # High priority so that gathers needed by the next layer are not queued behind compute.
         self.stream = torch.cuda.Stream(device=device, priority=-1) if device.type == "cuda" else None
 
-    def _issue(self, label: str, run: Callable[[bool], object], then, keep) -> Pending:
-        if self.world == 1:
-            if then is not None:
-                then()
+    def _issue(self, label: str, run: Callable[[bool], object] | None, then, keep) -> Pending:
+        """Run `run(async_op)` then `then()` off the compute stream; `run` None: nothing to communicate."""
+        if run is None and then is None:
             return _finished()
-        self.calls += 1
+        if self.world > 1:
+            self.calls += 1
         with record_function(f"zerofit::{label}"):
             if self.stream is None:
-                return Pending(work=run(True), then=then, keep=keep)
+                work = run(True) if run is not None else None
+                if work is None and then is not None:
+                    then()
+                    return _finished()
+                return Pending(work=work, then=then, keep=keep)
             self.stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(self.stream):
-                run(False)
+                if run is not None:
+                    run(False)
                 if then is not None:
                     then()
                 event = torch.cuda.Event()
@@ -82,22 +87,35 @@ class Collectives:
 
     def all_gather(self, out_full: torch.Tensor, in_shard: torch.Tensor, label: str,
                    then: Callable[[], None] | None = None) -> Pending:
-        """Fill `out_full` with every rank's `in_shard` in rank order (in place if `in_shard` is its slice)."""
-        return self._issue(f"all_gather:{label}",
-                           lambda a: _all_gather(out_full, in_shard, group=self.group, async_op=a),
-                           then, (out_full, in_shard))
+        """Fill `out_full` with every rank's `in_shard` in rank order (in place if `in_shard` is its slice).
+
+        `in_shard` may live in host memory (offloaded parameters): it is uploaded on the way.
+        """
+        if self.world == 1:
+            same = out_full.data_ptr() == in_shard.data_ptr()
+            run = None if same else (lambda a: _copy(out_full, in_shard))
+            return self._issue(f"upload:{label}", run, then, (out_full, in_shard))
+
+        def run(a):
+            src = in_shard.to(out_full.device, non_blocking=True)
+            return _all_gather(out_full, src, group=self.group, async_op=a)
+        return self._issue(f"all_gather:{label}", run, then, (out_full, in_shard))
 
     def reduce_scatter(self, out_shard: torch.Tensor, in_full: torch.Tensor, label: str,
                        then: Callable[[], None] | None = None) -> Pending:
         """Sum `in_full` over ranks and leave this rank's shard of the sum in `out_shard`."""
         if self.world == 1:
-            out_shard.copy_(in_full)
+            same = out_shard.data_ptr() == in_full.data_ptr()
+            run = None if same else (lambda a: _copy(out_shard, in_full))
+            return self._issue(f"copy:{label}", run, then, (out_shard, in_full))
         return self._issue(f"reduce_scatter:{label}",
                            lambda a: _reduce_scatter(out_shard, in_full, group=self.group, async_op=a),
                            then, (out_shard, in_full))
 
     def all_reduce(self, tensor: torch.Tensor, label: str, then: Callable[[], None] | None = None) -> Pending:
         """Sum `tensor` over ranks in place."""
+        if self.world == 1:
+            return self._issue(f"all_reduce:{label}", None, then, (tensor,))
         return self._issue(f"all_reduce:{label}",
                            lambda a: dist.all_reduce(tensor, group=self.group, async_op=a),
                            then, (tensor,))
@@ -115,3 +133,7 @@ def _finished() -> Pending:
     p = Pending()
     p.done = True
     return p
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    dst.copy_(src, non_blocking=True)

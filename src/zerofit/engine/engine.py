@@ -65,19 +65,21 @@ class ZeroEngine:
         self.gradient_accumulation_steps = gradient_accumulation_steps
         self.gradient_clipping = float(gradient_clipping or 0.0)
         for key, off in (("offload_optimizer", self.zero.offload_optimizer), ("offload_param", self.zero.offload_param)):
-            if off.enabled:
-                raise EngineError(f"zero_optimization.{key}.device {off.device!r} is not supported by this "
-                                  f"zerofit version yet: set it to 'none' (offload lands with the offload engine)")
+            if off.device == "nvme":
+                raise EngineError(f"zero_optimization.{key}.device 'nvme' is not supported by this zerofit "
+                                  "version yet: use 'cpu' (NVMe offload lands with the NVMe tier)")
         self.device = device or default_device()
         self.comm = Collectives(group, self.device)
         self.compute_dtype = _DTYPES[self.precision.mixed_precision]
         self.scaler = LossScaler(self.precision.loss_scale, enabled=self.precision.mixed_precision == "fp16")
         self.policy = StagePolicy(stage=self.zero.stage, world=self.comm.world, rank=self.comm.rank,
-                                  persistence_threshold=int(self.zero.param_persistence_threshold))
+                                  persistence_threshold=int(self.zero.param_persistence_threshold),
+                                  offload_param=self.zero.offload_param.enabled)
         self._move_buffers()
         self.units = self._build_units(init_fn)
         self.groups = [g for u in self.units for g in u.groups]
         self._trainable = [g for g in self.groups if g.trainable]
+        self._host_grads = [g for g in self._trainable if g.placement.offload_state]
         if optimizer is not None:
             rebind_optimizer(optimizer, self._trainable, self.comm.rank)
         self._inflight: deque[Pending] = deque()
@@ -109,7 +111,9 @@ class ZeroEngine:
             raise EngineError(f"the optimizer holds {len(missing)} tensor(s) that are not parameters of the "
                               "model: build the optimizer from model.parameters()")
         units = []
-        for spec in plan_units(self.model, size_threshold=self.zero.unit_size_threshold):
+        specs = plan_units(self.model, size_threshold=self.zero.unit_size_threshold)
+        offloaded = self._offloaded_units(specs)
+        for spec in specs:
             if meta is not None:  # one unit at a time: never the whole model at once
                 real = meta.materialize([p for _, p in spec.params])
                 for (_, old), new in zip(spec.params, real):
@@ -128,7 +132,8 @@ class ZeroEngine:
             for members, trainable in ((train, True), (frozen, False)):
                 if not members:
                     continue
-                placement = self.policy.placement(trainable=trainable, unit_numel=spec.numel)
+                placement = self.policy.placement(trainable=trainable, unit_numel=spec.numel,
+                                                  offload_state=id(spec.module) in offloaded)
                 groups.append(FlatGroup(
                     spec.name, [n for n, _ in members], [p for _, p in members],
                     [group_of[id(p)] if trainable else 0 for _, p in members], trainable=trainable,
@@ -137,6 +142,21 @@ class ZeroEngine:
         if meta is not None:
             meta.finish()
         return units
+
+    def _offloaded_units(self, specs) -> set[int]:
+        """Modules of the units whose optimizer runs on the host: a `ratio` share of the parameters,
+        taken from the last units first (their gradients arrive first, leaving the host the most time)."""
+        off = self.zero.offload_optimizer
+        if not off.enabled:
+            return set()
+        total = sum(s.numel for s in specs)
+        chosen, taken = set(), 0
+        for spec in reversed(specs):
+            if taken >= off.ratio * total - 1e-9:
+                break
+            chosen.add(id(spec.module))
+            taken += spec.numel
+        return chosen
 
     def _cast_inputs(self, _module, args, kwargs):
         def cast(x):
@@ -172,6 +192,12 @@ class ZeroEngine:
             if not unit.reduced and (unit.has_new_grads() or needs_sync_reduce):
                 self._launch(unit.reduce(sync=sync))
             unit.release()
+        if self._host_grads:
+            # Offloaded gradients: the staging buffers are reused by the next micro-step, so their
+            # contents must reach the host gradient shards now (waits for the downloads in flight).
+            self._drain()
+            for g in self._host_grads:
+                g.settle_host_grad()
         self._micro_step = 0 if sync else self._micro_step + 1
 
     def _on_grad(self, unit: Unit, group: int, index: int, param: nn.Parameter) -> None:
@@ -201,7 +227,7 @@ class ZeroEngine:
         inv_scale = 1.0 / self.scaler.scale
         norm = None
         if need_norm or max_norm > 0 or self.scaler.enabled:
-            sumsq = local_grad_sumsq(self._trainable).to(self.device)
+            sumsq = local_grad_sumsq(self._trainable, self.device)
             if any(g.placement.shard_world > 1 for g in self._trainable):
                 self.comm.all_reduce_now(sumsq, "grad_norm")
             norm = sumsq.sqrt() * inv_scale
@@ -233,6 +259,13 @@ class ZeroEngine:
         self._publish()
         self.zero_grad()
         return True
+
+    def refresh_params(self) -> None:
+        """Rebuild the compute-dtype parameters from the fp32 masters (after a checkpoint wrote into them)."""
+        self._drain()
+        for unit in self.units:  # a gathered stage-3 unit would keep stale values until its next release
+            unit.release()
+        self._publish()
 
     def _publish(self) -> None:
         gathers = []
@@ -266,7 +299,7 @@ class ZeroEngine:
         for g in self.groups:
             if what != "param" and not g.trainable:
                 continue
-            local = {"master": g.master, "grad": g.grad_shard, "param": g.param_shard}[what]
+            local = {"master": g.master, "grad": g.grad_shard, "param": g.param_shard}[what].to(self.device)
             full = torch.empty(g.layout.padded_numel, dtype=local.dtype, device=local.device)
             if g.placement.shard_world > 1:
                 self.comm.all_gather(full, local.contiguous(), "inspect").wait()

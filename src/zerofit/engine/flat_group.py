@@ -38,6 +38,10 @@ class GroupPlacement:
     """Parameters exist only as shards between uses (stage 3, above the persistence threshold)."""
     keep_full_grads: bool
     """Full gradients persist across micro-steps (stages 0-1); else reduced every micro-step."""
+    offload_state: bool = False
+    """fp32 master, gradient shard and optimizer state live in host memory; the optimizer steps there."""
+    offload_params: bool = False
+    """The parameter shard lives in host memory and is uploaded for each gather (stage 3)."""
 
 
 class FlatGroup:
@@ -56,26 +60,44 @@ class FlatGroup:
         self.layout: FlatLayout = plan_layout([p.numel() for p in params], placement.shard_world,
                                               groups=groups, align=align)
         lo, hi = self.layout.shard_range(placement.rank)
+        host = torch.device("cpu")
+        self.device = device
+        pin = device.type == "cuda"  # page-locked host memory makes host<->GPU copies asynchronous
         flat = torch.zeros(self.layout.padded_numel, dtype=compute_dtype, device=device)
         master_src = None
         with torch.no_grad():
             for p, off in zip(params, self.layout.offsets):
                 flat[off:off + p.numel()].copy_(p.detach().reshape(-1))
-            if trainable and compute_dtype != torch.float32:
-                master_src = self._gather_fp32_shard(params, lo, hi, device)
+            if trainable and (compute_dtype != torch.float32 or placement.offload_state):
+                master_src = self._gather_fp32_shard(params, lo, hi, host if placement.offload_state else device)
         self.param_flat = flat
         self._full_bytes = flat.untyped_storage().nbytes()
-        self.param_shard = flat[lo:hi].clone() if placement.shard_params else flat[lo:hi]
+        self.param_shard = flat[lo:hi]
+        if placement.shard_params:
+            self.param_shard = _on(flat[lo:hi], host, pin) if placement.offload_params else flat[lo:hi].clone()
         self.master: torch.Tensor | None = None
         self.grad_shard: torch.Tensor | None = None
         self.grad_flat: torch.Tensor | None = None
+        self._grad_staging: torch.Tensor | None = None
+        self._param_staging: torch.Tensor | None = None
+        self._grad_event = None
         if trainable:
-            self.master = master_src if master_src is not None else self.param_shard
-            self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=torch.float32, device=device)
-            if placement.shard_world == 1:
+            if master_src is None:
+                self.master = self.param_shard
+            else:
+                self.master = _on(master_src, host, pin) if placement.offload_state else master_src
+            state_device = host if placement.offload_state else device
+            self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=torch.float32, device=state_device,
+                                          pin_memory=pin and state_device.type == "cpu")
+            if placement.shard_world == 1 and not placement.offload_state:
                 self.grad_flat = self.grad_shard
             elif placement.keep_full_grads:
                 self.grad_flat = torch.zeros(self.layout.padded_numel, dtype=torch.float32, device=device)
+            if placement.offload_state and pin:
+                self._grad_staging = torch.empty(self.layout.shard_numel, dtype=torch.float32, pin_memory=True)
+                if self.param_shard.device.type == "cuda":
+                    self._param_staging = torch.empty(self.layout.shard_numel, dtype=compute_dtype,
+                                                      pin_memory=True)
         for p, off, shape in zip(params, self.layout.offsets, self.shapes):
             p.data = flat[off:off + p.numel()].view(shape)
         self.gathered = True
@@ -108,9 +130,33 @@ class FlatGroup:
             self.gathered = False
 
     def publish_master(self) -> None:
-        """Copy the updated fp32 master into this rank's compute-dtype shard."""
-        if self.master is not None and self.master is not self.param_shard:
+        """Copy the updated fp32 master into this rank's compute-dtype shard (uploading it if offloaded)."""
+        if self.master is None or self.master is self.param_shard:
+            return
+        if self._param_staging is not None:
+            self._param_staging.copy_(self.master)  # cast on the host, then one async upload
+            self.param_shard.copy_(self._param_staging, non_blocking=True)
+        else:
             self.param_shard.copy_(self.master)
+
+    def take_reduced_grad(self, grad: torch.Tensor) -> None:
+        """Add one micro-step's reduced gradient shard into `grad_shard` (through host memory if offloaded).
+
+        On CUDA with offload this only starts the download; `settle_host_grad` finishes it.
+        """
+        if self._grad_staging is None:
+            self.grad_shard.add_(grad)
+            return
+        self._grad_staging.copy_(grad, non_blocking=True)
+        self._grad_event = torch.cuda.Event()
+        self._grad_event.record()
+
+    def settle_host_grad(self) -> None:
+        """Wait for a started gradient download and add it into the host gradient shard."""
+        if self._grad_event is not None:
+            self._grad_event.synchronize()
+            self._grad_event = None
+            self.grad_shard.add_(self._grad_staging)
 
     # --- gradients --------------------------------------------------------------------------
     def accumulate(self, index: int, grad: torch.Tensor) -> None:
@@ -122,7 +168,7 @@ class FlatGroup:
         self.grad_flat[off:off + grad.numel()].view_as(grad).add_(grad)
 
     def drop_grad_flat(self) -> None:
-        """Forget the transient full gradient buffer (stages 2-3 after its reduce-scatter)."""
+        """Forget the transient full gradient buffer (after it was handed to its reduction)."""
         if self.grad_flat is not self.grad_shard and not self.placement.keep_full_grads:
             self.grad_flat = None
 
@@ -136,3 +182,12 @@ class FlatGroup:
         """The parameter's values as a view (valid while gathered)."""
         off, n = self.layout.offsets[index], self.layout.numels[index]
         return self.param_flat[off:off + n].view(self.shapes[index])
+
+
+def _on(t: torch.Tensor, device: torch.device, pin: bool) -> torch.Tensor:
+    """`t` copied to `device` (pinned when it goes to the host of a GPU run)."""
+    if device.type == "cpu" and pin:
+        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        out.copy_(t)
+        return out
+    return t.to(device, copy=True) if t.device != device else t.clone()

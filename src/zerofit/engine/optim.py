@@ -57,16 +57,26 @@ def rebind_optimizer(optimizer: torch.optim.Optimizer, groups: list[FlatGroup], 
     optimizer.state = defaultdict(dict)
 
 
-def local_grad_sumsq(groups: list[FlatGroup]) -> torch.Tensor:
-    """Sum of squared gradient elements of this rank's shards (fp32, on device)."""
-    shards = [fg.grad_shard for fg in groups if fg.grad_shard is not None]
-    if not shards:
-        return torch.zeros((), dtype=torch.float32)
-    norms = torch._foreach_norm(shards, 2.0)
-    return torch.stack(norms).square().sum()
+def _by_device(groups: list[FlatGroup]) -> dict[torch.device, list[torch.Tensor]]:
+    out: dict[torch.device, list[torch.Tensor]] = {}
+    for fg in groups:
+        if fg.grad_shard is not None:
+            out.setdefault(fg.grad_shard.device, []).append(fg.grad_shard)
+    return out
+
+
+def local_grad_sumsq(groups: list[FlatGroup], device: torch.device) -> torch.Tensor:
+    """Sum of squared gradient elements of this rank's shards (fp32, on `device`).
+
+    Offloaded shards are summed where they live; only one scalar per device moves.
+    """
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for shards in _by_device(groups).values():
+        total += torch.stack(torch._foreach_norm(shards, 2.0)).square().sum().to(device)
+    return total
 
 
 def scale_grads(groups: list[FlatGroup], factor: torch.Tensor | float) -> None:
-    shards = [fg.grad_shard for fg in groups if fg.grad_shard is not None]
-    if shards:
-        torch._foreach_mul_(shards, factor)
+    for dev, shards in _by_device(groups).items():
+        f = factor.to(dev) if isinstance(factor, torch.Tensor) else factor
+        torch._foreach_mul_(shards, f)

@@ -24,6 +24,8 @@ class StagePolicy:
     world: int
     rank: int
     persistence_threshold: int
+    offload_param: bool = False
+    """Stage 3 parameter shards live in host memory (so stage 3 shards even on one rank)."""
 
     def __post_init__(self) -> None:
         if self.stage not in (0, 1, 2, 3):
@@ -40,11 +42,17 @@ class StagePolicy:
 
     def shards_params_of(self, unit_numel: int) -> bool:
         """Stage 3 shards a unit's parameters unless it is small enough to stay whole."""
-        return self.stage == 3 and self.world > 1 and unit_numel >= self.persistence_threshold
+        return (self.stage == 3 and (self.world > 1 or self.offload_param)
+                and unit_numel >= self.persistence_threshold)
 
-    def placement(self, *, trainable: bool, unit_numel: int) -> GroupPlacement:
+    def placement(self, *, trainable: bool, unit_numel: int, offload_state: bool = False) -> GroupPlacement:
+        """`offload_state`: this unit's optimizer runs on the host (chosen per unit by offload ratio)."""
         shard_params = self.shards_params_of(unit_numel)
         shard_world = self.world if (shard_params or (trainable and self.shards_optimizer)) else 1
+        offload_state = trainable and offload_state
         return GroupPlacement(shard_world=shard_world, rank=self.rank if shard_world > 1 else 0,
                               shard_params=shard_params,
-                              keep_full_grads=trainable and not self.reduces_every_micro_step)
+                              # offloaded gradients go to the host as soon as they are reduced
+                              keep_full_grads=trainable and not self.reduces_every_micro_step and not offload_state,
+                              offload_state=offload_state,
+                              offload_params=shard_params and self.offload_param)

@@ -92,6 +92,9 @@ class Unit:
         world = self.comm.world
         for g in self.trainable:
             pl = g.placement
+            if pl.offload_state:
+                out.extend(self._reduce_to_host(g))
+                continue
             if world == 1:
                 continue  # grad_flat is grad_shard: backward already accumulated in place
             if pl.shard_world == 1:
@@ -110,3 +113,15 @@ class Unit:
                 out.append(self.comm.reduce_scatter(part, full, self.name,
                                                     then=lambda s=shard, p=part: s.add_(p.div_(world))))
         return out
+
+    def _reduce_to_host(self, g: FlatGroup) -> list[Pending]:
+        """Offloaded optimizer: reduce this micro-step's gradients and send the shard to the host now."""
+        if g.grad_flat is None:
+            return []
+        full, world = g.grad_flat, self.comm.world
+        g.drop_grad_flat()
+        if world == 1:
+            return [self.comm.reduce_scatter(full, full, self.name, then=lambda f=full: g.take_reduced_grad(f))]
+        part = torch.empty(g.layout.shard_numel, dtype=full.dtype, device=full.device)
+        return [self.comm.reduce_scatter(part, full, self.name,
+                                         then=lambda p=part: g.take_reduced_grad(p.div_(world)))]
