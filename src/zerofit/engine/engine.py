@@ -277,11 +277,6 @@ class ZeroEngine:
         for p in gathers:
             p.wait()
 
-    def refresh_params(self) -> None:
-        """Recompute the compute-dtype parameters from the fp32 masters (after loading a checkpoint)."""
-        self._drain()
-        self._publish()
-
     def zero_grad(self) -> None:
         self._drain()
         for g in self._trainable:
