@@ -26,9 +26,18 @@ from torch import nn
 from zerofit.config.schema import PrecisionConfig, ZeroConfig
 from zerofit.engine.comm import Collectives, Pending
 from zerofit.engine.flat_group import FlatGroup
+from zerofit.engine.host_step import HostStepper
 from zerofit.engine.loss_scale import LossScaler
 from zerofit.engine.materialize import Materializer, has_meta_tensors
-from zerofit.engine.optim import local_grad_sumsq, param_group_index, rebind_optimizer, scale_grads
+from zerofit.engine.optim import (
+    local_grad_sumsq,
+    master_pieces,
+    param_group_index,
+    rebind_optimizer,
+    scale_grads,
+    sub_optimizer,
+    sync_hyperparams,
+)
 from zerofit.engine.policy import StagePolicy
 from zerofit.engine.stage3 import Stage3Hooks
 from zerofit.engine.unit import Unit
@@ -89,11 +98,44 @@ class ZeroEngine:
         self._grads_prepared: torch.Tensor | None = None
         self._hooks = [p.register_post_accumulate_grad_hook(partial(self._on_grad, u, gi, i))
                        for u in self.units for gi, g in enumerate(u.trainable) for i, p in enumerate(g.params)]
+        self.stepper: HostStepper | None = None
+        self._unpublished: set[int] = set()
+        if self._host_grads and optimizer is not None:
+            self._start_host_stepper()
         self.stage3 = Stage3Hooks(self.units[0], self.units, lambda: self._in_backward)
         if any(u.sharded for u in self.units):
             self.stage3.install()
         if self.compute_dtype != torch.float32:
             self._hooks.append(model.register_forward_pre_hook(self._cast_inputs, with_kwargs=True))
+
+    def _start_host_stepper(self) -> None:
+        """Offloaded groups step on a worker thread, overlapped with the next forward (see host_step)."""
+        self.stepper = HostStepper(self.optimizer, self._host_grads, self.device)
+        on_device = [t for g in self._trainable if not g.placement.offload_state for t in master_pieces(g)]
+        self._device_opt = sub_optimizer(self.optimizer, on_device) if on_device else (None, [])
+        for unit in self.units:
+            if any(g.placement.offload_state for g in unit.trainable):
+                unit.before_use = partial(self._await_host_step, unit)
+                target = self.model if unit is self.units[0] else unit.module
+                # registered before the stage-3 hooks, so a unit is stepped before it is gathered
+                self._hooks.append(target.register_forward_pre_hook(lambda *_a, u=unit: self._await_host_step(u)))
+
+    def _await_host_step(self, unit: Unit) -> None:
+        for g in unit.trainable:
+            if id(g) not in self._unpublished:
+                continue
+            self._unpublished.discard(id(g))
+            self.stepper.wait(g)
+            if g.placement.shard_world > 1 and not g.placement.shard_params:
+                lo, hi = g.layout.shard_range(g.placement.rank)  # collectives stay on the main thread
+                self.comm.all_gather(g.param_flat, g.param_flat[lo:hi], f"publish:{g.unit_name}").wait()
+
+    def _settle_params(self) -> None:
+        """Finish every overlapped host step and publish its parameters (before anything reads state)."""
+        if self.stepper is not None:
+            self.stepper.wait_all()
+            for unit in self.units:
+                self._await_host_step(unit)
 
     # --- construction ---------------------------------------------------------------------------
     def _move_buffers(self) -> None:
@@ -224,6 +266,9 @@ class ZeroEngine:
         return self._grads_prepared
 
     def _unscale_and_clip(self, max_norm: float, *, need_norm: bool) -> torch.Tensor | None:
+        self._settle_params()
+        for g in self._host_grads:
+            g.grads_for_step()
         inv_scale = 1.0 / self.scaler.scale
         norm = None
         if need_norm or max_norm > 0 or self.scaler.enabled:
@@ -254,22 +299,36 @@ class ZeroEngine:
             if overflow:
                 self.zero_grad()
                 return False
-        if self.optimizer is not None:
-            self.optimizer.step()
-        self._publish()
+        if self.stepper is not None:
+            sub, index = self._device_opt
+            if sub is not None:
+                sync_hyperparams(sub, index, self.optimizer)
+                sub.step()
+            self._publish(host=False)
+            self._unpublished = {id(g) for g in self._host_grads}
+            self.stepper.submit(self._host_grads)  # unit order = forward order: the first needed go first
+        else:
+            if self.optimizer is not None:
+                self.optimizer.step()
+            self._publish()
         self.zero_grad()
         return True
 
     def refresh_params(self) -> None:
         """Rebuild the compute-dtype parameters from the fp32 masters (after a checkpoint wrote into them)."""
+        self._settle_params()
         self._drain()
         for unit in self.units:  # a gathered stage-3 unit would keep stale values until its next release
             unit.release()
         self._publish()
 
-    def _publish(self) -> None:
+    def _publish(self, host: bool = True) -> None:
+        """Masters -> compute-dtype parameters (all-gathered where replicated); `host=False` skips the
+        offloaded groups, which the host stepper publishes."""
         gathers = []
         for g in self._trainable:
+            if not host and g.placement.offload_state:
+                continue
             g.publish_master()
             if g.placement.shard_world > 1 and not g.placement.shard_params:
                 lo, hi = g.layout.shard_range(g.placement.rank)
@@ -289,6 +348,7 @@ class ZeroEngine:
 
         Collective: every rank must call it. Meant for tests and consolidation, not the hot path.
         """
+        self._settle_params()
         self._drain()
         out: dict[str, torch.Tensor] = {}
         for g in self.groups:

@@ -79,8 +79,9 @@ class FlatGroup:
         self.grad_shard: torch.Tensor | None = None
         self.grad_flat: torch.Tensor | None = None
         self._grad_staging: torch.Tensor | None = None
-        self._param_staging: torch.Tensor | None = None
         self._grad_event = None
+        self._grad_fresh = True
+        """No gradient has reached `grad_shard` in this accumulation window (its contents are stale)."""
         if trainable:
             if master_src is None:
                 self.master = self.param_shard
@@ -95,9 +96,6 @@ class FlatGroup:
                 self.grad_flat = torch.zeros(self.layout.padded_numel, dtype=torch.float32, device=device)
             if placement.offload_state and pin:
                 self._grad_staging = torch.empty(self.layout.shard_numel, dtype=torch.float32, pin_memory=True)
-                if self.param_shard.device.type == "cuda":
-                    self._param_staging = torch.empty(self.layout.shard_numel, dtype=compute_dtype,
-                                                      pin_memory=True)
         for p, off, shape in zip(params, self.layout.offsets, self.shapes):
             p.data = flat[off:off + p.numel()].view(shape)
         self.gathered = True
@@ -133,30 +131,50 @@ class FlatGroup:
         """Copy the updated fp32 master into this rank's compute-dtype shard (uploading it if offloaded)."""
         if self.master is None or self.master is self.param_shard:
             return
-        if self._param_staging is not None:
-            self._param_staging.copy_(self.master)  # cast on the host, then one async upload
-            self.param_shard.copy_(self._param_staging, non_blocking=True)
+        if self.master.device != self.param_shard.device and self.param_shard.device.type == "cuda":
+            # Upload fp32 and cast on the GPU: one pass over host memory instead of a cast plus a copy.
+            self.param_shard.copy_(self.master.to(self.param_shard.device, non_blocking=True))
         else:
             self.param_shard.copy_(self.master)
 
     def take_reduced_grad(self, grad: torch.Tensor) -> None:
-        """Add one micro-step's reduced gradient shard into `grad_shard` (through host memory if offloaded).
+        """Put one micro-step's reduced gradient shard into `grad_shard` (through host memory if offloaded).
 
-        On CUDA with offload this only starts the download; `settle_host_grad` finishes it.
+        The first gradient of a window overwrites the stale shard (no zeroing pass, no addition);
+        later ones are added. On CUDA with offload this only starts the download: `settle_host_grad`
+        finishes it.
         """
+        fresh, self._grad_fresh = self._grad_fresh, False
         if self._grad_staging is None:
-            self.grad_shard.add_(grad)
+            if fresh:
+                self.grad_shard.copy_(grad)
+            else:
+                self.grad_shard.add_(grad)
             return
-        self._grad_staging.copy_(grad, non_blocking=True)
-        self._grad_event = torch.cuda.Event()
-        self._grad_event.record()
+        target = self.grad_shard if fresh else self._grad_staging
+        target.copy_(grad, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._grad_event = (event, not fresh)
 
     def settle_host_grad(self) -> None:
-        """Wait for a started gradient download and add it into the host gradient shard."""
+        """Wait for a started gradient download (and add it in when it went to the staging buffer)."""
         if self._grad_event is not None:
-            self._grad_event.synchronize()
+            event, add = self._grad_event
             self._grad_event = None
-            self.grad_shard.add_(self._grad_staging)
+            event.synchronize()
+            if add:
+                self.grad_shard.add_(self._grad_staging)
+
+    def grads_for_step(self) -> None:
+        """Before a step: a shard that received no gradient this window holds stale values; zero it."""
+        if self._grad_fresh and self.grad_shard is not None:
+            self.grad_shard.zero_()
+            self._grad_fresh = False
+
+    def grad_consumed(self) -> None:
+        """After a step: the next window's first gradient may overwrite the shard (no zeroing pass)."""
+        self._grad_fresh = True
 
     # --- gradients --------------------------------------------------------------------------
     def accumulate(self, index: int, grad: torch.Tensor) -> None:
@@ -173,8 +191,9 @@ class FlatGroup:
             self.grad_flat = None
 
     def zero_grads(self) -> None:
-        if self.grad_shard is not None:
-            self.grad_shard.zero_()
+        self._grad_fresh = True
+        if self.grad_shard is not None and not self.placement.offload_state:
+            self.grad_shard.zero_()  # offloaded shards are overwritten by the window's first gradient
         if self.grad_flat is not None and self.grad_flat is not self.grad_shard:
             self.grad_flat.zero_()
 

@@ -65,6 +65,38 @@ def _by_device(groups: list[FlatGroup]) -> dict[torch.device, list[torch.Tensor]
     return out
 
 
+def sub_optimizer(optimizer: torch.optim.Optimizer, tensors: list[torch.Tensor]):
+    """An optimizer of `optimizer`'s class over a subset of its tensors, sharing its state dict.
+
+    Returns (sub, index): `index[i]` is the script param group that sub group i mirrors; call
+    `sync_hyperparams` before each step so schedulers' changes reach it. None when nothing matches.
+    """
+    wanted = {t.data_ptr() for t in tensors}
+    groups, index = [], []
+    for i, pg in enumerate(optimizer.param_groups):
+        mine = [t for t in pg["params"] if t.data_ptr() in wanted]
+        if mine:
+            groups.append({**{k: v for k, v in pg.items() if k != "params"}, "params": mine})
+            index.append(i)
+    if not groups:
+        return None, []
+    # Every group carries all its settings; the constructor's own defaults only fill what is missing.
+    sub = type(optimizer)(groups, lr=groups[0].get("lr", optimizer.defaults.get("lr")))
+    sub.state = optimizer.state  # one state dict: checkpoints and inspection see every piece
+    return sub, index
+
+
+def sync_hyperparams(sub: torch.optim.Optimizer, index: list[int], optimizer: torch.optim.Optimizer) -> None:
+    for sg, i in zip(sub.param_groups, index):
+        for k, v in optimizer.param_groups[i].items():
+            if k != "params":
+                sg[k] = v
+
+
+def master_pieces(g: FlatGroup) -> list[torch.Tensor]:
+    return [g.master[p.shard_offset:p.shard_offset + p.length] for p in g.layout.pieces(g.placement.rank)]
+
+
 def local_grad_sumsq(groups: list[FlatGroup], device: torch.device) -> torch.Tensor:
     """Sum of squared gradient elements of this rank's shards (fp32, on `device`).
 

@@ -36,6 +36,8 @@ class Unit:
         self.reported: list[set[int]] = [set() for _ in self.trainable]
         self.reduced = False
         """Gradients of this backward have been handed to a reduction."""
+        self.before_use = None
+        """Called before the parameters are gathered or used (waits for an overlapped host step)."""
 
     @property
     def numel(self) -> int:
@@ -46,6 +48,8 @@ class Unit:
         """Start gathering the full parameters (returns at once; `wait_gathered` before use)."""
         if self.state is not ParamState.RELEASED:
             return
+        if self.before_use is not None:
+            self.before_use()
         for g in self.groups:
             if g.placement.shard_params:
                 g.alloc_full()

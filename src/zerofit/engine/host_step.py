@@ -1,0 +1,102 @@
+"""The host optimizer step of offloaded units, overlapped with the next forward.
+
+[Note: overlapped host step]
+With optimizer offload, the step of every offloaded flat group runs on the CPU (torch's fused AdamW
+over big flat shards). `step()` decides everything that needs all gradients first (global norm,
+clipping, fp16 overflow), then hands the groups to one worker thread in forward order and returns.
+The worker steps a group, uploads its fp32 master to the device on a copy stream and casts it into
+the compute-dtype shard, then marks the group done. The next forward waits, unit by unit, only for
+the groups it is about to use - so the CPU step of later units runs while earlier units compute.
+Collectives never run on the worker: a group that must be all-gathered after its step (stages 1-2
+on several ranks) is gathered by the main thread in the unit's forward pre-hook, in the same order
+on every rank. `wait_all()` fences everything (before the next step, checkpoints, inspection).
+
+Each group is stepped by a small optimizer of the script's optimizer class over just that group's
+master pieces, sharing the script optimizer's `state` dict and reading its current hyperparameters
+(so LR schedulers keep working), which makes the update identical to one big step.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+
+import torch
+
+from zerofit.engine.flat_group import FlatGroup
+from zerofit.engine.optim import master_pieces, sub_optimizer, sync_hyperparams
+
+
+class HostStepper:
+    """Runs offloaded groups' optimizer steps on a worker thread; forward waits per group."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, groups: list[FlatGroup], device: torch.device):
+        self.optimizer = optimizer
+        self.device = device
+        self.stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
+        self._sub = {id(g): sub_optimizer(optimizer, master_pieces(g)) for g in groups}
+        self._done: dict[int, threading.Event] = {id(g): threading.Event() for g in groups}
+        for e in self._done.values():
+            e.set()
+        self._events: dict[int, object] = {}
+        self._error: BaseException | None = None
+        self._queue: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="zerofit-host-step", daemon=True)
+        self._thread.start()
+
+    def submit(self, groups: list[FlatGroup]) -> None:
+        """Queue these groups' steps (in this order); their forward will wait for them."""
+        self._raise()
+        for g in groups:
+            self._done[id(g)].clear()
+            self._queue.put(g)
+
+    def wait(self, g: FlatGroup) -> None:
+        """Block until `g` is stepped and its parameters are on their way to the device (stream-ordered)."""
+        done = self._done.get(id(g))
+        if done is None:
+            return
+        done.wait()
+        self._raise()
+        event = self._events.pop(id(g), None)
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
+
+    def wait_all(self) -> None:
+        for done in self._done.values():
+            done.wait()
+        self._raise()
+        for event in self._events.values():
+            torch.cuda.current_stream(self.device).wait_event(event)
+        self._events.clear()
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise RuntimeError("the host optimizer step failed") from err
+
+    def _run(self) -> None:
+        while True:
+            g = self._queue.get()
+            try:
+                self._step(g)
+            except BaseException as e:  # noqa: BLE001 - surfaced on the main thread by wait()
+                self._error = e
+            finally:
+                self._done[id(g)].set()
+
+    def _step(self, g: FlatGroup) -> None:
+        sub, index = self._sub[id(g)]
+        if sub is not None:
+            sync_hyperparams(sub, index, self.optimizer)  # current lr & co.: schedulers change them
+            sub.step()
+        g.grad_consumed()
+        if self.stream is None:
+            g.publish_master()
+            return
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            g.publish_master()
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        self._events[id(g)] = event
+
