@@ -21,26 +21,98 @@ import subprocess
 import sys
 import time
 
-METHODS = ["torch", "zerofit-s0", "zerofit-s1", "zerofit-s2", "zerofit-s3"]
+METHODS = ["torch", "zerofit-s0", "zerofit-s1", "zerofit-s2", "zerofit-s3",
+           "zerofit-s2-offload", "zerofit-s3-offload",
+           "deepspeed-s2", "deepspeed-s2-offload", "deepspeed-s3-offload", "fsdp2-offload"]
 
 
-def build_model(args):
+def build_model(args, device: str = "cuda"):
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(n_embd=args.n_embd, n_layer=args.n_layer, n_head=args.n_head, vocab_size=50257,
                         n_positions=1024, use_cache=False)
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device(device):
         return GPT2LMHeadModel(config)
+
+
+def _single_rank_env() -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29511"), RANK="0",
+                      LOCAL_RANK="0", WORLD_SIZE="1")
+
+
+def deepspeed_step(method: str, args, ids):
+    import deepspeed
+
+    _single_rank_env()
+    deepspeed.init_distributed()
+    stage = 3 if "s3" in method else 2
+    zero = {"stage": stage, "overlap_comm": True, "contiguous_gradients": True}
+    if "offload" in method:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+        if stage == 3:
+            zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    config = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
+              "gradient_clipping": 1.0, "bf16": {"enabled": True}, "zero_optimization": zero,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},
+              "steps_per_print": 10**9, "wall_clock_breakdown": False}
+    model = build_model(args)
+    engine, _, _, _ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
+
+    def step():
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        return loss
+    return step
+
+
+def fsdp2_step(args, ids):
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    _single_rank_env()
+    dist.init_process_group("nccl")
+    model = build_model(args, device="cpu")
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.transformer.h:
+        fully_shard(block, mp_policy=mp, offload_policy=CPUOffloadPolicy())
+    fully_shard(model, mp_policy=mp, offload_policy=CPUOffloadPolicy())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=True)
+
+    def step():
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+    return step
 
 
 def run_one(method: str, args) -> dict:
     import torch
 
+    if args.gpu_memory_gib:
+        total = torch.cuda.get_device_properties(0).total_memory / 2**30
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_memory_gib / total))
+    ids = torch.randint(0, 50257, (args.batch, args.seq), device="cuda")
+    if method.startswith("deepspeed"):
+        step = deepspeed_step(method, args, ids)
+    elif method == "fsdp2-offload":
+        step = fsdp2_step(args, ids)
+    else:
+        step = zerofit_or_torch_step(method, args, ids)
+    return measure(method, step, args)
+
+
+def zerofit_or_torch_step(method: str, args, ids):
+    import torch
+
     model = build_model(args)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=True)
-    ids = torch.randint(0, 50257, (args.batch, args.seq), device="cuda")
     if method == "torch":
         def step():
             with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -51,17 +123,25 @@ def run_one(method: str, args) -> dict:
             opt.zero_grad(set_to_none=True)
             return loss
     else:
-        from zerofit.config.schema import PrecisionConfig, ZeroConfig
+        from zerofit.config.schema import OffloadConfig, PrecisionConfig, ZeroConfig
         from zerofit.engine import ZeroEngine
 
-        engine = ZeroEngine(model, opt, zero=ZeroConfig(stage=int(method[-1])),
-                            precision=PrecisionConfig(mixed_precision="bf16"), gradient_clipping=1.0)
+        stage = int(method.split("-")[1][1])
+        off = OffloadConfig(device="cpu") if method.endswith("offload") else OffloadConfig()
+        zero = ZeroConfig(stage=stage, offload_optimizer=off, offload_param=off if stage == 3 else OffloadConfig())
+        engine = ZeroEngine(model, opt, zero=zero, precision=PrecisionConfig(mixed_precision="bf16"),
+                            gradient_clipping=1.0)
 
         def step():
             loss = model(input_ids=ids, labels=ids).loss
             engine.backward(loss)
             engine.step()
             return loss
+    return step
+
+
+def measure(method: str, step, args) -> dict:
+    import torch
 
     times, losses = [], []
     torch.cuda.reset_peak_memory_stats()
@@ -99,7 +179,9 @@ def main() -> None:
     p.add_argument("--n_embd", type=int, default=1600)
     p.add_argument("--n_layer", type=int, default=48)
     p.add_argument("--n_head", type=int, default=25)
+    p.add_argument("--gpu-memory-gib", type=float, default=None, help="cap GPU memory (stands in for a smaller card)")
     p.add_argument("--out", default=None, help="directory for results.json and table.md")
+    p.add_argument("--timeout", type=float, default=240, help="seconds per method")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: run one method, print JSON
     args = p.parse_args()
     if args.one:
@@ -109,7 +191,12 @@ def main() -> None:
     passthrough = [a for a in sys.argv[1:] if not a.startswith("--methods")]
     for m in args.methods:
         cmd = [sys.executable, __file__, "--one", m] + [a for a in passthrough if a not in args.methods]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            rows.append({"method": m, "error": f"timed out after {args.timeout}s"})
+            print(f"{m}: timed out", file=sys.stderr)
+            continue
         line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
         if line is None:
             rows.append({"method": m, "error": (proc.stderr or proc.stdout)[-3000:]})
