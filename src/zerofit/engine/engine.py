@@ -30,11 +30,13 @@ from zerofit.engine.host_step import HostStepper
 from zerofit.engine.loss_scale import LossScaler
 from zerofit.engine.materialize import Materializer, has_meta_tensors
 from zerofit.engine.optim import (
+    folds_grad_scale,
     local_grad_sumsq,
     master_pieces,
     param_group_index,
     rebind_optimizer,
     scale_grads,
+    step_with_factor,
     sub_optimizer,
     sync_hyperparams,
 )
@@ -96,6 +98,8 @@ class ZeroEngine:
         self._sync = True
         self._in_backward = False
         self._grads_prepared: torch.Tensor | None = None
+        self._grad_factor: torch.Tensor | float | None = None
+        """Unscale/clip factor still to be applied to the gradients (by the fused optimizer step)."""
         self._hooks = [p.register_post_accumulate_grad_hook(partial(self._on_grad, u, gi, i))
                        for u in self.units for gi, g in enumerate(u.trainable) for i, p in enumerate(g.params)]
         self.stepper: HostStepper | None = None
@@ -279,7 +283,9 @@ class ZeroEngine:
         factor: torch.Tensor | float = inv_scale
         if max_norm > 0:
             factor = torch.clamp(max_norm / (norm + 1e-6), max=1.0) * inv_scale
-        if isinstance(factor, torch.Tensor) or factor != 1.0:
+        if folds_grad_scale(self.optimizer):
+            self._grad_factor = factor  # applied inside the fused optimizer kernels, no pass here
+        elif isinstance(factor, torch.Tensor) or factor != 1.0:
             scale_grads(self._trainable, factor)
         return norm
 
@@ -297,19 +303,22 @@ class ZeroEngine:
             overflow = not bool(torch.isfinite(norm))
             self.scaler.update(overflow)
             if overflow:
+                self._grad_factor = None
                 self.zero_grad()
                 return False
+        factor, self._grad_factor = self._grad_factor, None
         if self.stepper is not None:
             sub, index = self._device_opt
             if sub is not None:
                 sync_hyperparams(sub, index, self.optimizer)
-                sub.step()
+                step_with_factor(sub, factor)
             self._publish(host=False)
             self._unpublished = {id(g) for g in self._host_grads}
-            self.stepper.submit(self._host_grads)  # unit order = forward order: the first needed go first
+            # unit order = forward order: the units needed first are stepped first
+            self.stepper.submit(self._host_grads, factor)
         else:
             if self.optimizer is not None:
-                self.optimizer.step()
+                step_with_factor(self.optimizer, factor)
             self._publish()
         self.zero_grad()
         return True

@@ -80,6 +80,10 @@ class FlatGroup:
         self.grad_flat: torch.Tensor | None = None
         self._grad_staging: torch.Tensor | None = None
         self._grad_event = None
+        self._download = placement.offload_state and pin
+        self.device_sumsq: torch.Tensor | None = None
+        """Squared norm of this window's gradient shard, taken on the device on its way to the host
+        (only while the window has had one micro-step): saves the norm a pass over host memory."""
         self._grad_fresh = True
         """No gradient has reached `grad_shard` in this accumulation window (its contents are stale)."""
         if trainable:
@@ -94,8 +98,6 @@ class FlatGroup:
                 self.grad_flat = self.grad_shard
             elif placement.keep_full_grads:
                 self.grad_flat = torch.zeros(self.layout.padded_numel, dtype=torch.float32, device=device)
-            if placement.offload_state and pin:
-                self._grad_staging = torch.empty(self.layout.shard_numel, dtype=torch.float32, pin_memory=True)
         for p, off, shape in zip(params, self.layout.offsets, self.shapes):
             p.data = flat[off:off + p.numel()].view(shape)
         self.gathered = True
@@ -145,12 +147,15 @@ class FlatGroup:
         finishes it.
         """
         fresh, self._grad_fresh = self._grad_fresh, False
-        if self._grad_staging is None:
+        if not self._download:
             if fresh:
                 self.grad_shard.copy_(grad)
             else:
                 self.grad_shard.add_(grad)
             return
+        self.device_sumsq = torch.linalg.vector_norm(grad).square() if fresh else None
+        if not fresh and self._grad_staging is None:  # only accumulation needs a second host buffer
+            self._grad_staging = torch.empty(self.layout.shard_numel, dtype=torch.float32, pin_memory=True)
         target = self.grad_shard if fresh else self._grad_staging
         target.copy_(grad, non_blocking=True)
         event = torch.cuda.Event()
@@ -171,10 +176,12 @@ class FlatGroup:
         if self._grad_fresh and self.grad_shard is not None:
             self.grad_shard.zero_()
             self._grad_fresh = False
+            self.device_sumsq = None
 
     def grad_consumed(self) -> None:
         """After a step: the next window's first gradient may overwrite the shard (no zeroing pass)."""
         self._grad_fresh = True
+        self.device_sumsq = None
 
     # --- gradients --------------------------------------------------------------------------
     def accumulate(self, index: int, grad: torch.Tensor) -> None:
@@ -192,6 +199,7 @@ class FlatGroup:
 
     def zero_grads(self) -> None:
         self._grad_fresh = True
+        self.device_sumsq = None
         if self.grad_shard is not None and not self.placement.offload_state:
             self.grad_shard.zero_()  # offloaded shards are overwritten by the window's first gradient
         if self.grad_flat is not None and self.grad_flat is not self.grad_shard:

@@ -24,7 +24,7 @@ import threading
 import torch
 
 from zerofit.engine.flat_group import FlatGroup
-from zerofit.engine.optim import master_pieces, sub_optimizer, sync_hyperparams
+from zerofit.engine.optim import master_pieces, step_with_factor, sub_optimizer, sync_hyperparams
 
 
 class HostStepper:
@@ -44,12 +44,14 @@ class HostStepper:
         self._thread = threading.Thread(target=self._run, name="zerofit-host-step", daemon=True)
         self._thread.start()
 
-    def submit(self, groups: list[FlatGroup]) -> None:
-        """Queue these groups' steps (in this order); their forward will wait for them."""
+    def submit(self, groups: list[FlatGroup], factor=None) -> None:
+        """Queue these groups' steps (in this order), gradients times `factor`; forward waits for them."""
         self._raise()
+        if isinstance(factor, torch.Tensor):
+            factor = factor.to("cpu")  # tiny; the gradients it scales were already waited for
         for g in groups:
             self._done[id(g)].clear()
-            self._queue.put(g)
+            self._queue.put((g, factor))
 
     def wait(self, g: FlatGroup) -> None:
         """Block until `g` is stepped and its parameters are on their way to the device (stream-ordered)."""
@@ -77,19 +79,19 @@ class HostStepper:
 
     def _run(self) -> None:
         while True:
-            g = self._queue.get()
+            g, factor = self._queue.get()
             try:
-                self._step(g)
+                self._step(g, factor)
             except BaseException as e:  # noqa: BLE001 - surfaced on the main thread by wait()
                 self._error = e
             finally:
                 self._done[id(g)].set()
 
-    def _step(self, g: FlatGroup) -> None:
+    def _step(self, g: FlatGroup, factor) -> None:
         sub, index = self._sub[id(g)]
         if sub is not None:
             sync_hyperparams(sub, index, self.optimizer)  # current lr & co.: schedulers change them
-            sub.step()
+            step_with_factor(sub, factor)
         g.grad_consumed()
         if self.stream is None:
             g.publish_master()

@@ -100,12 +100,42 @@ def master_pieces(g: FlatGroup) -> list[torch.Tensor]:
 def local_grad_sumsq(groups: list[FlatGroup], device: torch.device) -> torch.Tensor:
     """Sum of squared gradient elements of this rank's shards (fp32, on `device`).
 
-    Offloaded shards are summed where they live; only one scalar per device moves.
+    Offloaded shards are summed where they live (or taken from the norm measured on the device on
+    their way down); only one scalar per device moves.
     """
     total = torch.zeros((), dtype=torch.float32, device=device)
-    for shards in _by_device(groups).values():
+    measured = [g.device_sumsq for g in groups if g.device_sumsq is not None]
+    if measured:
+        total += torch.stack(measured).sum()
+    rest = [g for g in groups if g.device_sumsq is None]
+    for shards in _by_device(rest).values():
         total += torch.stack(torch._foreach_norm(shards, 2.0)).square().sum().to(device)
     return total
+
+
+def folds_grad_scale(optimizer: torch.optim.Optimizer | None) -> bool:
+    """True when `optimizer`'s fused kernels can divide the gradients by a scale themselves.
+
+    Torch's fused Adam/AdamW/SGD read an optional `grad_scale` tensor (the hook AMP's GradScaler
+    uses) and divide every gradient by it inside the update: unscaling and clipping then cost no
+    extra pass over the gradients - which matters when they sit in host memory.
+    """
+    return (optimizer is not None and type(optimizer).__name__ in ("Adam", "AdamW", "SGD")
+            and all(g.get("fused") for g in optimizer.param_groups))
+
+
+def step_with_factor(optimizer: torch.optim.Optimizer, factor: torch.Tensor | float | None) -> None:
+    """`optimizer.step()` on gradients multiplied by `factor` (folded into the kernel, see above)."""
+    if factor is None or (not isinstance(factor, torch.Tensor) and factor == 1.0):
+        optimizer.step()
+        return
+    device = next((t.device for g in optimizer.param_groups for t in g["params"]), torch.device("cpu"))
+    inverse = 1.0 / factor if isinstance(factor, torch.Tensor) else torch.tensor(1.0 / factor)
+    optimizer.grad_scale = inverse.to(device=device, dtype=torch.float32)
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.grad_scale
 
 
 def scale_grads(groups: list[FlatGroup], factor: torch.Tensor | float) -> None:
