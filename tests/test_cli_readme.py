@@ -29,7 +29,7 @@ def test_every_config_example_in_the_readme_loads(kind, text, tmp_path):
     assert stage and cfg.zero.stage == int(stage.group(1))
 
 
-def test_the_readme_test_command_is_what_ci_runs():
-    command = "python -m pytest -x -q"
-    assert command in README
-    assert command in (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+def test_the_readme_commands_are_what_ci_runs():
+    assert "./run.sh demo" in README and "./run.sh test" in README
+    assert "./run.sh test" in (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    assert "python -m pytest -x -q" in (ROOT / "run.sh").read_text(encoding="utf-8")

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The README's two commands, set-up included:
+#   ./run.sh demo [ARGS...]    the main job: a tiny model trained by 2 CPU processes on shipped text
+#   ./run.sh test [ARGS...]    the test suite (CPU only): python -m pytest -x -q
+# On first use it creates a virtual environment ($ZEROFIT_VENV, default .venv) with torch, zerofit
+# (editable, with its dev extras) and transformers; later runs reuse it.
+set -euo pipefail
+cd "$(dirname "$0")"
+VENV="${ZEROFIT_VENV:-.venv}"
+PYTHON="${PYTHON:-python3}"
+
+if [ ! -x "$VENV/bin/zerofit" ]; then
+  "$PYTHON" -m venv "$VENV"
+  pip=("$VENV/bin/python" -m pip --disable-pip-version-check --no-input -q)
+  # torch first and pinned, so the range in pyproject (torch>=2.4) pulls no other build.
+  "$VENV/bin/python" -c "import torch" 2>/dev/null || "${pip[@]}" install torch==2.13.0
+  "${pip[@]}" install -e '.[dev]' transformers
+fi
+
+# Nothing reaches for the model hub: tests and recipes build tiny models from configs.
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1
+export PATH="$VENV/bin:$PATH"
+
+case "${1:-}" in
+  demo) shift; exec zerofit demo "$@" ;;
+  test) shift; exec python -m pytest -x -q "$@" ;;
+  *) echo "usage: ./run.sh demo [ARGS...] | ./run.sh test [PYTEST ARGS...]" >&2; exit 2 ;;
+esac
