@@ -21,3 +21,8 @@ class EngineError(ZerofitError, RuntimeError):
 
 class LossScaleError(EngineError):
     """fp16 dynamic loss scaling reached its minimum and still overflows."""
+
+
+class CheckpointError(ZerofitError, RuntimeError):
+    """A checkpoint could not be written or read (corrupt, truncated, partial, or from another model);
+    the message names the file, the problem and what to do."""

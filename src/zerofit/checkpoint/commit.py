@@ -1,0 +1,93 @@
+"""Where a checkpoint lives on disk, and how it appears there all at once.
+
+[Note: atomic commit]
+A save writes into a sibling `<name>.tmp-<token>` and only renames it to `<name>` once every rank's
+files and then the manifest are on disk (`commit`). Replacing an existing `<name>` moves the old one
+aside first (`<name>.old-<token>`) and deletes it after the rename, so there is never a moment when a
+half-written directory carries the final name. A crash, an exception or a full disk at any point
+before the rename leaves only a `.tmp-` directory behind, which no loader opens and the next save of
+the same name removes. After the commit, the parent's `latest` file is replaced atomically (write a
+temporary file, fsync, `os.replace`): it always names a complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from zerofit.checkpoint.manifest import MANIFEST
+from zerofit.checkpoint.tree import write_durable
+from zerofit.errors import CheckpointError
+
+LATEST = "latest"
+
+
+def temp_dir(final: Path, token: str) -> Path:
+    return final.with_name(f"{final.name}.tmp-{token}")
+
+
+def remove_stale(final: Path) -> None:
+    """Delete what earlier failed saves of `final` left behind."""
+    if not final.parent.is_dir():
+        return
+    for p in final.parent.iterdir():
+        # An `.old-` copy is the only good one if a commit died between its two renames: keep it then.
+        stale = p.name.startswith(f"{final.name}.tmp-") or (
+            p.name.startswith(f"{final.name}.old-") and final.exists())
+        if stale and p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # some platforms cannot open directories; the rename is still atomic there
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def commit(tmp: Path, final: Path, token: str) -> None:
+    """Rename the finished `tmp` to `final`, replacing a previous checkpoint of that name."""
+    old = None
+    if final.exists():
+        old = final.with_name(f"{final.name}.old-{token}")
+        os.rename(final, old)
+    os.rename(tmp, final)
+    _fsync_dir(final.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def point_latest(final: Path, token: str) -> None:
+    """Make `<parent>/latest` name `final` (atomic replace)."""
+    tmp = final.parent / f".{LATEST}.tmp-{token}"
+    write_durable(tmp, f"{final.name}\n".encode())
+    os.replace(tmp, final.parent / LATEST)
+    _fsync_dir(final.parent)
+
+
+def resolve(directory: str | os.PathLike[str]) -> Path:
+    """The checkpoint directory `directory` means: itself, or the one its `latest` file names."""
+    path = Path(directory)
+    if (path / MANIFEST).is_file():
+        return path
+    pointer = path / LATEST
+    if pointer.is_file():
+        name = pointer.read_text().strip()
+        if not name or "/" in name or "\\" in name or name in (".", ".."):
+            raise CheckpointError(f"{pointer}: names {name!r}, which is not a checkpoint directory name: "
+                                  "write the name of a sibling checkpoint directory into it")
+        target = path / name
+        if not target.is_dir():
+            raise CheckpointError(f"{pointer}: names {name!r}, but {target} does not exist: point it at an "
+                                  "existing checkpoint or pass that checkpoint's directory")
+        return target
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such checkpoint directory: check the path")
+    return path  # `read_manifest` explains what is missing

@@ -1,0 +1,93 @@
+"""The checksum manifest: the last file of a checkpoint, and the proof that the save completed.
+
+[Note: manifest]
+`manifest.json` lists every other file of the checkpoint with its size and SHA-256. It is written
+after all of them, into the temporary directory, right before that directory is renamed into place.
+A directory without it is not a checkpoint (a save that died, or a copy that was cut short). Loading
+checks every listed file's size, then its hash, before reading a single tensor, so a flipped byte, a
+truncated or a missing file is an error that names the file, never silently different weights.
+A manifest proves integrity, not authenticity: whoever can write the files can rewrite it too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from zerofit.checkpoint.tree import write_durable
+from zerofit.errors import CheckpointError
+
+MANIFEST = "manifest.json"
+FORMAT = "zerofit-manifest/1"
+_BLOCK = 1 << 22
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(_BLOCK):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def list_files(directory: Path) -> list[str]:
+    """Every file under `directory` (relative, '/'-separated, sorted), the manifest excluded."""
+    return sorted(p.relative_to(directory).as_posix() for p in directory.rglob("*")
+                  if p.is_file() and p.name != MANIFEST)
+
+
+def describe(directory: Path, names: list[str]) -> dict[str, dict]:
+    """{name: {"bytes", "sha256"}} for `names` under `directory`."""
+    return {n: {"bytes": (directory / n).stat().st_size, "sha256": sha256_file(directory / n)} for n in names}
+
+
+def write_manifest(directory: Path, files: dict[str, dict]) -> None:
+    text = json.dumps({"format": FORMAT, "files": dict(sorted(files.items()))}, indent=1)
+    write_durable(directory / MANIFEST, text.encode())
+
+
+def read_manifest(directory: Path) -> dict[str, dict]:
+    path = directory / MANIFEST
+    if not path.is_file():
+        raise CheckpointError(
+            f"{path}: missing: {directory} is not a complete zerofit checkpoint (the save did not finish, "
+            "or the copy is partial); load an earlier checkpoint or point at the directory holding "
+            "manifest.json")
+    try:
+        doc = json.loads(path.read_text())
+        files = doc["files"]
+        if doc.get("format") != FORMAT or not all(
+                isinstance(v, dict) and isinstance(v.get("bytes"), int) and isinstance(v.get("sha256"), str)
+                for v in files.values()):
+            raise ValueError(f"format {doc.get('format')!r}")
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{path}: unreadable manifest ({e}): the checkpoint is damaged; load an "
+                              "earlier one") from None
+    return files
+
+
+def check_sizes(directory: Path, files: dict[str, dict]) -> list[str]:
+    """Problems with the listed files' presence and sizes (cheap: no reads)."""
+    problems = []
+    for name, entry in files.items():
+        path = directory / name
+        if not path.is_file():
+            problems.append(f"{path}: listed in {MANIFEST} but missing (a rank's file was lost or not "
+                            "copied): restore it or load an earlier checkpoint")
+        elif path.stat().st_size != entry["bytes"]:
+            problems.append(f"{path}: {path.stat().st_size} bytes, {MANIFEST} says {entry['bytes']} "
+                            "(truncated or overwritten): restore it or load an earlier checkpoint")
+    return problems
+
+
+def check_hashes(directory: Path, files: dict[str, dict], names: list[str]) -> list[str]:
+    """Problems with the SHA-256 of `names` (a subset of `files`, so ranks can share the reading)."""
+    problems = []
+    for name in names:
+        path = directory / name
+        if path.is_file() and path.stat().st_size == files[name]["bytes"] \
+                and sha256_file(path) != files[name]["sha256"]:
+            problems.append(f"{path}: SHA-256 differs from {MANIFEST} (the file is corrupt): restore it "
+                            "or load an earlier checkpoint")
+    return problems

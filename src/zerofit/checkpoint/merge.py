@@ -1,0 +1,51 @@
+"""`merge`: a sharded checkpoint to consolidated Hugging Face weight files, offline, in one process.
+
+What `zerofit merge CKPT OUT` runs. It needs no process group, no GPU and no model code: the
+checkpoint's parameter table says what to write, and each output shard's tensors are read whole
+from the saved chunks (only the byte ranges they occupy), written, and dropped. The files are the
+ones `save_consolidated` writes from a live engine: same names, shards and values.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from zerofit.checkpoint.chunks import Chunk, read_chunks
+from zerofit.checkpoint.commit import resolve
+from zerofit.checkpoint.export import ShardWriter, parse_size, plan_shards
+from zerofit.checkpoint.inventory import Entry, dtype_of
+from zerofit.checkpoint.ranks import Ranks
+from zerofit.checkpoint.sharded import COMMON, HF_CONFIG_DIR, STATE_DIR, read_common, verify
+
+
+def merge(checkpoint_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], *,
+          max_shard_size: int | str = "5GB", safe_serialization: bool = True) -> list[str]:
+    """Write the consolidated weights of the checkpoint at `checkpoint_dir` (or the one its `latest`
+    names) into `out_dir`, with the model's `config.json` when it was saved; returns the file names."""
+    path = resolve(checkpoint_dir)
+    verify(path, Ranks(None, local=True))
+    common = read_common(path)
+    source = str(path / f"{COMMON}.json")
+    entries = [Entry.from_json(d, source) for d in [*common["params"], *common["buffers"]]]
+    plan = plan_shards(entries, parse_size(max_shard_size))
+    out = Path(out_dir)
+    writer = ShardWriter(out, plan, safe=safe_serialization)
+    for shard in plan:
+        chunks = {f"{e.kind}/{e.name}": Chunk(torch.empty(e.numel, dtype=dtype_of(e.dtype, source)), 0, e.numel)
+                  for e in shard if e.numel}
+        read_chunks(path / STATE_DIR, chunks, None, no_dist=True)
+        for e in shard:
+            c = chunks.get(f"{e.kind}/{e.name}")
+            writer.add(e.name, c.tensor.view(e.shape) if c is not None else torch.empty(e.shape, dtype=dtype_of(e.dtype)))
+    written = writer.finish()
+    configs = path / HF_CONFIG_DIR
+    if configs.is_dir():
+        for f in sorted(configs.iterdir()):
+            if f.is_file():
+                shutil.copyfile(f, out / f.name)
+                written.append(f.name)
+    return written

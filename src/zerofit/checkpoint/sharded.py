@@ -1,0 +1,313 @@
+"""`save_state` / `load_state`: the resumable checkpoint of one engine, sharded as the ranks hold it.
+
+A checkpoint directory:
+
+    state/shard-0000R-model-00001-of-00001.safetensors  each rank's chunks (see `chunks`): tensors named
+                                                        "<kind>/<parameter>", kind = master (fp32, trainable),
+                                                        param (frozen), buffer, or an optimizer state key
+    common.json (+ common.safetensors)                  what was saved: parameter table, optimizer param
+                                                        groups and scalar state, loss scaler, micro-step
+    rank-0000R.json (+ .safetensors)                    rank R's `extra_state` (see `tree`)
+    run_config.json                                     the resolved RunConfig, when one was given
+    hf_config/                                          the model's Hugging Face config, when it has one
+    manifest.json                                       sizes and SHA-256 of all of the above, written last
+
+Every element is written by exactly one rank (`zerofit.engine.state.local_fragments`), and loading
+reads, on every rank, the runs that rank's new layout holds, so a checkpoint loads at any world size,
+stage or offload setting. Every phase ends with all ranks agreeing on success (`ranks`), and the
+directory appears under its final name only when complete (`commit`).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from zerofit.checkpoint import commit as files
+from zerofit.checkpoint.chunks import Chunk, missing_ranges, read_chunks, read_index, write_chunks
+from zerofit.checkpoint.export import save_hf_configs
+from zerofit.checkpoint.inventory import Entry, aliases, buffer_entries, param_entries, persistent_buffers
+from zerofit.checkpoint.manifest import (
+    check_hashes,
+    check_sizes,
+    describe,
+    list_files,
+    read_manifest,
+    write_manifest,
+)
+from zerofit.checkpoint.ranks import Ranks
+from zerofit.checkpoint.tree import encode, read_tree, write_encoded, write_tree
+from zerofit.config.schema import RunConfig
+from zerofit.engine.state import allocate_optimizer_state, local_fragments, optimizer_scalars
+from zerofit.errors import CheckpointError
+
+FORMAT = "zerofit-checkpoint/1"
+STATE_DIR = "state"
+COMMON = "common"
+RUN_CONFIG = "run_config.json"
+HF_CONFIG_DIR = "hf_config"
+_IMPLEMENTATION_KEYS = ("fused", "foreach", "capturable", "differentiable")
+"""Param-group settings that say how the optimizer runs here, not what it computes: never restored."""
+
+
+def rank_stem(rank: int) -> str:
+    return f"rank-{rank:05d}"
+
+
+def save_state(directory: str | os.PathLike[str], engine, *, extra_state: dict | None = None,
+               config: RunConfig | None = None, update_latest: bool = True) -> str:
+    """Collective: write the engine's full training state as a sharded checkpoint at `directory`.
+
+    `extra_state` is this rank's own state (scheduler, counters, RNG, data position, ...): JSON-able
+    values, tensors and numpy arrays. With `update_latest`, `<parent of directory>/latest` names the
+    new checkpoint afterwards. Returns the checkpoint's path.
+    """
+    ranks = Ranks(engine.comm.group)
+    final = Path(directory).absolute()
+    if not engine.at_boundary:
+        warnings.warn("save_state in the middle of a gradient accumulation window: the gradients "
+                      "accumulated so far are not saved, so resuming repeats nothing of this window; "
+                      "save right after the optimizer step", stacklevel=2)
+    extra_tensors: dict[str, torch.Tensor] = {}
+    error = None
+    try:
+        extra_data = encode(extra_state or {}, extra_tensors, "extra_state")
+    except CheckpointError as e:
+        error = f"rank {ranks.rank}: {e}"
+    ranks.agree(error)
+    opt = engine.optimizer
+    frags = local_fragments(engine.groups, opt, ranks.rank)
+    state_keys = sorted({k for f in frags for k in f.tensors} - {"master", "param"})
+    optim_parts = ranks.all_gather((optimizer_scalars(opt), state_keys))
+    token = ranks.broadcast(uuid.uuid4().hex[:12])
+    tmp = files.temp_dir(final, token)
+    error = None
+    if ranks.is_main:
+        try:
+            files.remove_stale(final)
+            tmp.mkdir(parents=True)
+        except Exception as e:
+            error = f"{tmp}: cannot create the checkpoint directory ({e}): check the path and free space"
+    ranks.agree(error)
+    try:
+        chunks = {f"{key}/{f.name}": Chunk(t, f.start, f.numel) for f in frags for key, t in f.tensors.items()}
+        if ranks.is_main:
+            for name, buf in persistent_buffers(engine.model):
+                if buf.numel():
+                    chunks[f"buffer/{name}"] = Chunk(buf.reshape(-1), 0, buf.numel())
+        write_chunks(tmp / STATE_DIR, chunks, ranks.group)
+        error = None
+        try:
+            write_encoded(tmp, rank_stem(ranks.rank), extra_data, extra_tensors)
+            if ranks.is_main:
+                _write_common(tmp, engine, ranks, optim_parts, config)
+        except Exception as e:  # any failure must reach the agreement, or the peers would wait forever
+            error = f"rank {ranks.rank}: writing {tmp} failed: {e}"
+        ranks.agree(error)
+        _seal(tmp, final, token, ranks, update_latest)
+    except CheckpointError:  # raised on every rank alike (see [Note: agreeing on failure])
+        if ranks.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)  # free what a full disk needs back
+        ranks.barrier()
+        raise
+    return str(final)
+
+
+def _write_common(tmp: Path, engine, ranks: Ranks, optim_parts: list, config: RunConfig | None) -> None:
+    opt = engine.optimizer
+    common: dict[str, Any] = {
+        "format": FORMAT, "torch_version": torch.__version__, "world_size": ranks.world,
+        "stage": engine.zero.stage, "mixed_precision": engine.precision.mixed_precision,
+        "params": [e.to_json() for e in param_entries(engine)],
+        "buffers": [e.to_json() for e in buffer_entries(engine.model)],
+        "aliases": aliases(engine.model),
+        "scaler": engine.scaler.state_dict(),
+        "micro_step": engine._micro_step,
+        "optimizer": None,
+    }
+    if opt is not None:
+        groups = []
+        for gi in range(len(opt.param_groups)):
+            per_rank = [scalars[gi] for scalars, _ in optim_parts]
+            found = next((g["scalars"] for g in per_rank if g["scalars"]), {})
+            groups.append({"hyper": per_rank[0]["hyper"], "scalars": found})
+        keys = sorted({k for _, ks in optim_parts for k in ks})
+        common["optimizer"] = {"class": type(opt).__name__, "groups": groups, "state_keys": keys}
+    write_tree(tmp, COMMON, common, "checkpoint state")
+    if config is not None:
+        from zerofit.config import save_config
+
+        save_config(config, tmp / RUN_CONFIG)
+    save_hf_configs(engine.model, tmp / HF_CONFIG_DIR)
+
+
+def _seal(tmp: Path, final: Path, token: str, ranks: Ranks, update_latest: bool) -> None:
+    """Hash the files (shared between ranks), write the manifest last, then commit and move `latest`."""
+    error = None
+    described: dict[str, dict] = {}
+    try:
+        names = list_files(tmp)
+        described = describe(tmp, names[ranks.rank::ranks.world])
+    except Exception as e:
+        error = f"rank {ranks.rank}: hashing {tmp} failed: {e}"
+    parts = ranks.all_gather((error, described))
+    ranks.agree(next((e for e, _ in parts if e), None))
+    error = None
+    if ranks.is_main:
+        try:
+            write_manifest(tmp, {k: v for _, d in parts for k, v in d.items()})
+            files.commit(tmp, final, token)
+            if update_latest:
+                files.point_latest(final, token)
+        except Exception as e:
+            error = f"committing {final} failed: {e}"
+    ranks.agree(error)
+
+
+def saved_config(directory: str | os.PathLike[str]) -> RunConfig | None:
+    """The RunConfig a checkpoint was saved with (None when it was saved without one)."""
+    from zerofit.config import load_config
+
+    path = files.resolve(directory) / RUN_CONFIG
+    return load_config(path) if path.is_file() else None
+
+
+def verify(path: Path, ranks: Ranks) -> None:
+    """Raise CheckpointError on every rank unless the manifest and every file it lists check out."""
+    error, manifest = None, {}
+    try:
+        manifest = read_manifest(path)
+        error = "\n".join(check_sizes(path, manifest)) or None
+    except CheckpointError as e:
+        error = str(e)
+    ranks.agree(error)
+    names = sorted(manifest)
+    ranks.agree("\n".join(check_hashes(path, manifest, names[ranks.rank::ranks.world])) or None)
+
+
+def read_common(path: Path) -> dict:
+    common = read_tree(path, COMMON)
+    if not isinstance(common, dict) or common.get("format") != FORMAT:
+        raise CheckpointError(f"{path / (COMMON + '.json')}: not a {FORMAT} checkpoint (format "
+                              f"{common.get('format') if isinstance(common, dict) else None!r}): upgrade zerofit "
+                              "or load a checkpoint written by this version")
+    return common
+
+
+def load_state(directory: str | os.PathLike[str], engine) -> dict:
+    """Collective: load a `save_state` checkpoint into `engine` (any world size, stage, offload);
+    returns this rank's `extra_state`. A directory holding a `latest` file loads the one it names."""
+    ranks = Ranks(engine.comm.group)
+    error, path = None, Path(directory)
+    try:
+        path = files.resolve(directory)
+    except CheckpointError as e:
+        error = str(e)
+    ranks.agree(error)
+    verify(path, ranks)
+    common: dict = {}
+    try:
+        common = read_common(path)
+        error = _check_model(path, common, engine)
+    except CheckpointError as e:
+        error = str(e)
+    except (KeyError, TypeError, ValueError) as e:  # valid JSON of the wrong shape
+        error = f"{path / (COMMON + '.json')}: malformed ({type(e).__name__}: {e}): load an earlier checkpoint"
+    ranks.agree(error)
+    _prepare_optimizer(path, common, engine.optimizer)
+    chunks, copies = _load_chunks(engine, common)
+    error = None
+    try:
+        problems = missing_ranges(read_index(path / STATE_DIR), chunks)
+        if problems:
+            error = f"{path / STATE_DIR}: " + "; ".join(problems[:5]) + \
+                (f" (+{len(problems) - 5} more)" if len(problems) > 5 else "") + \
+                ": the checkpoint does not match this model; load one saved from it"
+    except CheckpointError as e:
+        error = str(e)
+    ranks.agree(error)
+    read_chunks(path / STATE_DIR, chunks, ranks.group)
+    with torch.no_grad():
+        for dst, src in copies:
+            dst.copy_(src.view_as(dst))
+    engine.refresh_params()
+    engine.scaler.load_state_dict(common["scaler"])
+    engine._micro_step = int(common["micro_step"])
+    saved_world = int(common["world_size"])
+    source = ranks.rank if ranks.rank < saved_world else ranks.rank % saved_world
+    if source != ranks.rank:
+        warnings.warn(f"the checkpoint was saved by {saved_world} ranks: rank {ranks.rank} gets the "
+                      f"extra_state of rank {source} (per-rank RNG streams repeat)", stacklevel=2)
+    error, extra = None, {}
+    try:
+        extra = read_tree(path, rank_stem(source))
+    except CheckpointError as e:
+        error = f"rank {ranks.rank}: {e}"
+    ranks.agree(error)
+    return extra
+
+
+def _check_model(path: Path, common: dict, engine) -> str | None:
+    source = str(path / f"{COMMON}.json")
+    saved = {e.name: e for e in (Entry.from_json(d, source) for d in common["params"])}
+    mine = {e.name: e for e in param_entries(engine)}
+    problems = []
+    for label, names in (("parameters the checkpoint lacks", [n for n in mine if n not in saved]),
+                         ("parameters the model lacks", [n for n in saved if n not in mine])):
+        if names:
+            problems.append(f"{label}: {names[:5]}" + (f" (+{len(names) - 5} more)" if len(names) > 5 else ""))
+    wrong = [f"{n} {saved[n].shape} saved, {e.shape} here" for n, e in mine.items()
+             if n in saved and saved[n].shape != e.shape]
+    if wrong:
+        problems.append("other shapes: " + "; ".join(wrong[:5]))
+    if not problems:
+        return None
+    return f"{source}: the checkpoint was saved from a different model ({'; '.join(problems)}): load a " \
+           "checkpoint of this model"
+
+
+def _prepare_optimizer(path: Path, common: dict, opt) -> None:
+    """Restore param-group settings and create the state tensors the checkpoint will be read into."""
+    saved = common.get("optimizer")
+    if opt is None or saved is None:
+        return
+    if len(saved["groups"]) != len(opt.param_groups):
+        raise CheckpointError(f"{path / (COMMON + '.json')}: {len(saved['groups'])} optimizer param groups "
+                              f"saved, this optimizer has {len(opt.param_groups)}: build the optimizer with "
+                              "the same param groups as the run that saved it")
+    for group, g in zip(opt.param_groups, saved["groups"]):
+        for key, value in g["hyper"].items():
+            if key not in _IMPLEMENTATION_KEYS:
+                group[key] = value
+        for t in group["params"]:
+            opt.state[t] = {}  # replace, never merge with, whatever state the optimizer had
+    allocate_optimizer_state(opt, list(saved["state_keys"]), [g for g in saved["groups"]])
+
+
+def _load_chunks(engine, common: dict) -> tuple[dict[str, Chunk], list]:
+    """The chunks this rank reads, and (destination, buffer) copies for non-contiguous buffers."""
+    saved_kind = {d["name"]: d["kind"] for d in common["params"]}
+    state_keys = (common.get("optimizer") or {}).get("state_keys", []) if engine.optimizer is not None else []
+    chunks: dict[str, Chunk] = {}
+    for f in local_fragments(engine.groups, engine.optimizer, 0):  # 0: replicated groups too, on every rank
+        stored = saved_kind[f.name]  # frozen <-> trainable changes read the values that were saved
+        for key, t in f.tensors.items():
+            if key in ("master", "param"):
+                chunks[f"{stored}/{f.name}"] = Chunk(t, f.start, f.numel)
+            elif key in state_keys and stored == "master":
+                chunks[f"{key}/{f.name}"] = Chunk(t, f.start, f.numel)
+    copies = []
+    for name, buf in persistent_buffers(engine.model):
+        if not buf.numel():
+            continue
+        flat = buf.view(-1) if buf.is_contiguous() else torch.empty(buf.numel(), dtype=buf.dtype, device=buf.device)
+        if flat.data_ptr() != buf.data_ptr():
+            copies.append((buf, flat))
+        chunks[f"buffer/{name}"] = Chunk(flat, 0, buf.numel())
+    return chunks, copies

@@ -1,0 +1,171 @@
+"""Damaged, partial or foreign checkpoints raise CheckpointError naming the file; a save that fails part
+way (a full disk on one rank, an unstorable value) leaves the previous checkpoint and `latest` intact."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import shutil
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from test_checkpoint_support import build, train
+
+from zerofit.checkpoint import load_state, merge, save_state
+from zerofit.errors import CheckpointError, ZerofitError
+from zerofit.testing.distributed import run_distributed
+
+FILE_LIMIT = 256 * 1024  # bytes one file may have on the "full disk" of rank 1
+
+
+def _error_of(fn) -> str | None:
+    try:
+        fn()
+    except CheckpointError as e:
+        return str(e)
+    return None
+
+
+def save_then_fail(rank, world, root):
+    case, model, _, engine = build(3)
+    train(engine, model, case, rank, world, range(2))
+    good = save_state(os.path.join(root, "a"), engine, extra_state={"rank": rank})
+    train(engine, model, case, rank, world, range(2, 3))
+    out = {"good": good}
+    # An unstorable value on one rank: every rank raises, nothing is committed.
+    bad = {"rank": rank, "obj": object()} if rank == 1 else {"rank": rank}
+    out["unstorable"] = _error_of(lambda: save_state(os.path.join(root, "b"), engine, extra_state=bad))
+    # A disk that fills up while rank 1 writes (files beyond FILE_LIMIT fail with EFBIG), both for a new
+    # checkpoint and for one that overwrites "a".
+    big = {"rank": rank, "blob": torch.zeros(FILE_LIMIT // 2)}
+    old_limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if rank == 1:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (FILE_LIMIT // 4, old_limit[1]))
+    try:
+        out["full_disk_new"] = _error_of(lambda: save_state(os.path.join(root, "c"), engine, extra_state=big))
+        out["full_disk_overwrite"] = _error_of(
+            lambda: save_state(os.path.join(root, "a"), engine, extra_state=big))
+        if rank == 1:  # now too small even for rank 1's share of the model: DCP's write fails
+            resource.setrlimit(resource.RLIMIT_FSIZE, (2048, old_limit[1]))
+        out["full_disk_tensors"] = _error_of(lambda: save_state(os.path.join(root, "d"), engine))
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
+    out["listing"] = sorted(os.listdir(root))
+    # What is left loads, through `latest`, into a fresh engine.
+    case, model, _, fresh = build(1, perturb=1.0)
+    out["extra"] = load_state(root, fresh)
+    return out
+
+
+@pytest.fixture(scope="module")
+def failed_saves(tmp_path_factory):
+    root = tmp_path_factory.mktemp("errors")
+    return root, run_distributed(save_then_fail, 2, str(root))
+
+
+def test_failed_saves_leave_previous_checkpoint(failed_saves):
+    root, ranks = failed_saves
+    for r in ranks:
+        assert "rank 1: extra_state['obj'] is a builtins.object" in r["unstorable"]
+        assert "File too large" in r["full_disk_new"] or "EFBIG" in r["full_disk_new"], r["full_disk_new"]
+        assert r["full_disk_overwrite"] is not None
+        assert "writing the sharded tensors failed: rank 1: OSError(27, 'File too large')" in r["full_disk_tensors"]
+        assert r["listing"] == ["a", "latest"]  # no half-written "b" or "c", no temporary directories
+    assert (root / "latest").read_text().strip() == "a"
+    assert [r["extra"] for r in ranks] == [{"rank": 0}, {"rank": 1}]
+
+
+@pytest.fixture()
+def engine():
+    """A one-process engine of the same model (no process group: load_state runs locally)."""
+    return build(1, perturb=1.0)[3]
+
+
+def _damaged(root: Path, tmp_path: Path, name: str) -> Path:
+    copy = tmp_path / name
+    shutil.copytree(root / "a", copy)
+    return copy
+
+
+def _state_file(ckpt: Path) -> Path:
+    return sorted((ckpt / "state").glob("*.safetensors"))[-1]
+
+
+def test_flipped_bytes_are_caught(failed_saves, tmp_path, engine):
+    ckpt = _damaged(failed_saves[0], tmp_path, "flipped")
+    shard = _state_file(ckpt)
+    data = bytearray(shard.read_bytes())
+    data[-7] ^= 0xFF  # inside the tensor data: safetensors alone would load it silently
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=rf"{shard.name}: SHA-256 differs from manifest.json"):
+        load_state(ckpt, engine)
+    with pytest.raises(CheckpointError, match="SHA-256 differs"):
+        merge(ckpt, tmp_path / "out")
+
+
+def test_truncated_file_is_caught(failed_saves, tmp_path, engine):
+    ckpt = _damaged(failed_saves[0], tmp_path, "truncated")
+    rank_file = ckpt / "rank-00001.json"
+    rank_file.write_bytes(rank_file.read_bytes()[:10])
+    with pytest.raises(CheckpointError, match=r"rank-00001.json: 10 bytes, manifest.json says \d+ \(truncated"):
+        load_state(ckpt, engine)
+
+
+def test_missing_rank_file_is_caught(failed_saves, tmp_path, engine):
+    ckpt = _damaged(failed_saves[0], tmp_path, "missing")
+    shard = _state_file(ckpt)
+    shard.unlink()
+    with pytest.raises(CheckpointError, match=rf"{shard.name}: listed in manifest.json but missing"):
+        load_state(ckpt, engine)
+
+
+def test_missing_or_broken_manifest_is_caught(failed_saves, tmp_path, engine):
+    ckpt = _damaged(failed_saves[0], tmp_path, "partial")
+    (ckpt / "manifest.json").unlink()
+    with pytest.raises(CheckpointError, match="manifest.json: missing: .* is not a complete zerofit checkpoint"):
+        load_state(ckpt, engine)
+    (ckpt / "manifest.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="manifest.json: unreadable manifest"):
+        load_state(ckpt, engine)
+
+
+def test_bad_latest_pointer_and_missing_directory(tmp_path, engine):
+    (tmp_path / "latest").write_text("step-9\n")
+    with pytest.raises(CheckpointError, match=r"latest: names 'step-9', but .* does not exist"):
+        load_state(tmp_path, engine)
+    (tmp_path / "latest").write_text("../elsewhere\n")
+    with pytest.raises(CheckpointError, match="not a checkpoint directory name"):
+        load_state(tmp_path, engine)
+    with pytest.raises(CheckpointError, match="no such checkpoint directory"):
+        load_state(tmp_path / "nope", engine)
+
+
+def test_checkpoint_of_another_model_is_refused(failed_saves, tmp_path):
+    from engine_cases import TinyLM
+
+    from zerofit.engine import ZeroEngine
+
+    torch.manual_seed(0)
+    model = TinyLM(n_blocks=2)
+    other = ZeroEngine(model, torch.optim.AdamW(model.parameters()), device=torch.device("cpu"))
+    with pytest.raises(CheckpointError, match=r"saved from a different model \(parameters the model lacks: "
+                                              r"\['blocks.2"):
+        load_state(failed_saves[0] / "a", other)
+
+
+def test_common_file_tampering_is_caught(failed_saves, tmp_path, engine):
+    ckpt = _damaged(failed_saves[0], tmp_path, "tampered")
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    (ckpt / "common.json").write_text("[]")
+    manifest["files"]["common.json"]["bytes"] = 2
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="common.json: SHA-256 differs"):
+        load_state(ckpt, engine)
+
+
+def test_checkpoint_error_is_an_ordinary_exception():
+    assert issubclass(CheckpointError, ZerofitError) and issubclass(CheckpointError, Exception)

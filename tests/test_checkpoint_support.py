@@ -1,0 +1,62 @@
+"""Helpers shared by the checkpoint tests (imported by spawned ranks); holds no tests itself."""
+
+from __future__ import annotations
+
+import torch
+from engine_cases import Case, batches, loss_fn, make_model_and_optim
+
+from zerofit.config.schema import LossScaleConfig, OffloadConfig, PrecisionConfig, ZeroConfig
+from zerofit.engine import ZeroEngine
+from zerofit.engine.state import local_fragments
+
+
+def build(stage: int, *, precision: str = "no", perturb: float = 0.0, freeze: bool = False,
+          steps: int = 12, offload: bool = False):
+    """TinyLM + AdamW under `stage` (`offload`: optimizer, and at stage 3 parameters, on the host);
+    `perturb` shifts every weight so a load visibly changes them."""
+    case = Case(stage=stage, precision=precision, freeze=freeze, steps=steps)
+    model, opt = make_model_and_optim(case)
+    if perturb:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(perturb)
+    precision_cfg = PrecisionConfig(mixed_precision=precision,
+                                    loss_scale=LossScaleConfig(initial_scale_power=8, hysteresis=1))
+    host = OffloadConfig(device="cpu" if offload else "none")
+    zero = ZeroConfig(stage=stage, param_persistence_threshold=0, offload_optimizer=host,
+                      offload_param=host if stage == 3 else OffloadConfig())
+    engine = ZeroEngine(model, opt, zero=zero, precision=precision_cfg, device=torch.device("cpu"))
+    return case, model, opt, engine
+
+
+def train(engine, model, case: Case, rank: int, world: int, steps: range) -> list[float]:
+    """Optimizer steps `steps` of the case's data, each rank on its slice; returns the mean losses."""
+    data = batches(case)
+    micro = case.batch // world
+    losses = []
+    for step in steps:
+        x, y = data[step]
+        loss = loss_fn(model(x[rank * micro:(rank + 1) * micro]), y[rank * micro:(rank + 1) * micro])
+        engine.backward(loss)
+        total = loss.detach().clone()
+        if world > 1:
+            torch.distributed.all_reduce(total)
+        losses.append(total.item() / world)
+        engine.step()
+    return losses
+
+
+def owned_state(engine, rank: int) -> list[tuple[str, int, dict[str, torch.Tensor]]]:
+    """This rank's share of the full training state (each element reported by exactly one rank)."""
+    return [(f.name, f.start, {k: v.detach().clone() for k, v in f.tensors.items()})
+            for f in local_fragments(engine.groups, engine.optimizer, rank)]
+
+
+def assemble(per_rank: list) -> dict[tuple[str, str], torch.Tensor]:
+    """{(parameter, 'master' | state key): full flattened tensor} from every rank's `owned_state`."""
+    pieces: dict[tuple[str, str], list] = {}
+    for frags in per_rank:
+        for name, start, tensors in frags:
+            for key, t in tensors.items():
+                pieces.setdefault((name, key), []).append((start, t))
+    return {k: torch.cat([t for _, t in sorted(v, key=lambda item: item[0])]) for k, v in pieces.items()}
