@@ -127,7 +127,7 @@ def zerofit_or_torch_step(method: str, args, ids):
         from zerofit.engine import ZeroEngine
 
         stage = int(method.split("-")[1][1])
-        off = OffloadConfig(device="cpu") if method.endswith("offload") else OffloadConfig()
+        off = OffloadConfig(device="cpu", ratio=args.offload_ratio) if method.endswith("offload") else OffloadConfig()
         zero = ZeroConfig(stage=stage, offload_optimizer=off, offload_param=off if stage == 3 else OffloadConfig())
         engine = ZeroEngine(model, opt, zero=zero, precision=PrecisionConfig(mixed_precision="bf16"),
                             gradient_clipping=1.0)
@@ -181,6 +181,8 @@ def main() -> None:
     p.add_argument("--n_head", type=int, default=25)
     p.add_argument("--gpu-memory-gib", type=float, default=None, help="cap GPU memory (stands in for a smaller card)")
     p.add_argument("--out", default=None, help="directory for results.json and table.md")
+    p.add_argument("--offload-ratio", type=float, default=1.0,
+                   help="zerofit offload rows: share of the optimizer state on the CPU (the rest on GPU)")
     p.add_argument("--timeout", type=float, default=240, help="seconds per method")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: run one method, print JSON
     args = p.parse_args()
