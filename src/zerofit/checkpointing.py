@@ -1,0 +1,88 @@
+"""What `save_state` / `load_state` add to the engine's sharded state: the loop's own state, per rank.
+
+The engine's parameters, master weights, optimizer state and loss scaler are written by
+`zerofit.checkpoint`; this module collects the rest as `extra_state` (plain Python values and
+tensors only, so loading never needs to unpickle arbitrary objects): every scheduler's
+`state_dict()`, the optimizer wrappers' flags, the accumulation counter, each dataloader's epoch and
+position, this rank's RNG states (Python, NumPy, torch CPU and CUDA), and the `state_dict()` of
+every object given to `register_for_checkpointing`.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import torch
+
+EXTRA_STATE_VERSION = 1
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's generator states, as plain lists and tensors."""
+    version, internal, gauss = random.getstate()
+    state: dict[str, Any] = {"python": [version, list(internal), gauss], "torch": torch.get_rng_state()}
+    try:
+        import numpy as np
+    except ImportError:
+        pass
+    else:
+        name, keys, pos, has_gauss, cached = np.random.get_state()
+        state["numpy"] = [name, torch.from_numpy(keys.astype("int64")), int(pos), int(has_gauss), float(cached)]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    torch.set_rng_state(state["torch"])
+    if "numpy" in state:
+        import numpy as np
+
+        name, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((name, keys.numpy().astype("uint32"), pos, has_gauss, cached))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def collect(*, schedulers: list[Any], optimizers: list[Any], dataloaders: list[Any], custom: list[Any],
+            micro_step: int, iteration: int) -> dict[str, Any]:
+    """The `extra_state` dict handed to `zerofit.checkpoint.save_state`."""
+    return {
+        "version": EXTRA_STATE_VERSION,
+        "schedulers": [s.state_dict() for s in schedulers],
+        "optimizers": [{"step_was_skipped": bool(o.step_was_skipped)} for o in optimizers],
+        "dataloaders": [{"epoch": d.iteration, "batches_yielded": d.batches_yielded, "seed": d.seed}
+                        for d in dataloaders],
+        "custom": [obj.state_dict() for obj in custom],
+        "micro_step": micro_step,
+        "iteration": iteration,
+        "rng": rng_state(),
+    }
+
+
+def restore(extra: dict[str, Any], *, schedulers: list[Any], optimizers: list[Any], dataloaders: list[Any],
+            custom: list[Any]) -> dict[str, Any]:
+    """Put `extra` (from `zerofit.checkpoint.load_state`) back; returns it for the counters it holds."""
+    for what, saved, live in (("schedulers", extra.get("schedulers", []), schedulers),
+                              ("dataloaders", extra.get("dataloaders", []), dataloaders),
+                              ("registered objects", extra.get("custom", []), custom)):
+        if len(saved) != len(live):
+            raise ValueError(f"the checkpoint holds {len(saved)} {what} but this run prepared {len(live)}: "
+                             f"prepare (or register_for_checkpointing) the same objects, in the same order, "
+                             f"as the run that saved it")
+    for sched, sd in zip(schedulers, extra["schedulers"]):
+        sched.load_state_dict(sd)
+    for opt, sd in zip(optimizers, extra.get("optimizers", [])):
+        opt.step_was_skipped = sd["step_was_skipped"]
+    for loader, sd in zip(dataloaders, extra["dataloaders"]):
+        loader.iteration = sd["epoch"]
+        loader.resume_position = sd["batches_yielded"]
+        loader.seed = sd.get("seed", loader.seed)
+    for obj, sd in zip(custom, extra["custom"]):
+        obj.load_state_dict(sd)
+    if "rng" in extra:
+        set_rng_state(extra["rng"])
+    return extra

@@ -1,0 +1,267 @@
+"""Dataloaders sharded over processes, with even batches and an exact `gather_for_metrics`.
+
+[Note: even batches]
+Every process must run the same number of forward/backward steps, or the ZeRO collectives hang.
+`prepare()` therefore cuts each epoch into global batches of `batch_size * num_processes` samples,
+taken in the order of the script's own sampler: process r gets rows r*batch_size ..
+(r+1)*batch_size - 1 of each global batch, so global batch g holds exactly the samples a single
+process with a batch of `batch_size * num_processes` would see at step g. The last global batch,
+when short, is filled up with samples from the start of the epoch; the loader remembers how many of
+its samples are real, and `gather_for_metrics` drops the repeats (rows are gathered in rank order,
+so the repeats are the last rows). With `drop_last=True` the short global batch is dropped instead.
+With `split_batches`, the script's batch is the global batch and each process gets a slice of it.
+
+A shuffling sampler (`RandomSampler`) draws its permutation from a generator seeded the same on
+every process (rank 0's seed, plus the epoch), so all processes cut the same epoch.
+Iterable datasets are read whole by every process, which keeps its slice of every group of
+`batch_size * num_processes` samples (the same rule, on the stream), read and collated in the main
+process (the script's `num_workers` is not used for them).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, Sampler
+
+from zerofit.ops import send_to_device
+from zerofit.state import GradientState
+
+
+class ShardedBatchSampler(Sampler[list[int]]):
+    """This process's batches of the epoch, cut from the script's sampler as the module note says."""
+
+    def __init__(self, sampler: Sampler, batch_size: int, drop_last: bool, *, rank: int, world: int,
+                 split_batches: bool, seed: int):
+        if split_batches and batch_size % world:
+            raise ValueError(f"split_batches needs the DataLoader batch_size ({batch_size}) to be a multiple of "
+                             f"the number of processes ({world}): change batch_size or turn split_batches off")
+        self.sampler = sampler
+        self.per_rank = batch_size // world if split_batches else batch_size
+        self.drop_last = drop_last
+        self.rank, self.world = rank, world
+        self.seed = seed
+        self.epoch = 0
+        self.skip = 0
+        """Batches to leave out at the start of the next epoch (resuming mid-epoch)."""
+
+    @property
+    def global_batch(self) -> int:
+        return self.per_rank * self.world
+
+    def _indices(self) -> list[int]:
+        if isinstance(self.sampler, RandomSampler):
+            gen = torch.Generator().manual_seed(self.seed + self.epoch)
+            same = RandomSampler(self.sampler.data_source, replacement=self.sampler.replacement,
+                                 num_samples=self.sampler._num_samples, generator=gen)
+            return list(same)
+        return list(self.sampler)
+
+    def num_samples(self) -> int:
+        return len(self.sampler)
+
+    def real_in_last(self) -> int:
+        """Real samples in the last global batch of an epoch; -1 when it is full (nothing repeated)."""
+        n = self.num_samples()
+        if self.drop_last or n % self.global_batch == 0:
+            return -1
+        return n % self.global_batch
+
+    def __len__(self) -> int:
+        n = self.num_samples()
+        return n // self.global_batch if self.drop_last else math.ceil(n / self.global_batch)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        indices = self._indices()
+        count = len(indices) // self.global_batch if self.drop_last else math.ceil(len(indices) / self.global_batch)
+        need = count * self.global_batch
+        while len(indices) < need:  # fill the last global batch from the start of the epoch
+            indices += indices[: need - len(indices)]
+        skip, self.skip = self.skip, 0
+        for g in range(skip, count):
+            start = g * self.global_batch + self.rank * self.per_rank
+            yield indices[start:start + self.per_rank]
+
+
+class IterableShard(IterableDataset):
+    """This process's samples of an iterable dataset: its slice of every `per_rank * world` samples.
+
+    The last, short group is filled up with the epoch's first samples and `on_padded(real)` says
+    how many of it were real (the module note). Every process reads the whole stream.
+    """
+
+    def __init__(self, dataset: IterableDataset, *, per_rank: int, rank: int, world: int, drop_last: bool,
+                 on_padded: Any):
+        self.dataset, self.per_rank, self.rank, self.world = dataset, per_rank, rank, world
+        self.drop_last, self.on_padded = drop_last, on_padded
+
+    def __iter__(self) -> Iterator[Any]:
+        size = self.per_rank * self.world
+        mine = slice(self.rank * self.per_rank, (self.rank + 1) * self.per_rank)
+        first: list[Any] = []
+        group: list[Any] = []
+        for sample in self.dataset:
+            if len(first) < size:
+                first.append(sample)
+            group.append(sample)
+            if len(group) == size:
+                yield from group[mine]
+                group = []
+        if group and not self.drop_last:
+            real = len(group)
+            while len(group) < size:
+                group += first[: size - len(group)]
+            self.on_padded(real)
+            yield from group[mine]
+
+
+class ShardedDataLoader:
+    """A script's DataLoader seen through one process's shard, yielding batches on the accelerator.
+
+    Iterating it tells the shared `GradientState` when the last batch is being processed, which
+    closes an accumulation window early (`accumulate()`) and lets `gather_for_metrics` drop repeats.
+    """
+
+    def __init__(self, loader: DataLoader, *, gradient_state: GradientState, device: torch.device | None,
+                 rank: int, world: int, split_batches: bool, seed: int):
+        self.base = loader
+        self.gradient_state = gradient_state
+        self.device = device
+        self.rank, self.world = rank, world
+        self.split_batches = split_batches
+        self.at_last_batch = False
+        self.remainder = -1
+        self.iteration = 0
+        """Completed epochs."""
+        self.batches_yielded = 0
+        """Batches of the current epoch handed to the script so far, the current one included (the resume position)."""
+        self.resume_position = 0
+        """`batches_yielded` of the checkpoint last loaded (pass it to `skip_first_batches`)."""
+        self._skip_next = 0
+        self.batch_sampler: ShardedBatchSampler | None = None
+        # Its own generator for the worker seeds: starting an epoch must not draw from the global RNG,
+        # or a resumed run's dropout masks would differ from an uninterrupted one's.
+        self._generator = torch.Generator()
+        self._per_rank: int | None = None
+        if isinstance(loader.dataset, IterableDataset):
+            if loader.batch_size is None:
+                raise ValueError("prepare() shards an IterableDataset's DataLoader by samples and needs its "
+                                 "batch_size: build the DataLoader with batch_size=...")
+            per_rank = loader.batch_size // world if split_batches else loader.batch_size
+            self._per_rank = per_rank
+            shard = IterableShard(loader.dataset, per_rank=per_rank, rank=rank, world=world,
+                                  drop_last=loader.drop_last, on_padded=self._set_remainder)
+            self._loader = DataLoader(shard, batch_size=per_rank, collate_fn=loader.collate_fn,
+                                      pin_memory=loader.pin_memory, generator=self._generator)
+        else:
+            batch_size, drop_last = loader.batch_size, loader.drop_last
+            if batch_size is None:  # the script built its own batch sampler
+                inner = loader.batch_sampler
+                batch_size = getattr(inner, "batch_size", None)
+                drop_last = getattr(inner, "drop_last", False)
+                if batch_size is None or not isinstance(inner, BatchSampler):
+                    raise ValueError(f"prepare() shards DataLoaders with a batch_size or a BatchSampler; this one "
+                                     f"has batch_sampler {type(inner).__name__}: build the DataLoader with "
+                                     "batch_size=... (and sampler=... for a custom order)")
+                sampler = inner.sampler
+            else:
+                sampler = loader.sampler
+            self.batch_sampler = ShardedBatchSampler(sampler, batch_size, drop_last, rank=rank, world=world,
+                                                     split_batches=split_batches, seed=seed)
+            self._loader = DataLoader(
+                loader.dataset, batch_sampler=self.batch_sampler, num_workers=loader.num_workers,
+                collate_fn=loader.collate_fn, pin_memory=loader.pin_memory, timeout=loader.timeout,
+                worker_init_fn=loader.worker_init_fn, multiprocessing_context=loader.multiprocessing_context,
+                prefetch_factor=loader.prefetch_factor if loader.num_workers else None,
+                persistent_workers=loader.persistent_workers, generator=self._generator)
+
+    # --- what scripts read --------------------------------------------------------------------
+    @property
+    def dataset(self) -> Any:
+        return self.base.dataset
+
+    @property
+    def batch_size(self) -> int | None:
+        if self.batch_sampler is not None:
+            return self.batch_sampler.per_rank
+        return self._per_rank
+
+    def _set_remainder(self, real: int) -> None:
+        self.remainder = real
+
+    @property
+    def seed(self) -> int | None:
+        """The shuffling seed every process shares (saved in checkpoints, so a resumed epoch is the same)."""
+        return self.batch_sampler.seed if self.batch_sampler is not None else None
+
+    @seed.setter
+    def seed(self, value: int | None) -> None:
+        if self.batch_sampler is not None and value is not None:
+            self.batch_sampler.seed = value
+
+    @property
+    def total_batch_size(self) -> int | None:
+        return None if self.batch_size is None else self.batch_size * self.world
+
+    @property
+    def total_dataset_length(self) -> int:
+        return len(self.base.dataset)
+
+    def __len__(self) -> int:
+        if self.batch_sampler is not None:
+            return len(self.batch_sampler)
+        return math.ceil(len(self.base.dataset) / (self._per_rank * self.world))  # iterable with a length
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("base", "_loader", "_per_rank"):
+            raise AttributeError(name)
+        return getattr(self.base, name)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.iteration = epoch
+        if hasattr(self.base.sampler, "set_epoch"):
+            self.base.sampler.set_epoch(epoch)
+
+    def skip_batches(self, count: int) -> None:
+        """Leave out the first `count` batches of the next epoch (for resuming mid-epoch)."""
+        self._skip_next = count
+
+    # --- iteration ----------------------------------------------------------------------------
+    def _batches(self, skip: int) -> Iterator[Any]:
+        if self.batch_sampler is not None:
+            self.batch_sampler.epoch = self.iteration
+            self._generator.manual_seed(self.batch_sampler.seed + self.iteration)
+            self.batch_sampler.skip = skip
+            self.remainder = self.batch_sampler.real_in_last()
+            return iter(self._loader)
+        self.remainder = -1
+        return iter(self._loader)
+
+    def __iter__(self) -> Iterator[Any]:
+        skip, self._skip_next = self._skip_next, 0
+        self.batches_yielded = skip
+        it = self._batches(skip)
+        if self.batch_sampler is None:  # iterable: skipping means reading past them
+            for _ in range(skip):
+                next(it, None)
+        self.gradient_state.begin(self)
+        self.at_last_batch = False
+        try:
+            current = next(it, _END)
+            while current is not _END:
+                following = next(it, _END)  # one ahead: the script must know when a batch is the last
+                self.at_last_batch = following is _END
+                self.batches_yielded += 1  # counted before the script sees it: a save inside the loop body
+                yield current if self.device is None else send_to_device(current, self.device)  # resumes after it
+                current = following
+            self.iteration += 1
+            self.batches_yielded = 0
+        finally:
+            self.at_last_batch = False
+            self.gradient_state.end(self)
+
+
+_END = object()

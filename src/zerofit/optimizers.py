@@ -1,0 +1,115 @@
+"""The optimizer a script steps: `AcceleratedOptimizer`, and optimizers built from a config's `optimizer`.
+
+[Note: what the script's optimizer calls do]
+`prepare()` hands the script's optimizer object to the ZeRO engine, which rebinds it to this rank's
+fp32 master shards (see `zerofit.engine.optim`), and returns it wrapped. In the training loop:
+
+* `optimizer.step()` applies the accumulated gradients through `engine.step()` (unscale, clip if
+  the config says so and the script did not call `clip_grad_norm_`, skip on fp16 overflow, step,
+  publish the new parameters) on a micro-step that closes an accumulation window; on other
+  micro-steps it does nothing, because the gradients are still accumulating.
+* `optimizer.zero_grad()` clears gradients only once a window has closed; a call in the middle of
+  a window (a loop that zeroes before its forward) would throw away accumulated micro-steps, so it
+  is a no-op there.
+* `step_was_skipped` is True after a step an fp16 overflow skipped; the scheduler wrapper then
+  does not advance either.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from zerofit.config import catalog
+from zerofit.config.schema import OptimizerConfig
+from zerofit.engine import ZeroEngine
+from zerofit.errors import ConfigError
+from zerofit.state import GradientState
+
+_DEEPSPEED_ADAM_SWITCHES = ("torch_adam", "adam_w_mode")
+
+
+class AcceleratedOptimizer:
+    """The script's optimizer, stepped through its model's ZeRO engine (see the module note)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, engine: ZeroEngine, gradient_state: GradientState):
+        self.optimizer = optimizer
+        self.engine = engine
+        self.gradient_state = gradient_state
+        self.step_was_skipped = False
+        self.window_open = False
+        """True once a backward has run in an accumulation window that has not been stepped yet."""
+
+    # --- the calls a training loop makes --------------------------------------------------------
+    def step(self, closure: Callable[[], Any] | None = None) -> None:
+        if closure is not None:
+            raise ValueError("optimizer.step(closure) is not supported under zerofit: the engine steps on "
+                             "accumulated, sharded gradients; call accelerator.backward(loss) then step()")
+        if not self.gradient_state.sync_gradients:
+            return
+        self.step_was_skipped = not self.engine.step()
+        self.window_open = False
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if not self.gradient_state.sync_gradients or self.window_open:
+            return
+        self.engine.zero_grad()
+
+    # --- torch.optim.Optimizer surface ----------------------------------------------------------
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = value
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return self.optimizer.defaults
+
+    @property
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's shard of the optimizer state (under ZeRO each rank holds a different part)."""
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+    def add_param_group(self, group: dict[str, Any]) -> None:
+        raise ValueError("add_param_group after prepare() is not supported under zerofit: the engine lays out "
+                         "every parameter at prepare(); build the optimizer with all its param groups first")
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("optimizer", "engine"):
+            raise AttributeError(name)
+        return getattr(self.optimizer, name)
+
+    def __repr__(self) -> str:
+        return f"AcceleratedOptimizer({self.optimizer!r})"
+
+
+def build_optimizer(config: OptimizerConfig, params: Any) -> torch.optim.Optimizer:
+    """The torch optimizer a resolved config's `optimizer` section names, over `params` (tensors or groups)."""
+    cls = catalog.optimizer_class(config.type)
+    if cls is None:
+        raise ConfigError(f"optimizer.type {config.type!r} is not a torch.optim optimizer: use AdamW, Adam, SGD "
+                          f"or another torch.optim class name")
+    kwargs = dict(config.params)
+    # DeepSpeed's Adam switches: adam_w_mode (default true) means AdamW; torch_adam only picks a kernel.
+    adam_w_mode = kwargs.pop("adam_w_mode", True)
+    kwargs.pop("torch_adam", None)
+    if cls is torch.optim.Adam and adam_w_mode in (True, "true", "True"):
+        cls = torch.optim.AdamW
+    if isinstance(kwargs.get("betas"), list):
+        kwargs["betas"] = tuple(kwargs["betas"])
+    try:
+        return cls(params, **kwargs)
+    except (TypeError, ValueError) as bad:
+        raise ConfigError(f"optimizer {config.type} with params {config.params}: {bad}: fix optimizer.params") \
+            from None

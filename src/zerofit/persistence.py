@@ -1,0 +1,114 @@
+"""The Accelerator's saving and loading: resumable checkpoints, consolidated weights, single objects.
+
+`PersistenceMixin` holds the methods scripts call for files (`save_state`, `load_state`,
+`register_for_checkpointing`, `get_state_dict`, `save_model`, `save`); the sharded formats
+themselves belong to `zerofit.checkpoint`, and the loop state that goes with them to
+`zerofit.checkpointing`. Every method here except `save` and `register_for_checkpointing` is
+collective: each process must call it.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from zerofit import checkpointing
+from zerofit.engine import ZeroEngine
+
+
+class PersistenceMixin:
+    """File methods of `zerofit.Accelerator` (it provides `_engines`, `_trained_engine` and the rest)."""
+
+    def _engine_of(self, model: nn.Module) -> ZeroEngine:
+        engine = self._engines.get(id(model))
+        if engine is None:
+            raise ValueError(f"this {type(model).__name__} was not prepared by this Accelerator: pass the model "
+                             "returned by prepare()")
+        return engine
+
+    def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
+        """Full tensors of `model` on the main process ({} elsewhere); every process must call it."""
+        from zerofit.checkpoint import full_state_dict
+
+        return full_state_dict(self._engine_of(model), model)
+
+    def save_model(self, model: nn.Module, save_directory: str | os.PathLike, max_shard_size: str | int = "10GB",
+                   safe_serialization: bool = True) -> None:
+        """Consolidated weights (`model.safetensors`, sharded with an index above `max_shard_size`)."""
+        from zerofit.checkpoint import save_consolidated
+
+        save_consolidated(self._engine_of(model), model, str(save_directory), max_shard_size=max_shard_size,
+                          safe_serialization=safe_serialization)
+
+    def save(self, obj: Any, f: str | os.PathLike, safe_serialization: bool = False) -> None:
+        """Write `obj` once, from the main process (safetensors for a dict of tensors when asked)."""
+        if not self.is_main_process:
+            return
+        if safe_serialization:
+            from safetensors.torch import save_file
+
+            save_file({k: v.contiguous() for k, v in obj.items()}, str(f), metadata={"format": "pt"})
+        else:
+            torch.save(obj, f)
+
+    def register_for_checkpointing(self, *objects: Any) -> None:
+        """Save and load these objects' `state_dict()` with `save_state` / `load_state`."""
+        bad = [type(o).__name__ for o in objects if not (hasattr(o, "state_dict") and hasattr(o, "load_state_dict"))]
+        if bad:
+            raise TypeError(f"register_for_checkpointing takes objects with state_dict() and load_state_dict(); "
+                            f"{', '.join(bad)} lack(s) them: add both methods or save the object yourself")
+        self._custom.extend(objects)
+
+    def _checkpoint_dir(self, directory: str | os.PathLike | None) -> str:
+        if directory is not None:
+            return str(directory)
+        pc = self.project_configuration
+        if pc.automatic_checkpoint_naming and pc.project_dir:
+            return os.path.join(pc.project_dir, "checkpoints", f"checkpoint_{pc.iteration}")
+        if self.config.checkpoint.output_dir:
+            return self.config.checkpoint.output_dir
+        raise ValueError("save_state() / load_state() need a directory: pass one, set checkpoint.output_dir in "
+                         "the config, or use ProjectConfiguration(project_dir=..., automatic_checkpoint_naming=True)")
+
+    def save_state(self, output_dir: str | os.PathLike | None = None, safe_serialization: bool = True,
+                   **kwargs: Any) -> str:
+        """A resumable sharded checkpoint: engine state plus the loop's state of every rank. Collective."""
+        from zerofit.checkpoint import save_state
+
+        engine = self._trained_engine() or next(iter(self._engines.values()), None)
+        if engine is None:
+            raise ValueError("save_state() needs a prepared model: call prepare(model, optimizer, ...) first")
+        extra = checkpointing.collect(schedulers=self._schedulers, optimizers=self._optimizers,
+                                      dataloaders=self._dataloaders, custom=self._custom,
+                                      micro_step=self.gradient_state.micro_step,
+                                      iteration=self.project_configuration.iteration)
+        path = save_state(self._checkpoint_dir(output_dir), engine, extra_state=extra, config=self.config)
+        if self.project_configuration.automatic_checkpoint_naming:
+            self.project_configuration.iteration += 1
+        return path
+
+    def load_state(self, input_dir: str | os.PathLike | None = None, **kwargs: Any) -> None:
+        """Restore what `save_state` wrote (at any world size or stage, see zerofit.checkpoint). Collective."""
+        from zerofit.checkpoint import load_state
+
+        engine = self._trained_engine() or next(iter(self._engines.values()), None)
+        if engine is None:
+            raise ValueError("load_state() needs the prepared model: call prepare(model, optimizer, ...) first")
+        if input_dir is None and self.project_configuration.automatic_checkpoint_naming:
+            input_dir = _latest_checkpoint(os.path.join(self.project_dir or ".", "checkpoints"))
+        extra = load_state(self._checkpoint_dir(input_dir), engine)
+        checkpointing.restore(extra, schedulers=self._schedulers, optimizers=self._optimizers,
+                              dataloaders=self._dataloaders, custom=self._custom)
+        self.gradient_state.micro_step = extra.get("micro_step", 0)
+        if self.project_configuration.automatic_checkpoint_naming:
+            self.project_configuration.iteration = extra.get("iteration", 0) + 1
+
+
+def _latest_checkpoint(folder: str) -> str:
+    names = [n for n in os.listdir(folder) if n.startswith("checkpoint_")] if os.path.isdir(folder) else []
+    if not names:
+        raise ValueError(f"no checkpoint_<n> folder in {folder}: pass load_state(directory) explicitly")
+    return os.path.join(folder, max(names, key=lambda n: int(n.split("_")[-1])))

@@ -1,0 +1,188 @@
+"""Who this process is in the run, and where the training loop stands: `ProcessState`, `GradientState`.
+
+`ProcessState` joins (or creates) the process group once: under `zerofit launch` / torchrun the
+environment names the rendezvous; a process started as plain `python train.py` runs as a world of
+one with no process group at all (the engine and every collective below degrade to no-ops), so no
+environment variable is needed.
+
+`GradientState` is what `accumulate()`, the dataloaders and the optimizer wrapper share: whether the
+current micro-step closes an accumulation window, and whether the batch being processed is the last
+of its dataloader (and how many of its samples are real, for `gather_for_metrics`).
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from zerofit import runtime
+from zerofit.config.schema import RunConfig
+
+
+class DistributedType(str, enum.Enum):
+    """How the run is distributed (compare with `accelerator.distributed_type`).
+
+    NO: one process. MULTI_CPU / MULTI_GPU: several processes with ZeRO stage 0 (plain data
+    parallelism, gradients all-reduced). ZERO: ZeRO stage 1, 2 or 3 (what Accelerate calls
+    DEEPSPEED), on any number of processes.
+    """
+
+    NO = "NO"
+    MULTI_CPU = "MULTI_CPU"
+    MULTI_GPU = "MULTI_GPU"
+    ZERO = "ZERO"
+
+
+def _launched_world() -> int:
+    """The world size torchrun announced, or 0 when this process was not started by a launcher."""
+    return int(os.environ.get("WORLD_SIZE", "0") or 0)
+
+
+@dataclass
+class ProcessState:
+    """This process's place in the run: rank, world, device, process group (None for a world of one)."""
+
+    process_index: int
+    num_processes: int
+    local_process_index: int
+    device: torch.device
+    backend: str | None
+    group: Any = None
+    initialized_here: bool = False
+
+    @classmethod
+    def create(cls, config: RunConfig, *, cpu: bool = False) -> ProcessState:
+        use_cpu = cpu or runtime.use_cpu(config)
+        device = torch.device("cpu") if use_cpu else runtime.device(config)
+        backend = "gloo" if use_cpu else "nccl"
+        created = False
+        if not dist.is_initialized() and _launched_world() >= 1 and "MASTER_ADDR" in os.environ:
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+            dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
+            created = True
+        if dist.is_initialized():
+            backend = dist.get_backend()
+            return cls(dist.get_rank(), dist.get_world_size(), runtime.local_rank(), device, backend,
+                       dist.group.WORLD, created)
+        return cls(0, 1, 0, device, None)
+
+    @property
+    def distributed(self) -> bool:
+        return self.num_processes > 1
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.process_index == 0
+
+    @property
+    def is_local_main_process(self) -> bool:
+        return self.local_process_index == 0
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier()
+
+
+@dataclass
+class GradientState:
+    """Shared by `accumulate()`, the dataloaders and the optimizer/scheduler wrappers."""
+
+    gradient_accumulation_steps: int = 1
+    sync_gradients: bool = True
+    """True on the micro-step that closes an accumulation window (the optimizer steps after it)."""
+    micro_step: int = 0
+    """Micro-steps counted by `accumulate()` since the last window closed."""
+    active_dataloaders: list[Any] = field(default_factory=list)
+    """Dataloaders being iterated, innermost last."""
+
+    @property
+    def end_of_dataloader(self) -> bool:
+        """True while the script processes the last batch of the innermost dataloader."""
+        return bool(self.active_dataloaders) and self.active_dataloaders[-1].at_last_batch
+
+    @property
+    def remainder(self) -> int:
+        """Real samples in the innermost dataloader's last global batch, or -1 when nothing was padded."""
+        return self.active_dataloaders[-1].remainder if self.active_dataloaders else -1
+
+    @property
+    def in_dataloader(self) -> bool:
+        return bool(self.active_dataloaders)
+
+    def begin(self, loader: Any) -> None:
+        self.active_dataloaders.append(loader)
+
+    def end(self, loader: Any) -> None:
+        if loader in self.active_dataloaders:
+            self.active_dataloaders.remove(loader)
+
+    def count_micro_step(self) -> None:
+        """Advance by one micro-step: the window closes every N steps and at the end of the dataloader."""
+        if self.end_of_dataloader:
+            self.micro_step = 0
+            self.sync_gradients = True
+            return
+        self.micro_step += 1
+        self.sync_gradients = self.micro_step % self.gradient_accumulation_steps == 0
+        if self.sync_gradients:
+            self.micro_step = 0
+
+
+class ZeroPlugin:
+    """Read-only stand-in for Accelerate's `state.deepspeed_plugin`, for scripts that inspect it.
+
+    Scripts written for DeepSpeed often choose between `DummyOptim` and a torch optimizer with
+    `"optimizer" in accelerator.state.deepspeed_plugin.deepspeed_config`; `deepspeed_config` here is
+    the run's config in DeepSpeed's spelling (the keys such scripts read).
+    """
+
+    def __init__(self, config: RunConfig):
+        self.zero_stage = config.zero.stage
+        self.gradient_accumulation_steps = config.batch.gradient_accumulation_steps
+        self.deepspeed_config: dict[str, Any] = {
+            "zero_optimization": {"stage": config.zero.stage},
+            "gradient_accumulation_steps": config.batch.gradient_accumulation_steps,
+            "train_micro_batch_size_per_gpu": config.batch.train_micro_batch_size_per_gpu,
+            "gradient_clipping": config.gradient_clipping,
+        }
+        for section in ("optimizer", "scheduler"):
+            named = getattr(config, section)
+            if named is not None:
+                self.deepspeed_config[section] = {"type": named.type, "params": dict(named.params)}
+
+    def is_zero3_init_enabled(self) -> bool:
+        return False
+
+
+class AcceleratorState:
+    """`accelerator.state`: the attributes scripts read from Accelerate's state, and a readable summary."""
+
+    def __init__(self, accelerator: Any):
+        self._acc = accelerator
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._acc, name)
+
+    @property
+    def deepspeed_plugin(self) -> ZeroPlugin | None:
+        """A `ZeroPlugin` when the config shards (stage >= 1) or names an optimizer or scheduler; else None."""
+        cfg = self._acc.config
+        if cfg.zero.stage >= 1 or cfg.optimizer is not None or cfg.scheduler is not None:
+            return ZeroPlugin(cfg)
+        return None
+
+    def __repr__(self) -> str:
+        acc = self._acc
+        return (f"Distributed environment: {acc.distributed_type.value} (ZeRO stage {acc.config.zero.stage})\n"
+                f"Num processes: {acc.num_processes}\nProcess index: {acc.process_index}\n"
+                f"Local process index: {acc.local_process_index}\nDevice: {acc.device}\n"
+                f"Mixed precision type: {acc.mixed_precision}\n"
+                f"Gradient accumulation steps: {acc.gradient_accumulation_steps}\n")
