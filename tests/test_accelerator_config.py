@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -103,3 +104,12 @@ def test_without_a_config_file_the_script_decides():
     acc = Accelerator(gradient_accumulation_steps=3, mixed_precision="bf16", config=RunConfig())
     assert acc.gradient_accumulation_steps == 3 and acc.mixed_precision == "bf16" and not acc.use_fp16
     assert acc.distributed_type.value == "NO" and acc.state.deepspeed_plugin is None
+
+
+def test_a_config_file_that_leaves_accumulation_unset_takes_the_script_value(tmp_path):
+    path = tmp_path / "zerofit.yaml"
+    path.write_text("zero:\n  stage: 2\n")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no mismatch warning: the file did not choose
+        acc = Accelerator(gradient_accumulation_steps=2, config=str(path))
+    assert acc.gradient_accumulation_steps == 2

@@ -111,7 +111,7 @@ def test_config_writes_a_file_that_loads_back_to_the_same_settings(fmt, case, tm
         if offload.device == "nvme":
             assert offload.nvme_path == "/local_nvme"
     assert cfg.precision.mixed_precision == _flag(case, "--mixed_precision", "no")
-    unset = 1 if fmt == "zerofit" else AUTO  # deepspeed and accelerate users expect "auto" from the script
+    unset = AUTO  # in every format an unset accumulation comes from the script, as in Accelerate
     gas, clip = _flag(case, "--gradient_accumulation_steps", None), _flag(case, "--gradient_clipping", None)
     assert cfg.batch.gradient_accumulation_steps == (unset if gas is None else int(gas))
     assert cfg.gradient_clipping == ((0.0 if fmt == "zerofit" else AUTO) if clip is None else float(clip))

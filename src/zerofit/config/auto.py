@@ -60,7 +60,7 @@ _FILLS: dict[str, tuple[_Fill, str]] = {
         "the batch_size of the training DataLoader passed to prepare()",
     ),
     "batch.gradient_accumulation_steps": (
-        lambda f: f.gradient_accumulation_steps,
+        lambda f: 1 if f.gradient_accumulation_steps is None else f.gradient_accumulation_steps,
         "Accelerator(gradient_accumulation_steps=...)",
     ),
     "precision.mixed_precision": (

@@ -164,8 +164,8 @@ class BatchConfig:
     """Samples per optimizer step over all ranks."""
     train_micro_batch_size_per_gpu: int | Any | None = None
     """Samples per forward/backward on one rank."""
-    gradient_accumulation_steps: int | Any | None = 1
-    """Micro-steps per optimizer step; None: derived from the other two, as DeepSpeed does."""
+    gradient_accumulation_steps: int | Any | None = AUTO
+    """Micro-steps per optimizer step; "auto" (default): the script's value (Accelerator argument, else 1); None: derived from the other two, as DeepSpeed does."""
 
 
 @dataclass(frozen=True, kw_only=True)
