@@ -3,8 +3,9 @@
     zerofit demo                      # = zerofit launch --cpu --num_processes 2 -m zerofit.demo.train
     zerofit demo --stage 3 --steps 40 --mixed_precision bf16
 
-Each rank reads its own slice of every global batch; the ZeRO stage comes from the launcher's config
-(`--config_file`) unless `--stage` is given. Rank 0 prints the loss of every step and a summary.
+Written as an ordinary Accelerate-style loop on `zerofit.Accelerator`: each rank reads its shard of
+the shipped text; the ZeRO stage comes from the launcher's config (`--config_file`) unless `--stage`
+is given. Rank 0 prints the loss every few steps and a summary.
 """
 
 from __future__ import annotations
@@ -16,11 +17,10 @@ import time
 from importlib import resources
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from zerofit import runtime
-from zerofit.engine import ZeroEngine
+from zerofit import Accelerator, runtime
+from zerofit.utils import set_seed
 
 
 class Block(nn.Module):
@@ -63,59 +63,71 @@ def load_corpus() -> tuple[torch.Tensor, int]:
     return torch.tensor([index[c] for c in text], dtype=torch.long), len(chars)
 
 
+class Windows(torch.utils.data.Dataset):
+    """Every `context + 1` characters starting at a stride of `context // 2`: inputs and next-char targets."""
+
+    def __init__(self, data: torch.Tensor, context: int):
+        self.data, self.context = data, context
+        self.starts = list(range(0, len(data) - context - 1, context // 2))
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        s = self.starts[i]
+        return {"ids": self.data[s:s + self.context], "labels": self.data[s + 1:s + 1 + self.context]}
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--stage", type=int, choices=[0, 1, 2, 3], default=None, help="ZeRO stage (default: config)")
-    p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--batch_size", type=int, default=16, help="global batch (sequences per step)")
+    p.add_argument("--steps", type=int, default=60, help="optimizer steps")
+    p.add_argument("--batch_size", type=int, default=8, help="sequences per process per micro-step")
+    p.add_argument("--gradient_accumulation_steps", type=int, default=1)
     p.add_argument("--context", type=int, default=64)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--mixed_precision", choices=["no", "bf16", "fp16"], default=None)
     args = p.parse_args(argv)
 
     config = runtime.current_config()
-    dist.init_process_group(runtime.backend(config))
-    rank, world = dist.get_rank(), dist.get_world_size()
-    zero = config.zero if args.stage is None else dataclasses.replace(config.zero, stage=args.stage)
-    precision = config.precision
-    if args.mixed_precision is not None or not isinstance(precision.mixed_precision, str):
-        precision = dataclasses.replace(precision, mixed_precision=args.mixed_precision or "no")
-    if args.batch_size % world:
-        raise SystemExit(f"--batch_size {args.batch_size} must be divisible by the {world} processes")
-
+    if args.stage is not None:
+        config = config.replace(zero=dataclasses.replace(config.zero, stage=args.stage))
+    accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps,
+                              mixed_precision=args.mixed_precision, config=config)
+    set_seed(0)
     data, vocab = load_corpus()
-    torch.manual_seed(0)
+    loader = torch.utils.data.DataLoader(Windows(data, args.context), batch_size=args.batch_size, shuffle=True)
     model = TinyCharLM(vocab, context=args.context)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
-    engine = ZeroEngine(model, optimizer, zero=zero, precision=precision, gradient_clipping=1.0,
-                        device=runtime.device(config))
-    if rank == 0:
-        n = sum(g.numel for g in engine.groups)
-        print(f"zerofit demo: {n:,} parameters in {len(engine.units)} units, ZeRO stage {zero.stage}, "
-              f"{world} processes ({runtime.backend(config)}), precision {precision.mixed_precision}")
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    accelerator.print(f"zerofit demo: {sum(p.numel() for p in model.parameters()):,} parameters, "
+                      f"ZeRO stage {config.zero.stage}, {accelerator.num_processes} processes "
+                      f"({accelerator.distributed_type.value}), precision {accelerator.mixed_precision}")
 
-    gen = torch.Generator().manual_seed(1)
-    micro = args.batch_size // world
-    losses, start = [], time.perf_counter()
-    for step in range(args.steps):
-        starts = torch.randint(0, len(data) - args.context - 1, (args.batch_size,), generator=gen)
-        mine = starts[rank * micro:(rank + 1) * micro]
-        x = torch.stack([data[s:s + args.context] for s in mine]).to(engine.device)
-        y = torch.stack([data[s + 1:s + 1 + args.context] for s in mine]).to(engine.device)
-        logits = model(x)
-        loss = nn.functional.cross_entropy(logits.float().reshape(-1, vocab), y.reshape(-1))
-        engine.backward(loss)
-        engine.step()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        losses.append(mean.item() / world)
-        if rank == 0 and (step % 5 == 0 or step == args.steps - 1):
-            print(f"step {step:4d}  loss {losses[-1]:.4f}")
-    if rank == 0:
-        took = time.perf_counter() - start
-        print(f"done: loss {losses[0]:.3f} -> {losses[-1]:.3f} (uniform guess {math.log(vocab):.3f}) "
-              f"in {took:.1f}s, {args.steps * args.batch_size * args.context / took:,.0f} tokens/s")
-    dist.destroy_process_group()
+    losses, step, start = [], 0, time.perf_counter()
+    while step < args.steps:
+        for batch in loader:
+            with accelerator.accumulate(model):
+                logits = model(batch["ids"])
+                loss = nn.functional.cross_entropy(logits.float().reshape(-1, vocab), batch["labels"].reshape(-1))
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    accelerator.clip_grad_norm_(model.parameters(), 1.0)
+                optimizer.step()
+                optimizer.zero_grad()
+            if not accelerator.sync_gradients:
+                continue
+            losses.append(accelerator.reduce(loss.detach(), reduction="mean").item())
+            if step % 5 == 0 or step == args.steps - 1:
+                accelerator.print(f"step {step:4d}  loss {losses[-1]:.4f}")
+            step += 1
+            if step == args.steps:
+                break
+    took = time.perf_counter() - start
+    tokens = args.steps * args.gradient_accumulation_steps * args.batch_size * accelerator.num_processes * args.context
+    accelerator.print(f"done: loss {losses[0]:.3f} -> {losses[-1]:.3f} (uniform guess {math.log(vocab):.3f}) "
+                      f"in {took:.1f}s, {tokens / took:,.0f} tokens/s")
+    accelerator.end_training()
 
 
 if __name__ == "__main__":
