@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -102,3 +103,5 @@ def test_zerofit_demo_trains_on_two_cpu_processes():
     proc = run_zerofit("demo", "--steps", "3")
     assert proc.returncode == 0, proc.stderr
     assert "2 processes (gloo)" in proc.stdout and "done:" in proc.stdout
+    first, last = re.search(r"done: loss ([\d.]+) -> ([\d.]+)", proc.stdout).groups()
+    assert float(last) < float(first)  # it learns

@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     accelerator.print(f"zerofit demo: {sum(p.numel() for p in model.parameters()):,} parameters, "
                       f"ZeRO stage {config.zero.stage}, {accelerator.num_processes} processes "
-                      f"({accelerator.distributed_type.value}), precision {accelerator.mixed_precision}")
+                      f"({runtime.backend(config)}), precision {accelerator.mixed_precision}")
 
     losses, step, start = [], 0, time.perf_counter()
     while step < args.steps:
