@@ -22,7 +22,7 @@ import sys
 import time
 
 METHODS = ["torch", "zerofit-s0", "zerofit-s1", "zerofit-s2", "zerofit-s3",
-           "zerofit-s2-offload", "zerofit-s3-offload",
+           "zerofit-s2-offload", "zerofit-s3-offload", "zerofit-s3-nvme",
            "deepspeed-s2", "deepspeed-s2-offload", "deepspeed-s3-offload", "fsdp2-offload"]
 
 
@@ -129,6 +129,10 @@ def zerofit_or_torch_step(method: str, args, ids):
         stage = int(method.split("-")[1][1])
         off = OffloadConfig(device="cpu", ratio=args.offload_ratio) if method.endswith("offload") else OffloadConfig()
         zero = ZeroConfig(stage=stage, offload_optimizer=off, offload_param=off if stage == 3 else OffloadConfig())
+        if method.endswith("nvme"):  # optimizer state in files, parameters in host memory
+            os.makedirs(args.nvme_path, exist_ok=True)
+            zero = ZeroConfig(stage=stage, offload_optimizer=OffloadConfig(device="nvme", nvme_path=args.nvme_path),
+                              offload_param=OffloadConfig(device="cpu"))
         engine = ZeroEngine(model, opt, zero=zero, precision=PrecisionConfig(mixed_precision="bf16"),
                             gradient_clipping=1.0)
 
@@ -183,6 +187,7 @@ def main() -> None:
     p.add_argument("--out", default=None, help="directory for results.json and table.md")
     p.add_argument("--offload-ratio", type=float, default=1.0,
                    help="zerofit offload rows: share of the optimizer state on the CPU (the rest on GPU)")
+    p.add_argument("--nvme-path", default="/tmp/zerofit-nvme", help="directory for the zerofit-s3-nvme row")
     p.add_argument("--timeout", type=float, default=240, help="seconds per method")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: run one method, print JSON
     args = p.parse_args()
