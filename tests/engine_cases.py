@@ -59,6 +59,7 @@ class Case:
     offload: str = "none"  # offload_optimizer.device
     ratio: float = 1.0
     offload_param: str = "none"
+    nvme_path: str | None = None  # offload_optimizer.nvme_path (with offload="nvme")
 
 
 def batches(case: Case):
@@ -107,7 +108,8 @@ def run_engine(rank: int, world: int, case: Case, record_grads: bool = True):
     precision = PrecisionConfig(mixed_precision=case.precision,
                                 loss_scale=LossScaleConfig(initial_scale_power=8, hysteresis=1))
     zero = ZeroConfig(stage=case.stage, param_persistence_threshold=case.persistence,
-                      offload_optimizer=OffloadConfig(device=case.offload, ratio=case.ratio),
+                      offload_optimizer=OffloadConfig(device=case.offload, ratio=case.ratio,
+                                                      nvme_path=case.nvme_path),
                       offload_param=OffloadConfig(device=case.offload_param))
     engine = ZeroEngine(model, opt, zero=zero,
                         precision=precision, gradient_accumulation_steps=case.gas,

@@ -40,6 +40,7 @@ def iter_full_tensors(engine, model: nn.Module | None = None) -> Iterator[tuple[
     must exhaust it (it gathers as it goes)."""
     model = model if model is not None else engine.model
     ranks = Ranks(engine.comm.group)
+    engine.settle()  # offloaded masters readable: host steps finished, NVMe groups materialised
     for g in engine.groups:
         full = _gather_group(g, ranks, engine.device)
         if full is None:

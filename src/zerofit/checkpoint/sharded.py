@@ -82,6 +82,7 @@ def save_state(directory: str | os.PathLike[str], engine, *, extra_state: dict |
         error = f"rank {ranks.rank}: {e}"
     ranks.agree(error)
     opt = engine.optimizer
+    engine.settle()  # an overlapped host step may still be writing the offloaded masters
     frags = local_fragments(engine.groups, opt, ranks.rank)
     state_keys = sorted({k for f in frags for k in f.tensors} - {"master", "param"})
     optim_parts = ranks.all_gather((optimizer_scalars(opt), state_keys))
@@ -204,6 +205,7 @@ def load_state(directory: str | os.PathLike[str], engine) -> dict:
     """Collective: load a `save_state` checkpoint into `engine` (any world size, stage, offload);
     returns this rank's `extra_state`. A directory holding a `latest` file loads the one it names."""
     ranks = Ranks(engine.comm.group)
+    engine.settle()  # nothing of the engine's may still be in flight while the checkpoint is read in
     error, path = None, Path(directory)
     try:
         path = files.resolve(directory)

@@ -15,6 +15,7 @@ the masters back into compute-dtype parameters and all-gather them where they ar
 from __future__ import annotations
 
 import os
+import weakref
 from collections import deque
 from collections.abc import Callable
 from functools import partial
@@ -29,6 +30,7 @@ from zerofit.engine.flat_group import FlatGroup
 from zerofit.engine.host_step import HostStepper
 from zerofit.engine.loss_scale import LossScaler
 from zerofit.engine.materialize import Materializer, has_meta_tensors
+from zerofit.engine.nvme import NvmeSwapper
 from zerofit.engine.optim import (
     folds_grad_scale,
     local_grad_sumsq,
@@ -75,10 +77,9 @@ class ZeroEngine:
             raise EngineError(f"gradient_accumulation_steps must be >= 1 (got {gradient_accumulation_steps})")
         self.gradient_accumulation_steps = gradient_accumulation_steps
         self.gradient_clipping = float(gradient_clipping or 0.0)
-        for key, off in (("offload_optimizer", self.zero.offload_optimizer), ("offload_param", self.zero.offload_param)):
-            if off.device == "nvme":
-                raise EngineError(f"zero_optimization.{key}.device 'nvme' is not supported by this zerofit "
-                                  "version yet: use 'cpu' (NVMe offload lands with the NVMe tier)")
+        if self.zero.offload_param.device == "nvme":
+            raise EngineError("zero_optimization.offload_param.device 'nvme' is not supported by this zerofit "
+                              "version yet: use 'cpu' (optimizer state can go to NVMe: offload_optimizer)")
         self.device = device or default_device()
         self.comm = Collectives(group, self.device)
         self.compute_dtype = _DTYPES[self.precision.mixed_precision]
@@ -103,6 +104,7 @@ class ZeroEngine:
         self._hooks = [p.register_post_accumulate_grad_hook(partial(self._on_grad, u, gi, i))
                        for u in self.units for gi, g in enumerate(u.trainable) for i, p in enumerate(g.params)]
         self.stepper: HostStepper | None = None
+        self.swapper: NvmeSwapper | None = None
         self._unpublished: set[int] = set()
         if self._host_grads and optimizer is not None:
             self._start_host_stepper()
@@ -123,6 +125,16 @@ class ZeroEngine:
                 target = self.model if unit is self.units[0] else unit.module
                 # registered before the stage-3 hooks, so a unit is stepped before it is gathered
                 self._hooks.append(target.register_forward_pre_hook(lambda *_a, u=unit: self._await_host_step(u)))
+        if self.zero.offload_optimizer.device == "nvme":
+            # After the sub-optimizers above matched their pieces: swapping out empties the tensors.
+            self.swapper = NvmeSwapper(self._host_grads, self.optimizer, self.zero.offload_optimizer,
+                                       self.zero.aio, self.comm, self.device)
+            self.stepper.swap = self.swapper
+            settle = self.stepper.settle_state  # one object: local_fragments calls each distinct hook once
+            for g in self._host_grads:
+                g.before_read = settle  # the stepper's, not the engine's: the worker must not keep us alive
+        # The worker thread holds the stepper forever: stop it (and remove NVMe files) with the engine.
+        weakref.finalize(self, self.stepper.close)
 
     def _await_host_step(self, unit: Unit) -> None:
         for g in unit.trainable:
@@ -140,6 +152,13 @@ class ZeroEngine:
             self.stepper.wait_all()
             for unit in self.units:
                 self._await_host_step(unit)
+
+    def settle(self) -> None:
+        """Finish overlapped host steps and make every offloaded state tensor readable (with NVMe:
+        materialised in host memory until the next step; see [Note: NVMe residency])."""
+        self._settle_params()
+        if self.swapper is not None:
+            self.swapper.materialize()
 
     # --- construction ---------------------------------------------------------------------------
     def _move_buffers(self) -> None:
@@ -314,6 +333,8 @@ class ZeroEngine:
                 step_with_factor(sub, factor)
             self._publish(host=False)
             self._unpublished = {id(g) for g in self._host_grads}
+            if self.swapper is not None:
+                self.swapper.evict_materialized()  # inspected or loaded state goes back to its files
             # unit order = forward order: the units needed first are stepped first
             self.stepper.submit(self._host_grads, factor)
         else:
@@ -325,7 +346,7 @@ class ZeroEngine:
 
     def refresh_params(self) -> None:
         """Rebuild the compute-dtype parameters from the fp32 masters (after a checkpoint wrote into them)."""
-        self._settle_params()
+        self.settle()
         self._drain()
         for unit in self.units:  # a gathered stage-3 unit would keep stale values until its next release
             unit.release()
@@ -357,7 +378,10 @@ class ZeroEngine:
 
         Collective: every rank must call it. Meant for tests and consolidation, not the hot path.
         """
-        self._settle_params()
+        if what == "master":
+            self.settle()
+        else:
+            self._settle_params()
         self._drain()
         out: dict[str, torch.Tensor] = {}
         for g in self.groups:

@@ -19,6 +19,7 @@ including tensors autograd saved during forward - sees the gathered values again
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -86,6 +87,9 @@ class FlatGroup:
         (only while the window has had one micro-step): saves the norm a pass over host memory."""
         self._grad_fresh = True
         """No gradient has reached `grad_shard` in this accumulation window (its contents are stale)."""
+        self.before_read: Callable[[], None] | None = None
+        """Set by the engine when `master` and optimizer state are not in memory between steps (NVMe):
+        call it before reading them outside a step (see [Note: NVMe residency] in zerofit.engine.nvme)."""
         if trainable:
             if master_src is None:
                 self.master = self.param_shard

@@ -14,6 +14,9 @@ on every rank. `wait_all()` fences everything (before the next step, checkpoints
 Each group is stepped by a small optimizer of the script's optimizer class over just that group's
 master pieces, sharing the script optimizer's `state` dict and reading its current hyperparameters
 (so LR schedulers keep working), which makes the update identical to one big step.
+
+With NVMe offload (`swap`, a `zerofit.engine.nvme.NvmeSwapper`) the worker also swaps each group in
+before its step and out after it, while the swapper reads the next groups ahead in submission order.
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ class HostStepper:
             e.set()
         self._events: dict[int, object] = {}
         self._error: BaseException | None = None
+        self.swap = None
+        """NvmeSwapper when the groups' master and state live in files (set by the engine)."""
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="zerofit-host-step", daemon=True)
         self._thread.start()
@@ -49,6 +54,8 @@ class HostStepper:
         self._raise()
         if isinstance(factor, torch.Tensor):
             factor = factor.to("cpu")  # tiny; the gradients it scales were already waited for
+        if self.swap is not None:
+            self.swap.schedule(groups)  # start reading the first groups before the worker needs them
         for g in groups:
             self._done[id(g)].clear()
             self._queue.put((g, factor))
@@ -68,9 +75,26 @@ class HostStepper:
         for done in self._done.values():
             done.wait()
         self._raise()
+        if self.swap is not None:
+            self.swap.flush()  # the files hold the stepped values before anyone reads them
         for event in self._events.values():
             torch.cuda.current_stream(self.device).wait_event(event)
         self._events.clear()
+
+    def settle_state(self) -> None:
+        """Finish every step and make offloaded masters and optimizer state readable (NVMe: materialised)."""
+        self.wait_all()
+        if self.swap is not None:
+            self.swap.materialize()
+
+    def close(self) -> None:
+        """Stop the worker once the queued steps are done (the engine is gone, or the process exits:
+        a daemon thread still inside a torch call when the interpreter finalizes aborts the process)."""
+        self._queue.put(None)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=120)  # bounded: a wedged step must not hang the exit forever
+        if self.swap is not None:
+            self.swap.close()
 
     def _raise(self) -> None:
         if self._error is not None:
@@ -79,26 +103,37 @@ class HostStepper:
 
     def _run(self) -> None:
         while True:
-            g, factor = self._queue.get()
-            try:
-                self._step(g, factor)
-            except BaseException as e:  # noqa: BLE001 - surfaced on the main thread by wait()
-                self._error = e
-            finally:
-                self._done[id(g)].set()
+            item = self._queue.get()
+            if item is None:
+                return
+            self._run_one(*item)
+            del item  # hold no group while idle: groups reach the parameters, whose hooks reach the engine
+
+    def _run_one(self, g: FlatGroup, factor) -> None:
+        try:
+            self._step(g, factor)
+        except BaseException as e:  # noqa: BLE001 - surfaced on the main thread by wait()
+            self._error = e
+        finally:
+            self._done[id(g)].set()
 
     def _step(self, g: FlatGroup, factor) -> None:
         sub, index = self._sub[id(g)]
+        if self.swap is not None:
+            self.swap.swap_in(g)
         if sub is not None:
             sync_hyperparams(sub, index, self.optimizer)  # current lr & co.: schedulers change them
             step_with_factor(sub, factor)
         g.grad_consumed()
         if self.stream is None:
             g.publish_master()
-            return
-        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
-            g.publish_master()
-            event = torch.cuda.Event()
-            event.record(self.stream)
-        self._events[id(g)] = event
+            event = None
+        else:
+            with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+                g.publish_master()
+                event = torch.cuda.Event()
+                event.record(self.stream)
+            self._events[id(g)] = event
+        if self.swap is not None:
+            self.swap.swap_out(g, uploaded=event)
 

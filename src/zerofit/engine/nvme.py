@@ -1,0 +1,399 @@
+"""NVMe offload of optimizer state: each offloaded flat group's fp32 master and optimizer state in a file.
+
+With `offload_optimizer: {device: nvme}` a rank keeps only its host gradient shards in memory
+between steps. Each offloaded flat group owns one file `<nvme_path>/zerofit-rank<r>-<pid>-<id>/group-<i>.bin`
+laid out as `[master | state tensor 0 | state tensor 1 | ...]`, every region `shard_numel` fp32
+elements (state tensors are per piece, at the piece's offset inside its region, so a region mirrors
+the master's layout). The host stepper swaps a group in just before its step and out right after:
+
+    read k+1.. (I/O threads)   step k (stepper thread)   write k-1 (I/O threads)
+
+[Note: NVMe residency]
+An offloaded group is in exactly one of three states, and its tensors say which:
+- *on file*: `g.master`, its optimizer pieces and their 1-D state tensors are zero-element tensors
+  (so a stray read fails loudly instead of reading garbage); the file holds the values;
+- *in a slot*: bound (`Tensor.set_`) to one buffer of the bounded pool, only between `swap_in` and
+  the end of its `swap_out` write; the stepper thread owns it;
+- *materialised*: bound to a private temporary buffer, for inspection and checkpoints
+  (`materialize`), until the next step writes it back (`evict_materialized`). This is the one time
+  a whole rank's state is in host memory at once; training never does it.
+Rebinding with `set_` keeps every tensor object (the keys of `optimizer.state`, the entries of the
+param groups) alive and identical, so the optimizer, schedulers and checkpoints never notice.
+A slot goes back to the pool only after its write succeeded: a failed write leaves the group bound
+to its slot, so the file is never the only copy of values it does not hold.
+
+I/O is plain `os.preadv`/`os.pwritev` into the slots (pinned when CUDA, so uploads are DMA):
+`torch.from_file`/`numpy.memmap` would make the page cache the buffer - unpinnable, faulted in at
+unpredictable times, and unbounded - whereas explicit reads into a fixed pool keep host memory
+bounded and the copies asynchronous. The files are preallocated at start (ENOSPC shows up at
+`prepare()`, not at step 10 000) and removed when the engine is collected or the process exits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import shutil
+import tempfile
+import threading
+import weakref
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+
+from zerofit.engine.flat_group import FlatGroup
+from zerofit.errors import EngineError
+
+_KEY = "zero_optimization.offload_optimizer"
+_MARGIN_BYTES = 64 << 20  # filesystem metadata and other tenants of the disk
+_MARGIN_FRACTION = 0.05
+_STATE_TENSORS = {"Adagrad": 1, "ASGD": 1, "Adamax": 2, "NAdam": 2, "RAdam": 2, "Rprop": 2}
+"""Shard-sized state tensors per parameter of torch's other elementwise optimizers."""
+
+
+def planned_state_tensors(optimizer: torch.optim.Optimizer) -> int:
+    """How many shard-sized state tensors `optimizer` keeps per parameter (sizes the files up front)."""
+    name = type(optimizer).__name__
+    groups = optimizer.param_groups
+    if name in ("Adam", "AdamW"):
+        return 2 + int(any(g.get("amsgrad") for g in groups))
+    if name == "SGD":
+        return int(any(g.get("momentum", 0) for g in groups))
+    if name == "RMSprop":
+        return 1 + int(any(g.get("momentum", 0) for g in groups)) + int(any(g.get("centered") for g in groups))
+    # unknown elementwise optimizers are taken as Adam-like; more is refused at the first swap-out
+    return _STATE_TENSORS.get(name, 2)
+
+
+def planned_bytes(groups: list[FlatGroup], state_tensors: int) -> int:
+    return sum(g.layout.shard_numel * 4 * (1 + state_tensors) for g in groups)
+
+
+def preflight_error(path: str | None, need_bytes: int, rank: int) -> str | None:
+    """Why `path` cannot hold `need_bytes` of swap files for `rank` (None: it can)."""
+    where = f"{_KEY}.nvme_path"
+    if not path:
+        return f"{_KEY}.device is 'nvme' but {where} is not set: set it to a directory on a fast local disk"
+    if not os.path.exists(path):
+        return f"{where} '{path}' does not exist (rank {rank}): create the directory or point {where} at one"
+    if not os.path.isdir(path):
+        return f"{where} '{path}' is not a directory (rank {rank}): point {where} at a directory"
+    probe = os.path.join(path, f".zerofit-probe-{rank}-{os.getpid()}")
+    try:  # os.access is not enough: root, read-only mounts and ACLs all disagree with mode bits
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.write(fd, b"zerofit")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        return (f"{where} '{path}' is not writable by rank {rank} ({e.strerror or e}): make it writable "
+                f"(chmod/chown) or point {where} at a writable directory")
+    free = shutil.disk_usage(path).free
+    want = need_bytes + max(_MARGIN_BYTES, int(need_bytes * _MARGIN_FRACTION))
+    if free < want:
+        return (f"{where} '{path}' has {free / 2**30:.2f} GiB free but rank {rank} needs {want / 2**30:.2f} GiB "
+                f"({need_bytes} bytes of optimizer state and master weights plus margin): free space there, "
+                f"point {where} at a larger disk, or lower offload_optimizer.ratio")
+    return None
+
+
+def preflight(path: str | None, need_bytes: int, comm) -> None:
+    """Check `path` on every rank; raise EngineError on every rank if any rank failed (none hangs)."""
+    # Ranks of a node share the disk: each checks room for all of its node's files.
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    error = preflight_error(path, need_bytes * local, comm.rank)
+    failed = torch.tensor([0.0 if error is None else 1.0], device=comm.device)
+    comm.all_reduce_now(failed, "nvme_preflight")
+    if error is not None:
+        raise EngineError(error)
+    if failed.item():
+        raise EngineError(f"{_KEY}.nvme_path '{path}' failed the NVMe preflight on {int(failed.item())} other "
+                          f"rank(s) (rank {comm.rank} passed): see their errors")
+
+
+class _IOThreads:
+    """A few daemon threads running file reads and writes in submission order.
+
+    Not a ThreadPoolExecutor: its threads are joined at interpreter exit, and a read waiting for a
+    slot that a failed step never returns would then hang the exit.
+    """
+
+    def __init__(self, n: int):
+        self._queue: queue.Queue = queue.Queue()
+        self._n = n
+        for i in range(n):
+            threading.Thread(target=self._run, name=f"zerofit-nvme-io-{i}", daemon=True).start()
+
+    def close(self) -> None:
+        for _ in range(self._n):
+            self._queue.put(None)
+
+    def submit(self, fn, *args) -> Future:
+        self._queue.put((fut := Future(), fn, args))
+        return fut
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            fut, fn, args = item
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as e:  # noqa: BLE001 - surfaced to whoever waits on the future
+                fut.set_exception(e)
+
+
+class BufferPool:
+    """At most `count` fp32 host buffers of `capacity` elements, allocated on first use, reused after."""
+
+    def __init__(self, count: int, capacity: int, pin: bool):
+        self.count, self.capacity, self.pin = count, capacity, pin
+        self.allocated = 0
+        self._free: list[torch.Tensor] = []
+        self._cond = threading.Condition()
+
+    def acquire(self) -> torch.Tensor:
+        with self._cond:
+            while not self._free and self.allocated >= self.count:
+                self._cond.wait()
+            if self._free:
+                return self._free.pop()
+            self.allocated += 1
+        return torch.empty(self.capacity, dtype=torch.float32, pin_memory=self.pin)
+
+    def release(self, buf: torch.Tensor) -> None:
+        with self._cond:
+            self._free.append(buf)
+            self._cond.notify()
+
+
+@dataclass
+class _Swapped:
+    """One offloaded group's file and the tensor objects its values are bound into."""
+
+    fd: int
+    n: int
+    master: torch.Tensor
+    """The group's `master` (the tensor object, not the group: see HostStepper._run)."""
+    pieces: list  # (layout piece, the optimizer's master-piece tensor)
+    keys: list[str] = field(default_factory=list)
+    """State keys stored in the file, in region order (append-only: regions never move)."""
+    slot: torch.Tensor | None = None
+    temp: torch.Tensor | None = None
+    read: Future | None = None
+    write: Future | None = None
+
+    @property
+    def numel(self) -> int:
+        return self.n * (1 + len(self.keys))
+
+
+def _io(fn, fd: int, t: torch.Tensor, offset: int, chunk: int) -> None:
+    """Move `t`'s bytes (contiguous, CPU) to or from file offset `offset`, in `chunk`-byte requests."""
+    view = memoryview(t.numpy()).cast("B")
+    pos = 0
+    while pos < len(view):
+        done = fn(fd, [view[pos:pos + chunk]], offset + pos)
+        if done <= 0:
+            raise OSError(f"short {'read' if fn is os.preadv else 'write'} at byte {offset + pos} of fd {fd}")
+        pos += done
+
+
+def _cleanup(io_dir: str, fds: list[int]) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    shutil.rmtree(io_dir, ignore_errors=True)
+
+
+class NvmeSwapper:
+    """Moves offloaded groups between their files and a bounded buffer pool (see [Note: NVMe residency])."""
+
+    def __init__(self, groups: list[FlatGroup], optimizer: torch.optim.Optimizer, offload, aio, comm,
+                 device: torch.device):
+        if offload.buffer_count < 2:
+            raise EngineError(f"{_KEY}.buffer_count must be >= 2 for NVMe offload (got {offload.buffer_count}): "
+                              "one group steps while the next is read; set it to 2 or more (default 4)")
+        self.optimizer = optimizer
+        self.state_tensors = planned_state_tensors(optimizer)
+        preflight(offload.nvme_path, planned_bytes(groups, self.state_tensors), comm)
+        # unique per engine: several engines of one process (tests, evaluation copies) never collide
+        self.dir = tempfile.mkdtemp(prefix=f"zerofit-rank{comm.rank}-{os.getpid()}-", dir=offload.nvme_path)
+        self._chunk = max(1, aio.block_size) * max(1, aio.queue_depth)
+        fds: list[int] = []
+        self._finalizer = weakref.finalize(self, _cleanup, self.dir, fds)
+        self._info: dict[int, _Swapped] = {}
+        by_ptr = {t.data_ptr(): t for pg in optimizer.param_groups for t in pg["params"]}
+        for i, g in enumerate(groups):
+            fd = os.open(os.path.join(self.dir, f"group-{i:05d}.bin"), os.O_RDWR | os.O_CREAT, 0o600)
+            fds.append(fd)
+            n = g.layout.shard_numel
+            if n:  # reserve the blocks now: no ENOSPC in the middle of training
+                os.posix_fallocate(fd, 0, n * 4 * (1 + self.state_tensors))
+            pieces = [(p, by_ptr[g.master[p.shard_offset:].data_ptr()]) for p in g.layout.pieces(g.placement.rank)]
+            info = self._info[id(g)] = _Swapped(fd=fd, n=n, master=g.master, pieces=pieces)
+            _io(os.pwritev, fd, g.master, 0, self._chunk)  # the initial master; no state exists yet
+            self._bind(info, None)
+        self._infos = list(self._info.values())
+        capacity = max((i.n * (1 + self.state_tensors) for i in self._infos), default=0)
+        pin = device.type == "cuda" and offload.pin_memory
+        self.pool = BufferPool(min(offload.buffer_count, max(1, len(self._infos))), capacity, pin)
+        self.ahead = self.pool.count - 1
+        """Groups read ahead of the one stepping: one slot short of the pool, so a read only ever
+        waits for a slot that an earlier-submitted write frees (no deadlock with FIFO I/O threads)."""
+        self._io = _IOThreads(max(2, aio.thread_count))  # at least one read and one write at a time
+        self._lock = threading.Lock()
+        self._order: list[_Swapped] = []  # this step's groups, in stepping order
+        self._fetched = 0  # how many of them have their read submitted
+        if pin and hasattr(torch._C, "_host_emptyCache"):
+            torch._C._host_emptyCache()  # the construction-time pinned masters: give them back now
+
+    # --- binding ------------------------------------------------------------------------------
+    def _targets(self, info: _Swapped):
+        """(tensor, offset in the group's flat layout, numel) for the master, pieces and their state."""
+        yield info.master, 0, info.n
+        for piece, t in info.pieces:
+            yield t, piece.shard_offset, piece.length
+            state = self.optimizer.state.get(t, {})
+            for i, key in enumerate(info.keys):
+                v = state.get(key)
+                if isinstance(v, torch.Tensor) and v.ndim == 1:
+                    yield v, (1 + i) * info.n + piece.shard_offset, piece.length
+
+    @torch.no_grad()
+    def _bind(self, info: _Swapped, flat: torch.Tensor | None) -> None:
+        """Point every tensor of the group into `flat` (None: at zero-element storage, i.e. on file)."""
+        for t, off, length in list(self._targets(info)):
+            if flat is None:
+                t.set_(torch.empty(0, dtype=t.dtype).untyped_storage())
+            else:
+                t.set_(flat.untyped_storage(), flat.storage_offset() + off, (length,), (1,))
+
+    @torch.no_grad()
+    def _collect(self, info: _Swapped, flat: torch.Tensor) -> None:
+        """Make `flat` hold the group's current values: adopt state the optimizer created (its first
+        step, a checkpoint load) and copy in whatever is not already bound there."""
+        for _, t in info.pieces:
+            for key, v in self.optimizer.state.get(t, {}).items():
+                if isinstance(v, torch.Tensor) and v.ndim == 1 and v.numel() == t.numel() and key not in info.keys:
+                    if v.dtype != torch.float32 or len(info.keys) >= self.state_tensors:
+                        raise EngineError(
+                            f"NVMe offload planned {self.state_tensors} fp32 state tensor(s) per parameter for "
+                            f"{type(self.optimizer).__name__}, but it keeps '{key}' ({v.dtype}) too: use "
+                            f"{_KEY}.device 'cpu' for this optimizer")
+                    info.keys.append(key)
+        for t, off, length in list(self._targets(info)):
+            region = flat[off:off + length]
+            if t.numel() == length and t.data_ptr() != region.data_ptr():
+                region.copy_(t)
+
+    # --- the step path (stepper thread) ---------------------------------------------------------
+    def schedule(self, groups: list[FlatGroup]) -> None:
+        """The groups about to be stepped, in order: start reading the first ones."""
+        with self._lock:
+            self._order, self._fetched = [self._info[id(g)] for g in groups], 0
+            self._fetch_through(self.ahead)
+
+    def _fetch_through(self, last: int) -> None:
+        while self._fetched <= min(last, len(self._order) - 1):
+            info = self._order[self._fetched]
+            info.read = self._io.submit(self._read, info, info.write)
+            self._fetched += 1
+
+    def _read(self, info: _Swapped, write: Future | None) -> torch.Tensor:
+        if write is not None:
+            write.result()  # the file must hold the last step's values before they are read back
+        slot = self.pool.acquire()
+        try:
+            _io(os.preadv, info.fd, slot[:info.numel], 0, self._chunk)
+        except BaseException:
+            self.pool.release(slot)
+            raise
+        return slot
+
+    def swap_in(self, g: FlatGroup) -> None:
+        """Block until `g` is in a slot and bound to it; start reading the groups after it."""
+        info = self._info[id(g)]
+        with self._lock:
+            if info.read is None:  # not scheduled (defensive): read it now
+                info.read = self._io.submit(self._read, info, info.write)
+            position = next((i for i, o in enumerate(self._order) if o is info), len(self._order))
+            self._fetch_through(position + self.ahead)
+        read, info.read = info.read, None
+        info.slot = read.result()
+        self._bind(info, info.slot)
+
+    def swap_out(self, g: FlatGroup, uploaded=None) -> None:
+        """Write `g` back in the background; its slot returns to the pool once the write succeeded
+        and `uploaded` (the event of the parameter upload that reads the slot) has completed."""
+        info = self._info[id(g)]
+        slot = info.slot
+        self._collect(info, slot)
+        self._bind(info, None)
+        info.write = self._io.submit(self._write, info, slot, uploaded)
+
+    def _write(self, info: _Swapped, slot: torch.Tensor, uploaded) -> None:
+        try:
+            _io(os.pwritev, info.fd, slot[:info.numel], 0, self._chunk)
+        except BaseException:
+            self._bind(info, slot)  # keep the values readable: the file may now be half-written
+            raise
+        if uploaded is not None:
+            uploaded.synchronize()  # the upload reads the slot; it must finish before the slot is reused
+        info.slot = None
+        self.pool.release(slot)
+
+    def flush(self) -> None:
+        """Wait for every write in flight; raise the first failure."""
+        for info in self._info.values():
+            if info.write is not None:
+                info.write.result()
+
+    # --- inspection and checkpoints (main thread, stepper idle) --------------------------------
+    def materialize(self) -> None:
+        """Bind every group to a temporary buffer holding its file's values (idempotent)."""
+        self.flush()
+        for info in self._infos:
+            if info.temp is None and info.slot is None:
+                info.temp = torch.empty(info.numel, dtype=torch.float32)
+                _io(os.preadv, info.fd, info.temp, 0, self._chunk)
+                self._bind(info, info.temp)
+            for _, t in info.pieces:  # state a checkpoint load created while the group was on file
+                for v in self.optimizer.state.get(t, {}).values():
+                    if isinstance(v, torch.Tensor) and v.ndim == 1 and v.numel() == 0:
+                        v.set_(torch.zeros(t.numel(), dtype=v.dtype).untyped_storage())
+
+    def evict_materialized(self) -> None:
+        """Write materialised groups back to their files and drop their buffers (before a step)."""
+        for info in self._infos:
+            if info.temp is None:
+                continue
+            slot = self.pool.acquire()
+            try:
+                self._collect(info, slot)
+                _io(os.pwritev, info.fd, slot[:info.numel], 0, self._chunk)
+            finally:
+                self.pool.release(slot)
+            self._bind(info, None)
+            info.temp = None
+
+    def resident(self) -> int:
+        """How many groups have their master in host memory right now (in a slot or materialised)."""
+        return sum(info.master.numel() > 0 for info in self._infos)
+
+    def close(self) -> None:
+        """Remove the swap files and stop the I/O threads (the engine does it when it is collected; at
+        process exit the files go in any case)."""
+        try:
+            self.flush()  # a write in flight must not land in a file being removed
+        except BaseException:  # noqa: BLE001 - the files are scratch; removing them is all that is left
+            pass
+        self._io.close()
+        self._finalizer()

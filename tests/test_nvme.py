@@ -1,0 +1,192 @@
+"""NVMe offload of optimizer state (gloo, CPU): files on a temporary directory instead of host memory.
+
+NVMe runs must be bit-equal to CPU-offload runs (the same host step on the same values, only
+swapped through files in between), keep at most `buffer_count` groups in memory, refuse unusable
+paths on every rank before training, remove their files, and checkpoint like any other run.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import textwrap
+from collections import namedtuple
+
+import pytest
+import torch
+from engine_cases import Case, make_model_and_optim, run_engine
+from test_checkpoint_support import assemble, build, owned_state, train
+
+from zerofit.checkpoint import load_state, save_state
+from zerofit.config.schema import OffloadConfig, ZeroConfig
+from zerofit.engine import ZeroEngine
+from zerofit.errors import EngineError
+from zerofit.testing.distributed import run_distributed
+
+PARITY = [(s, g) for s in (1, 2, 3) for g in (1, 4)]
+
+
+def _nvme_engine(stage: int, path: str, *, buffer_count: int = 4, perturb: float = 0.0):
+    case = Case(stage=stage, steps=12)
+    model, opt = make_model_and_optim(case)
+    if perturb:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(perturb)
+    zero = ZeroConfig(stage=stage, param_persistence_threshold=0,
+                      offload_optimizer=OffloadConfig(device="nvme", nvme_path=path, buffer_count=buffer_count))
+    return case, model, opt, ZeroEngine(model, opt, zero=zero, device=torch.device("cpu"))
+
+
+def parity_and_memory(rank, world, path):
+    out = {}
+    for stage, gas in PARITY:
+        cpu = run_engine(rank, world, Case(stage=stage, gas=gas, offload="cpu"))
+        nvme = run_engine(rank, world, Case(stage=stage, gas=gas, offload="nvme", nvme_path=path))
+        out[(stage, gas)] = (cpu, nvme)
+    # memory: a pool of 2 buffers, more groups than that
+    case, model, _, engine = _nvme_engine(2, path, buffer_count=2)
+    swapper, groups = engine.swapper, engine._host_grads
+    files = sorted(os.listdir(swapper.dir))
+    resident = []
+    for step in range(3):
+        train(engine, model, case, rank, world, range(step, step + 1))
+        resident.append(swapper.resident())  # right after step(): some groups may still be stepping
+        engine.stepper.wait_all()
+        resident.append(swapper.resident())
+    opt_state = [v for st in engine.optimizer.state.values() for v in st.values()
+                 if isinstance(v, torch.Tensor) and v.ndim == 1]
+    memory = {"groups": len(groups), "files": len(files), "resident": resident,
+              "allocated": swapper.pool.allocated, "state_numel": sum(v.numel() for v in opt_state),
+              "state_tensors": len(opt_state)}
+    directory = swapper.dir
+    engine.stepper.close()  # what the engine's finalizer does
+    memory["removed"] = not os.path.exists(directory)
+    return out, memory
+
+
+@pytest.fixture(scope="module")
+def parity(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("nvme"))
+    return path, run_distributed(parity_and_memory, 2, path, timeout=300)
+
+
+@pytest.mark.parametrize("stage,gas", PARITY)
+def test_nvme_bit_equal_to_cpu_offload(parity, stage, gas):
+    for out, _ in parity[1]:
+        cpu, nvme = out[(stage, gas)]
+        assert nvme["offloaded"] == cpu["offloaded"] > 0
+        assert nvme["losses"] == cpu["losses"]
+        assert all(torch.equal(cpu["params"][k], nvme["params"][k]) for k in cpu["params"])
+        for g1, g2 in zip(cpu["grads"], nvme["grads"]):
+            assert all(torch.equal(g1[k], g2[k]) for k in g1)
+
+
+def test_nvme_keeps_host_memory_bounded(parity):
+    for _, memory in parity[1]:
+        assert memory["groups"] > 2 and memory["files"] == memory["groups"]
+        assert max(memory["resident"]) <= 2 and memory["resident"][1::2] == [0, 0, 0]
+        assert memory["allocated"] <= 2
+        # swapped-out optimizer state holds no elements in memory (the tensors stay, empty)
+        assert memory["state_tensors"] > 0 and memory["state_numel"] == 0
+        assert memory["removed"]
+
+
+def test_nvme_files_removed_at_exit(tmp_path):
+    script = textwrap.dedent(f"""
+        import sys, torch
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        from test_nvme import _nvme_engine
+        from test_checkpoint_support import train
+        case, model, _, engine = _nvme_engine(1, {str(tmp_path)!r})
+        train(engine, model, case, 0, 1, range(2))
+        assert len(__import__("os").listdir({str(tmp_path)!r})) == 1
+    """)
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
+    assert os.listdir(tmp_path) == []  # removed by the atexit finalizer
+
+
+# --- preflight (one process, no process group) ---------------------------------------------------
+def test_preflight_missing_path(tmp_path):
+    with pytest.raises(EngineError, match=r"offload_optimizer\.nvme_path '.*nope' does not exist.*create"):
+        _nvme_engine(1, str(tmp_path / "nope"))
+
+
+def test_preflight_path_is_a_file(tmp_path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(EngineError, match=r"offload_optimizer\.nvme_path '.*file' is not a directory"):
+        _nvme_engine(1, str(f))
+
+
+def test_preflight_read_only_directory(tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(stat.S_IRUSR | stat.S_IXUSR)  # 0o500
+    try:
+        if os.access(ro, os.W_OK):
+            pytest.skip("running as root: a 0o500 directory is still writable")
+        with pytest.raises(EngineError, match=r"offload_optimizer\.nvme_path '.*ro' is not writable.*chmod"):
+            _nvme_engine(1, str(ro))
+    finally:
+        ro.chmod(0o700)
+
+
+def test_preflight_too_little_space(tmp_path, monkeypatch):
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda _p: usage(1 << 20, 1 << 20, 4096))
+    with pytest.raises(EngineError, match=r"offload_optimizer\.nvme_path '.*' has 0\.00 GiB free but rank 0 needs"):
+        _nvme_engine(1, str(tmp_path))
+    assert os.listdir(tmp_path) == []  # refused before any file was made
+
+
+def test_preflight_needs_a_path():
+    with pytest.raises(EngineError, match=r"nvme_path is not set"):
+        _nvme_engine(1, None)
+
+
+def test_too_few_buffers(tmp_path):
+    with pytest.raises(EngineError, match=r"offload_optimizer\.buffer_count must be >= 2"):
+        _nvme_engine(1, str(tmp_path), buffer_count=1)
+
+
+def test_parameter_nvme_still_refused(tmp_path):
+    model, opt = make_model_and_optim(Case(stage=3))
+    zero = ZeroConfig(stage=3, offload_param=OffloadConfig(device="nvme", nvme_path=str(tmp_path)))
+    with pytest.raises(EngineError, match=r"offload_param\.device 'nvme' is not supported"):
+        ZeroEngine(model, opt, zero=zero, device=torch.device("cpu"))
+
+
+# --- checkpoints ---------------------------------------------------------------------------------
+def checkpoint_round_trip(rank, world, root, path):
+    case, model, _, engine = _nvme_engine(3, path)
+    train(engine, model, case, rank, world, range(3))
+    save_state(os.path.join(root, "nvme"), engine)
+    saved = owned_state(engine, rank)
+    next_loss = train(engine, model, case, rank, world, range(3, 4))[0]  # trains on after materialising
+    out = {"saved": saved, "next": next_loss}
+    for name in ("plain", "nvme"):
+        if name == "plain":
+            case, model, _, other = build(2, perturb=0.5)
+        else:
+            case, model, _, other = _nvme_engine(1, path, perturb=0.5)
+        load_state(os.path.join(root, "nvme"), other)
+        out[name] = owned_state(other, rank)
+        out[name + "_next"] = train(other, model, case, rank, world, range(3, 4))[0]
+    return out
+
+
+def test_checkpoint_saved_with_nvme_loads_anywhere(tmp_path):
+    root, path = tmp_path / "ckpt", tmp_path / "swap"
+    path.mkdir()
+    per_rank = run_distributed(checkpoint_round_trip, 2, str(root), str(path), timeout=300)
+    want = assemble([r["saved"] for r in per_rank])
+    assert {k for _, k in want} >= {"master", "exp_avg", "exp_avg_sq"}
+    for name in ("plain", "nvme"):
+        got = assemble([r[name] for r in per_rank])
+        assert got.keys() == want.keys()
+        assert all(torch.equal(got[k], want[k]) for k in want), name
+        assert per_rank[0][name + "_next"] == per_rank[0]["next"]
