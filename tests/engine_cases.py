@@ -59,6 +59,7 @@ class Case:
     offload: str = "none"  # offload_optimizer.device
     ratio: float = 1.0
     offload_param: str = "none"
+    sched: bool = False  # a LambdaLR stepped right after every optimizer step
     nvme_path: str | None = None  # offload_optimizer.nvme_path (with offload="nvme")
 
 
@@ -90,6 +91,7 @@ def reference(case: Case):
     """One process, whole model, whole global batch: losses, grads before each step, final params."""
     model, opt = make_model_and_optim(case)
     losses, grads = [], []
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (1 + s)) if case.sched else None
     for x, y in batches(case):
         loss = loss_fn(model(x), y)
         loss.backward()
@@ -99,6 +101,8 @@ def reference(case: Case):
             torch.nn.utils.clip_grad_norm_(model.parameters(), case.clip)
         opt.step()
         opt.zero_grad()
+        if sched is not None:
+            sched.step()
     return losses, grads, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
@@ -115,6 +119,7 @@ def run_engine(rank: int, world: int, case: Case, record_grads: bool = True):
                         precision=precision, gradient_accumulation_steps=case.gas,
                         gradient_clipping=case.clip, device=torch.device("cpu"))
     micro = case.batch // (world * case.gas)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (1 + s)) if case.sched else None
     losses, grads, skipped, micro_comm = [], [], [], []
     for step, (x, y) in enumerate(batches(case)):
         total = torch.zeros(())
@@ -133,6 +138,8 @@ def run_engine(rank: int, world: int, case: Case, record_grads: bool = True):
         if record_grads and case.precision == "no":
             grads.append(engine.named_full_tensors("grad"))
         skipped.append(not engine.step())
+        if sched is not None:
+            sched.step()  # on the main thread while an offloaded host step may still run
     params = engine.named_full_tensors("master")
     return {"losses": losses, "grads": grads, "params": params, "skipped": skipped,
             "micro_comm": micro_comm, "scale": engine.scaler.scale,

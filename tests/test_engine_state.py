@@ -43,3 +43,25 @@ def test_fragments_cover_each_element_once(stage):
             assert keys == (["exp_avg", "exp_avg_sq", "master"] if trainable else ["param"])
     assert all(counts == [1] * len(counts) for counts in seen.values())
     assert "blocks.0.l1.weight" in seen  # frozen parameters are part of the state too
+
+
+def call_root_module_directly(rank, world):
+    import engine_cases
+
+    from zerofit.config.schema import ZeroConfig
+    from zerofit.engine import ZeroEngine
+
+    model, opt = engine_cases.make_model_and_optim(Case())
+    expected = model.emb.weight.detach().clone()
+    engine = ZeroEngine(model, opt, zero=ZeroConfig(stage=3, param_persistence_threshold=0),
+                        device=torch.device("cpu"))
+    assert engine.units[0].sharded
+    with torch.no_grad():
+        model(torch.tensor([[1, 2]]))  # a whole forward releases every unit afterwards
+        # generate() of encoder-decoder models calls the encoder directly, without the root's forward
+        rows = model.emb(torch.tensor([3, 4]))
+    return torch.equal(rows, expected[[3, 4]])
+
+
+def test_stage3_submodule_called_without_the_root_gathers_root_parameters():
+    assert all(run_distributed(call_root_module_directly, 2))

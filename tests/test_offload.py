@@ -17,7 +17,8 @@ from zerofit.testing.distributed import run_distributed
 
 BASE = [Case(stage=s, gas=g) for s in (1, 2, 3) for g in (1, 4)] + [Case(stage=3, gas=2, precision="bf16"),
                                                                      Case(stage=2, clip=0.05),
-                                                                     Case(stage=3, freeze=True, gas=2)]
+                                                                     Case(stage=3, freeze=True, gas=2),
+                                                                     Case(stage=3, sched=True)]
 OFFLOADED = ([dataclasses.replace(c, offload="cpu") for c in BASE]
              + [dataclasses.replace(c, offload="cpu", offload_param="cpu") for c in BASE if c.stage == 3]
              + [dataclasses.replace(BASE[2], offload="cpu", ratio=0.5)])

@@ -56,9 +56,12 @@ class HostStepper:
             factor = factor.to("cpu")  # tiny; the gradients it scales were already waited for
         if self.swap is not None:
             self.swap.schedule(groups)  # start reading the first groups before the worker needs them
+        # The settings of this step, taken now: the script's scheduler changes lr on the main thread
+        # right after step() returns, while the worker is still stepping later groups.
+        hyper = [{k: v for k, v in pg.items() if k != "params"} for pg in self.optimizer.param_groups]
         for g in groups:
             self._done[id(g)].clear()
-            self._queue.put((g, factor))
+            self._queue.put((g, factor, hyper))
 
     def wait(self, g: FlatGroup) -> None:
         """Block until `g` is stepped and its parameters are on their way to the device (stream-ordered)."""
@@ -109,20 +112,20 @@ class HostStepper:
             self._run_one(*item)
             del item  # hold no group while idle: groups reach the parameters, whose hooks reach the engine
 
-    def _run_one(self, g: FlatGroup, factor) -> None:
+    def _run_one(self, g: FlatGroup, factor, hyper) -> None:
         try:
-            self._step(g, factor)
+            self._step(g, factor, hyper)
         except BaseException as e:  # noqa: BLE001 - surfaced on the main thread by wait()
             self._error = e
         finally:
             self._done[id(g)].set()
 
-    def _step(self, g: FlatGroup, factor) -> None:
+    def _step(self, g: FlatGroup, factor, hyper: list[dict]) -> None:
         sub, index = self._sub[id(g)]
         if self.swap is not None:
             self.swap.swap_in(g)
         if sub is not None:
-            sync_hyperparams(sub, index, self.optimizer)  # current lr & co.: schedulers change them
+            sync_hyperparams(sub, index, hyper)  # this step's lr & co., as submitted
             step_with_factor(sub, factor)
         g.grad_consumed()
         if self.stream is None:

@@ -86,9 +86,11 @@ def sub_optimizer(optimizer: torch.optim.Optimizer, tensors: list[torch.Tensor])
     return sub, index
 
 
-def sync_hyperparams(sub: torch.optim.Optimizer, index: list[int], optimizer: torch.optim.Optimizer) -> None:
+def sync_hyperparams(sub: torch.optim.Optimizer, index: list[int], source) -> None:
+    """Copy lr & co. into `sub` from `source`: the script's optimizer, or a list of its groups' settings."""
+    groups = source.param_groups if isinstance(source, torch.optim.Optimizer) else source
     for sg, i in zip(sub.param_groups, index):
-        for k, v in optimizer.param_groups[i].items():
+        for k, v in groups[i].items():
             if k != "params":
                 sg[k] = v
 

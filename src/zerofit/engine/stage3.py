@@ -49,6 +49,13 @@ class Stage3Hooks:
     def install(self) -> None:
         self._handles.append(self.root.module.register_forward_pre_hook(self._root_pre))
         self._handles.append(self.root.module.register_forward_hook(self._root_post))
+        if self.root.sharded:
+            # Submodules may be called without the root's forward (generate() runs the encoder of an
+            # encoder-decoder model directly): the modules holding root parameters gather them too.
+            root_ids = {id(p) for g in self.root.groups for p in g.params}
+            for m in self.root.module.modules():
+                if m is not self.root.module and any(id(p) in root_ids for p in m.parameters(recurse=False)):
+                    self._handles.append(m.register_forward_pre_hook(lambda *_a: self.root.wait_gathered()))
         for unit in self.units:
             if unit is self.root or not unit.sharded:
                 continue
