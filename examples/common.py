@@ -16,6 +16,7 @@ import time
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
 from transformers import SchedulerType, get_scheduler
 
 from zerofit.logging import get_logger
@@ -282,3 +283,33 @@ def train_one_epoch(accelerator, model, optimizer, lr_scheduler, train_dataloade
         if loop.done:
             break
     return mean_over_ranks(accelerator, total_loss, batches)
+
+
+def train_and_evaluate(accelerator, args: argparse.Namespace, model, optimizer, lr_scheduler, train_dataloader,
+                       evaluate, results: Results, tokenizer: Any) -> None:
+    """The epoch loop every recipe shares: resume, train and evaluate each epoch (both timed), log,
+    checkpoint, then save the final model and `results.json`. `evaluate()` returns the epoch's metrics."""
+    starting_epoch, skip, completed_steps = resume(accelerator, args, len(train_dataloader))
+    loop = Loop(args, completed_steps)
+    progress_bar = tqdm(range(args.max_train_steps), initial=completed_steps,
+                        disable=not accelerator.is_local_main_process)
+    reset_peak_memory(accelerator)
+
+    for epoch in range(starting_epoch, args.num_train_epochs):
+        with Stopwatch(accelerator) as train_time:
+            train_loss = train_one_epoch(accelerator, model, optimizer, lr_scheduler, train_dataloader, loop,
+                                         progress_bar, skip if epoch == starting_epoch else 0)
+        with Stopwatch(accelerator) as eval_time:
+            metrics = evaluate()
+        results.add_epoch(epoch, train_time.seconds, eval_time.seconds, train_loss, metrics)
+        if args.with_tracking:
+            accelerator.log({**metrics, "train_loss": train_loss, "epoch": epoch, "step": loop.completed_steps},
+                            step=loop.completed_steps)
+        save_epoch_checkpoint(accelerator, args, epoch)
+        if loop.done:
+            break
+
+    if args.with_tracking:
+        accelerator.end_training()
+    save_final_model(accelerator, model, tokenizer, args.output_dir)
+    results.write(args.output_dir, loop.completed_steps, loop.largest_batch)

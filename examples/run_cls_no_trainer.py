@@ -18,22 +18,15 @@ import os
 
 import torch
 from common import (
-    Loop,
     Results,
-    Stopwatch,
     add_common_args,
     data_files,
     optimizer_and_scheduler,
-    reset_peak_memory,
-    resume,
-    save_epoch_checkpoint,
-    save_final_model,
     setup_logging,
-    train_one_epoch,
+    train_and_evaluate,
 )
 from datasets import load_dataset
 from torch.utils.data import DataLoader
-from tqdm.auto import tqdm
 from transformers import (
     AutoConfig,
     AutoModelForSequenceClassification,
@@ -188,30 +181,8 @@ def main() -> None:
     results = Results(accelerator, args, task=f"classification:{args.task_name or 'files'}", metric="accuracy")
     logger.info(f"***** Running training: {len(train_dataset)} examples, {num_labels} labels, "
                 f"total batch {results.data['total_train_batch_size']}, {args.max_train_steps} steps *****")
-    starting_epoch, skip, completed_steps = resume(accelerator, args, len(train_dataloader))
-    loop = Loop(args, completed_steps)
-    progress_bar = tqdm(range(args.max_train_steps), initial=completed_steps,
-                        disable=not accelerator.is_local_main_process)
-    reset_peak_memory(accelerator)
-
-    for epoch in range(starting_epoch, args.num_train_epochs):
-        with Stopwatch(accelerator) as train_time:
-            train_loss = train_one_epoch(accelerator, model, optimizer, lr_scheduler, train_dataloader, loop,
-                                         progress_bar, skip if epoch == starting_epoch else 0)
-        with Stopwatch(accelerator) as eval_time:
-            metrics = evaluate(accelerator, model, eval_dataloader, num_labels)
-        results.add_epoch(epoch, train_time.seconds, eval_time.seconds, train_loss, metrics)
-        if args.with_tracking:
-            accelerator.log({**metrics, "train_loss": train_loss, "epoch": epoch, "step": loop.completed_steps},
-                            step=loop.completed_steps)
-        save_epoch_checkpoint(accelerator, args, epoch)
-        if loop.done:
-            break
-
-    if args.with_tracking:
-        accelerator.end_training()
-    save_final_model(accelerator, model, tokenizer, args.output_dir)
-    results.write(args.output_dir, loop.completed_steps, loop.largest_batch)
+    train_and_evaluate(accelerator, args, model, optimizer, lr_scheduler, train_dataloader,
+                       lambda: evaluate(accelerator, model, eval_dataloader, num_labels), results, tokenizer)
 
 
 if __name__ == "__main__":
