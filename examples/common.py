@@ -285,6 +285,27 @@ def train_one_epoch(accelerator, model, optimizer, lr_scheduler, train_dataloade
     return mean_over_ranks(accelerator, total_loss, batches)
 
 
+def prepare_for_training(accelerator, args: argparse.Namespace, model, train_dataloader, eval_dataloader,
+                         tracker_name: str):
+    """Build the optimizer and schedule for the run's length, `prepare()` everything, then settle the
+    step and epoch counts from the prepared (per-rank) loader. Returns what `prepare()` returned."""
+    overrode_max_train_steps = args.max_train_steps is None
+    steps_per_epoch = math.ceil(len(train_dataloader) / args.gradient_accumulation_steps / accelerator.num_processes)
+    if overrode_max_train_steps:
+        args.max_train_steps = args.num_train_epochs * steps_per_epoch
+    optimizer, lr_scheduler = optimizer_and_scheduler(accelerator, model, args, args.max_train_steps)
+    prepared = accelerator.prepare(model, optimizer, train_dataloader, eval_dataloader, lr_scheduler)
+
+    # the prepared loader holds this rank's share only: recompute the epoch count from it
+    steps_per_epoch = math.ceil(len(prepared[2]) / args.gradient_accumulation_steps)
+    if overrode_max_train_steps:
+        args.max_train_steps = args.num_train_epochs * steps_per_epoch
+    args.num_train_epochs = math.ceil(args.max_train_steps / steps_per_epoch)
+    if args.with_tracking:
+        accelerator.init_trackers(tracker_name, {k: str(v) for k, v in vars(args).items()})
+    return prepared
+
+
 def train_and_evaluate(accelerator, args: argparse.Namespace, model, optimizer, lr_scheduler, train_dataloader,
                        evaluate, results: Results, tokenizer: Any) -> None:
     """The epoch loop every recipe shares: resume, train and evaluate each epoch (both timed), log,

@@ -16,7 +16,6 @@ all ranks in step while their beams finish at different lengths (see zerofit.acc
 from __future__ import annotations
 
 import argparse
-import math
 import os
 
 import torch
@@ -24,7 +23,7 @@ from common import (
     Results,
     add_common_args,
     data_files,
-    optimizer_and_scheduler,
+    prepare_for_training,
     setup_logging,
     train_and_evaluate,
 )
@@ -149,20 +148,8 @@ def main() -> None:
                                   batch_size=args.per_device_train_batch_size)
     eval_dataloader = DataLoader(eval_dataset, collate_fn=collator, batch_size=args.per_device_eval_batch_size)
 
-    overrode_max_train_steps = args.max_train_steps is None
-    steps_per_epoch = math.ceil(len(train_dataloader) / args.gradient_accumulation_steps / accelerator.num_processes)
-    if overrode_max_train_steps:
-        args.max_train_steps = args.num_train_epochs * steps_per_epoch
-    optimizer, lr_scheduler = optimizer_and_scheduler(accelerator, model, args, args.max_train_steps)
-    model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
-        model, optimizer, train_dataloader, eval_dataloader, lr_scheduler)
-
-    steps_per_epoch = math.ceil(len(train_dataloader) / args.gradient_accumulation_steps)
-    if overrode_max_train_steps:
-        args.max_train_steps = args.num_train_epochs * steps_per_epoch
-    args.num_train_epochs = math.ceil(args.max_train_steps / steps_per_epoch)
-    if args.with_tracking:
-        accelerator.init_trackers("seq2seq_no_trainer", {k: str(v) for k, v in vars(args).items()})
+    model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = prepare_for_training(
+        accelerator, args, model, train_dataloader, eval_dataloader, "seq2seq_no_trainer")
 
     results = Results(accelerator, args, task="seq2seq-chatbot", metric="bleu")
     results.data["num_beams"] = args.num_beams
