@@ -28,13 +28,20 @@ METHODS = ["torch", "zerofit-s0", "zerofit-s1", "zerofit-s2", "zerofit-s3",
 
 def build_model(args, device: str = "cuda"):
     import torch
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-    config = GPT2Config(n_embd=args.n_embd, n_layer=args.n_layer, n_head=args.n_head, vocab_size=50257,
-                        n_positions=1024, use_cache=False)
+    if args.model == "llama":  # Llama-style: --n_embd hidden, --n_layer layers, --n_head heads
+        config = LlamaConfig(hidden_size=args.n_embd, num_hidden_layers=args.n_layer,
+                             num_attention_heads=args.n_head, intermediate_size=args.intermediate,
+                             vocab_size=args.vocab, max_position_embeddings=max(2048, args.seq), use_cache=False)
+        cls = LlamaForCausalLM
+    else:
+        config = GPT2Config(n_embd=args.n_embd, n_layer=args.n_layer, n_head=args.n_head, vocab_size=args.vocab,
+                            n_positions=1024, use_cache=False)
+        cls = GPT2LMHeadModel
     torch.manual_seed(0)
     with torch.device(device):
-        return GPT2LMHeadModel(config)
+        return cls(config)
 
 
 def _single_rank_env() -> None:
@@ -54,7 +61,7 @@ def deepspeed_step(method: str, args, ids):
         if stage == 3:
             zero["offload_param"] = {"device": "cpu", "pin_memory": True}
     config = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
-              "gradient_clipping": 1.0, "bf16": {"enabled": True}, "zero_optimization": zero,
+              "gradient_clipping": args.clip, "bf16": {"enabled": True}, "zero_optimization": zero,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},
               "steps_per_print": 10**9, "wall_clock_breakdown": False}
     model = build_model(args)
@@ -85,7 +92,8 @@ def fsdp2_step(args, ids):
     def step():
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if args.clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss
@@ -98,7 +106,7 @@ def run_one(method: str, args) -> dict:
     if args.gpu_memory_gib:
         total = torch.cuda.get_device_properties(0).total_memory / 2**30
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_memory_gib / total))
-    ids = torch.randint(0, 50257, (args.batch, args.seq), device="cuda")
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq), device="cuda")
     if method.startswith("deepspeed"):
         step = deepspeed_step(method, args, ids)
     elif method == "fsdp2-offload":
@@ -111,14 +119,16 @@ def run_one(method: str, args) -> dict:
 def zerofit_or_torch_step(method: str, args, ids):
     import torch
 
-    model = build_model(args)
+    # --meta: zerofit materialises the model unit by unit (what a model larger than memory needs)
+    model = build_model(args, device="meta" if args.meta and method != "torch" else "cuda")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=True)
     if method == "torch":
         def step():
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 loss = model(input_ids=ids, labels=ids).loss
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            if args.clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
             opt.step()
             opt.zero_grad(set_to_none=True)
             return loss
@@ -134,34 +144,77 @@ def zerofit_or_torch_step(method: str, args, ids):
             zero = ZeroConfig(stage=stage, offload_optimizer=OffloadConfig(device="nvme", nvme_path=args.nvme_path),
                               offload_param=OffloadConfig(device="cpu"))
         engine = ZeroEngine(model, opt, zero=zero, precision=PrecisionConfig(mixed_precision="bf16"),
-                            gradient_clipping=1.0)
+                            gradient_clipping=args.clip)
 
         def step():
+            marks = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+            marks[0].record()
             loss = model(input_ids=ids, labels=ids).loss
+            marks[1].record()
             engine.backward(loss)
+            marks[2].record()
             engine.step()
+            marks[3].record()
+            step.marks = marks
             return loss
+        step.engine = engine
     return step
 
 
 def measure(method: str, step, args) -> dict:
     import torch
 
-    times, losses = [], []
+    times, losses, phases = [], [], []
     torch.cuda.reset_peak_memory_stats()
+    engine = getattr(step, "engine", None)
     for i in range(args.steps + 2):
         torch.cuda.synchronize()
+        before = engine.times.snapshot() if engine is not None else None
         t0 = time.perf_counter()
         loss = step()
         torch.cuda.synchronize()
         if i >= 2:
             times.append(time.perf_counter() - t0)
+            if engine is not None:
+                phases.append(_phases(step.marks, before, engine.times.snapshot()))
         losses.append(float(loss))
     s = statistics.median(times)
-    return {"method": method, "s_per_step": s, "tokens_per_s": args.batch * args.seq / s,
-            "gpu_peak_gib": torch.cuda.max_memory_allocated() / 2**30,
-            "host_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-            "losses": losses, "times": times}
+    row = {"method": method, "s_per_step": s, "tokens_per_s": args.batch * args.seq / s,
+           "gpu_peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+           "host_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+           "losses": losses, "times": times}
+    if phases:
+        row["breakdown_s"] = {k: statistics.median(p[k] for p in phases) for k in phases[0]}
+        row["breakdown_s"].update(_copy_times(step))
+    return row
+
+
+def _phases(marks, before: dict, after: dict) -> dict:
+    """One step's phases: GPU-timeline spans between the marks, host counters of the engine."""
+    span = [marks[i].elapsed_time(marks[i + 1]) / 1e3 for i in range(3)]
+    out = {"forward": span[0], "backward": span[1], "step_call": span[2]}
+    for k in ("host_optimizer", "host_publish", "wait_host_step", "wait_grad_download", "nvme_wait"):
+        out[k] = after[k] - before[k]
+    return out
+
+
+def _copy_times(step, steps: int = 2) -> dict:
+    """Seconds per step the copy engines spent moving data each way (CUDA profiler, two more steps)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    out = {"copy_to_host": 0.0, "copy_to_gpu": 0.0}
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if "DtoH" in e.key:
+            out["copy_to_host"] += t / 1e6 / steps
+        elif "HtoD" in e.key:
+            out["copy_to_gpu"] += t / 1e6 / steps
+    return out
 
 
 def environment() -> dict:
@@ -183,6 +236,11 @@ def main() -> None:
     p.add_argument("--n_embd", type=int, default=1600)
     p.add_argument("--n_layer", type=int, default=48)
     p.add_argument("--n_head", type=int, default=25)
+    p.add_argument("--model", choices=["gpt2", "llama"], default="gpt2")
+    p.add_argument("--intermediate", type=int, default=11008, help="llama: MLP width")
+    p.add_argument("--vocab", type=int, default=None, help="default: 50257 (gpt2), 32000 (llama)")
+    p.add_argument("--clip", type=float, default=1.0, help="gradient clipping (0: none)")
+    p.add_argument("--meta", action="store_true", help="zerofit rows: build on the meta device, materialise per unit")
     p.add_argument("--gpu-memory-gib", type=float, default=None, help="cap GPU memory (stands in for a smaller card)")
     p.add_argument("--out", default=None, help="directory for results.json and table.md")
     p.add_argument("--offload-ratio", type=float, default=1.0,
@@ -191,6 +249,8 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=240, help="seconds per method")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: run one method, print JSON
     args = p.parse_args()
+    if args.vocab is None:
+        args.vocab = 32000 if args.model == "llama" else 50257
     if args.one:
         print("RESULT " + json.dumps(run_one(args.one, args)), flush=True)
         return
@@ -210,16 +270,7 @@ def main() -> None:
             print(f"{m}: FAILED\n{rows[-1]['error']}", file=sys.stderr)
             continue
         rows.append(json.loads(line[7:]))
-    base = next((r for r in rows if r["method"] == "torch" and "error" not in r), None)
-    table = ["| method | s / step | tokens / s | vs plain PyTorch | GPU peak GiB | host RSS GiB |",
-             "|---|---|---|---|---|---|"]
-    for r in rows:
-        if "error" in r:
-            table.append(f"| {r['method']} | failed | | | | |")
-            continue
-        ratio = f"{base['s_per_step'] / r['s_per_step']:.3f}x" if base else "-"
-        table.append(f"| {r['method']} | {r['s_per_step']:.3f} | {r['tokens_per_s']:,.0f} | {ratio} | "
-                     f"{r['gpu_peak_gib']:.1f} | {r['host_rss_gib']:.1f} |")
+    table = tables(rows)
     print("\n".join(table))
     if args.out:
         os.makedirs(args.out, exist_ok=True)
@@ -227,6 +278,38 @@ def main() -> None:
             json.dump({"workload": vars(args), "environment": environment(), "rows": rows}, f, indent=1)
         with open(os.path.join(args.out, "table.md"), "w") as f:
             f.write("\n".join(table) + "\n")
+
+
+PEERS = {"zerofit-s2": ["deepspeed-s2"], "zerofit-s2-offload": ["deepspeed-s2-offload"],
+         "zerofit-s3-offload": ["deepspeed-s3-offload", "fsdp2-offload"]}
+PHASES = ["forward", "backward", "step_call", "host_optimizer", "host_publish", "wait_host_step",
+          "wait_grad_download", "copy_to_host", "copy_to_gpu"]
+
+
+def tables(rows: list[dict]) -> list[str]:
+    """The markdown: one row per method with its speed against plain PyTorch and against the peers
+    measured in the same run, then the per-step breakdown of zerofit's rows."""
+    by = {r["method"]: r for r in rows if "error" not in r}
+    base = by.get("torch")
+    out = ["| method | s / step | tokens / s | vs plain PyTorch | zerofit's speed-up over peers | GPU peak GiB | "
+           "host RSS GiB |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            out.append(f"| {r['method']} | failed | | | | | |")
+            continue
+        ratio = f"{base['s_per_step'] / r['s_per_step']:.3f}x" if base else "-"
+        peers = ", ".join(f"{by[p]['s_per_step'] / r['s_per_step']:.2f}x {p}" for p in PEERS.get(r["method"], [])
+                          if p in by)
+        out.append(f"| {r['method']} | {r['s_per_step']:.3f} | {r['tokens_per_s']:,.0f} | {ratio} | {peers} | "
+                   f"{r['gpu_peak_gib']:.1f} | {r['host_rss_gib']:.1f} |")
+    broken = [r for r in rows if "breakdown_s" in r]
+    if broken:
+        out += ["", "Per-step breakdown, seconds (GPU timeline: forward, backward, step_call; host threads: the "
+                "rest; copies: CUDA profiler):", "",
+                "| method | " + " | ".join(PHASES) + " |", "|---|" + "---|" * len(PHASES)]
+        for r in broken:
+            out.append(f"| {r['method']} | " + " | ".join(f"{r['breakdown_s'].get(k, 0.0):.3f}" for k in PHASES) + " |")
+    return out
 
 
 if __name__ == "__main__":

@@ -144,4 +144,5 @@ def run_engine(rank: int, world: int, case: Case, record_grads: bool = True):
     return {"losses": losses, "grads": grads, "params": params, "skipped": skipped,
             "micro_comm": micro_comm, "scale": engine.scaler.scale,
             "offloaded": sum(g.placement.offload_state for g in engine.groups),
+            "early": engine.times.host_steps_in_backward,
             "param_offloaded": sum(g.placement.offload_params for g in engine.groups)}

@@ -53,6 +53,17 @@ def test_offloaded_equals_on_device(results, case):
         assert _diff(g1, g2) <= tol
 
 
+@pytest.mark.parametrize("case", OFFLOADED, ids=repr)
+def test_host_steps_start_during_backward_only_when_exact(results, case):
+    """No clipping, no fp16: from the second step on the host steps overlap backward (and the runs
+    above still match the on-device runs bit for bit); with clipping they must wait for the norm."""
+    early = results[case]["early"]
+    if case.clip:
+        assert early == 0
+    else:
+        assert early >= (case.steps - 1) * results[case]["offloaded"]
+
+
 def test_partial_ratio_keeps_some_units_on_device(results):
     full = results[dataclasses.replace(BASE[2], offload="cpu")]["offloaded"]
     half = results[dataclasses.replace(BASE[2], offload="cpu", ratio=0.5)]["offloaded"]

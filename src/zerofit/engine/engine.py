@@ -15,6 +15,7 @@ the masters back into compute-dtype parameters and all-gather them where they ar
 from __future__ import annotations
 
 import os
+import warnings
 import weakref
 from collections import deque
 from collections.abc import Callable
@@ -44,6 +45,7 @@ from zerofit.engine.optim import (
 )
 from zerofit.engine.policy import StagePolicy
 from zerofit.engine.stage3 import Stage3Hooks
+from zerofit.engine.timing import StepTimes
 from zerofit.engine.unit import Unit
 from zerofit.engine.units import plan_units
 from zerofit.errors import EngineError
@@ -101,6 +103,16 @@ class ZeroEngine:
         self._grads_prepared: torch.Tensor | None = None
         self._grad_factor: torch.Tensor | float | None = None
         """Unscale/clip factor still to be applied to the gradients (by the fused optimizer step)."""
+        self.times = StepTimes()
+        self.last_grad_norm: torch.Tensor | None = None
+        self._steps_taken = 0
+        self._clip_seen = False
+        self._early_off: str | None = None
+        """Why host steps may not start during backward (None: they may; see the note below)."""
+        self._early_now = False
+        self._early_groups: set[int] = set()
+        self._early_hyper: list[dict] | None = None
+        self._to_submit: deque[tuple[list[Pending], list[FlatGroup]]] = deque()
         self._hooks = [p.register_post_accumulate_grad_hook(partial(self._on_grad, u, gi, i))
                        for u in self.units for gi, g in enumerate(u.trainable) for i, p in enumerate(g.params)]
         self.stepper: HostStepper | None = None
@@ -108,6 +120,10 @@ class ZeroEngine:
         self._unpublished: set[int] = set()
         if self._host_grads and optimizer is not None:
             self._start_host_stepper()
+        if self.stepper is None or self.swapper is not None:
+            self._early_off = "no host optimizer steps" if self.stepper is None else "NVMe offload"
+        elif self.gradient_clipping > 0 or self.scaler.enabled:
+            self._early_off = "the step depends on the global gradient norm (clipping or fp16)"
         self.stage3 = Stage3Hooks(self.units[0], self.units, lambda: self._in_backward)
         if any(u.sharded for u in self.units):
             self.stage3.install()
@@ -116,7 +132,7 @@ class ZeroEngine:
 
     def _start_host_stepper(self) -> None:
         """Offloaded groups step on a worker thread, overlapped with the next forward (see host_step)."""
-        self.stepper = HostStepper(self.optimizer, self._host_grads, self.device)
+        self.stepper = HostStepper(self.optimizer, self._host_grads, self.device, self.times)
         on_device = [t for g in self._trainable if not g.placement.offload_state for t in master_pieces(g)]
         self._device_opt = sub_optimizer(self.optimizer, on_device) if on_device else (None, [])
         for unit in self.units:
@@ -245,6 +261,10 @@ class ZeroEngine:
         if sync is None:
             sync = self._micro_step + 1 >= self.gradient_accumulation_steps
         self._sync = sync
+        if self._early_groups:
+            self._disable_early("backward ran again before step() applied the last window (zerofit had "
+                                "already started that update during backward)")
+        self._early_now = (sync and self._early_off is None and self._steps_taken > 0 and not self._clip_seen)
         for unit in self.units:
             unit.begin_backward()
         self._in_backward = True
@@ -255,27 +275,74 @@ class ZeroEngine:
         for unit in self.units:  # units backward did not finish (unused or frozen parameters)
             needs_sync_reduce = sync and not self.policy.reduces_every_micro_step and unit.trainable
             if not unit.reduced and (unit.has_new_grads() or needs_sync_reduce):
-                self._launch(unit.reduce(sync=sync))
+                self._reduce(unit)
             unit.release()
         if self._host_grads:
             # Offloaded gradients: the staging buffers are reused by the next micro-step, so their
             # contents must reach the host gradient shards now (waits for the downloads in flight).
             self._drain()
-            for g in self._host_grads:
-                g.settle_host_grad()
+            self._submit_ready()
+            with self.times.measure("wait_grad_download"):
+                for g in self._host_grads:
+                    if id(g) not in self._early_groups:
+                        g.settle_host_grad()
+            if self._early_now:  # groups that got no gradient this window step too (on zeros)
+                rest = [g for g in self._host_grads if id(g) not in self._early_groups]
+                for g in rest:
+                    g.grads_for_step()
+                self._submit_early(rest, settle_grads=False)
         self._micro_step = 0 if sync else self._micro_step + 1
 
     def _on_grad(self, unit: Unit, group: int, index: int, param: nn.Parameter) -> None:
         grad, param.grad = param.grad, None
         if unit.on_grad(group, index, grad):
-            self._launch(unit.reduce(sync=self._sync))
+            self._reduce(unit)
             if unit is not self.units[0]:
                 unit.release()
+
+    def _reduce(self, unit: Unit) -> None:
+        pendings = unit.reduce(sync=self._sync)
+        hosted = [g for g in unit.trainable if g.placement.offload_state]
+        if self._early_now and hosted:
+            self._to_submit.append((pendings, hosted))
+        self._launch(pendings)
+        self._submit_ready()
 
     def _launch(self, pendings: list[Pending]) -> None:
         self._inflight.extend(pendings)
         while len(self._inflight) > _MAX_INFLIGHT:
             self._inflight.popleft().wait()
+
+    # [Note: host steps during backward]
+    # When the step's gradient factor is known before backward ends - no clipping, no fp16 loss
+    # scale (so the factor is exactly 1), no NVMe - an offloaded group's host step can start as soon
+    # as its reduced gradient is on its way to the host, overlapping the rest of backward; the
+    # result is the same update, bit for bit. Two things a script could still do would change it
+    # after the fact, so the engine only starts early once it has seen a whole step without them:
+    # calling clip_grad_norm_ (from then on never early; a first call in an early window raises
+    # if clipping would bite) and changing lr & co. between backward and step() (detected at
+    # step(): warned, and never early again).
+    def _submit_ready(self) -> None:
+        """Hand the host steps whose gradient reduction has been issued to the worker, in order."""
+        while self._to_submit and all(p.done for p in self._to_submit[0][0]):
+            self._submit_early(self._to_submit.popleft()[1], settle_grads=True)
+
+    def _submit_early(self, groups: list[FlatGroup], *, settle_grads: bool) -> None:
+        if not groups:
+            return
+        if self._early_hyper is None:
+            self._early_hyper = self.stepper.hyperparams()
+        self.stepper.submit(groups, None, hyper=self._early_hyper, settle_grads=settle_grads)
+        for g in groups:
+            self._early_groups.add(id(g))
+            self._unpublished.add(id(g))
+        self.times.host_steps_in_backward += len(groups)
+
+    def _disable_early(self, reason: str) -> None:
+        if self._early_off is None:
+            warnings.warn(f"zerofit: {reason}; host optimizer steps no longer start during backward "
+                          "(slower, same results from now on)", stacklevel=3)
+        self._early_off = reason
 
     def _drain(self) -> None:
         while self._inflight:
@@ -285,8 +352,26 @@ class ZeroEngine:
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Unscale, then clip the global gradient norm to `max_norm`; returns the norm before clipping."""
         self._drain()
+        self._clip_seen = True
+        if self._early_groups:
+            return self._norm_after_early_step(float(max_norm))
         self._grads_prepared = self._unscale_and_clip(float(max_norm), need_norm=True)
         return self._grads_prepared
+
+    def _norm_after_early_step(self, max_norm: float) -> torch.Tensor:
+        """The norm of a window whose host steps already ran (see [Note: host steps during backward])."""
+        self.stepper.wait_all()
+        sumsq = local_grad_sumsq(self._trainable, self.device)
+        if any(g.placement.shard_world > 1 for g in self._trainable):
+            self.comm.all_reduce_now(sumsq, "grad_norm")
+        norm = sumsq.sqrt()
+        if max_norm > 0 and float(norm) > max_norm:
+            raise EngineError(
+                f"clip_grad_norm_(max_norm={max_norm}) was first called at optimizer step {self._steps_taken + 1}, "
+                f"after zerofit had already applied this step's update during backward (gradient norm {float(norm):.4g}): "
+                f"set gradient_clipping: {max_norm} in the config (zerofit then clips inside every step), or call "
+                "clip_grad_norm_ from the first step on")
+        return norm
 
     def _unscale_and_clip(self, max_norm: float, *, need_norm: bool) -> torch.Tensor | None:
         self._settle_params()
@@ -311,6 +396,10 @@ class ZeroEngine:
     def step(self) -> bool:
         """Apply the accumulated gradients; returns False when an fp16 overflow skipped the step."""
         self._drain()
+        self._steps_taken += 1
+        if self._early_groups:
+            self._finish_early_step()
+            return True
         norm = self._grads_prepared
         if norm is None:
             norm = self._unscale_and_clip(self.gradient_clipping, need_norm=False)
@@ -343,6 +432,21 @@ class ZeroEngine:
             self._publish()
         self.zero_grad()
         return True
+
+    def _finish_early_step(self) -> None:
+        """step() of a window whose host steps started during backward: the on-device rest only."""
+        if not _same_settings(self.stepper.hyperparams(), self._early_hyper):
+            self._disable_early("the optimizer's settings (lr & co.) changed between backward and step(); this "
+                                "step used the values they had when backward ended")
+        self._grads_prepared = self._early_hyper = None
+        self.last_grad_norm = None
+        sub, index = self._device_opt
+        if sub is not None:
+            sync_hyperparams(sub, index, self.optimizer)
+            step_with_factor(sub, None)
+        self._publish(host=False)
+        self._early_groups = set()
+        self.zero_grad()
 
     def refresh_params(self) -> None:
         """Rebuild the compute-dtype parameters from the fp32 masters (after a checkpoint wrote into them)."""
@@ -396,3 +500,13 @@ class ZeroEngine:
             for name, off, n, shape in zip(g.names, g.layout.offsets, g.layout.numels, g.shapes):
                 out[name] = full[off:off + n].view(shape).clone()
         return out
+
+
+def _same_settings(a: list[dict], b: list[dict]) -> bool:
+    """Param-group settings equal value for value (lr may be a tensor)."""
+    def same(x, y):
+        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            return isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and torch.equal(x, y)
+        return x == y
+    return len(a) == len(b) and all(ga.keys() == gb.keys() and all(same(ga[k], gb[k]) for k in ga)
+                                    for ga, gb in zip(a, b))

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from zerofit.engine.layout import FlatLayout, plan_layout
+from zerofit.engine.pinned import pinned_copy, pinned_empty
 
 
 @dataclass(frozen=True)
@@ -96,8 +97,10 @@ class FlatGroup:
             else:
                 self.master = _on(master_src, host, pin) if placement.offload_state else master_src
             state_device = host if placement.offload_state else device
-            self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=torch.float32, device=state_device,
-                                          pin_memory=pin and state_device.type == "cpu")
+            if pin and state_device.type == "cpu":
+                self.grad_shard = pinned_empty(self.layout.shard_numel, torch.float32).zero_()
+            else:
+                self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=torch.float32, device=state_device)
             if placement.shard_world == 1 and not placement.offload_state:
                 self.grad_flat = self.grad_shard
             elif placement.keep_full_grads:
@@ -159,7 +162,7 @@ class FlatGroup:
             return
         self.device_sumsq = torch.linalg.vector_norm(grad).square() if fresh else None
         if not fresh and self._grad_staging is None:  # only accumulation needs a second host buffer
-            self._grad_staging = torch.empty(self.layout.shard_numel, dtype=torch.float32, pin_memory=True)
+            self._grad_staging = pinned_empty(self.layout.shard_numel, torch.float32)
         target = self.grad_shard if fresh else self._grad_staging
         target.copy_(grad, non_blocking=True)
         event = torch.cuda.Event()
@@ -218,7 +221,5 @@ class FlatGroup:
 def _on(t: torch.Tensor, device: torch.device, pin: bool) -> torch.Tensor:
     """`t` copied to `device` (pinned when it goes to the host of a GPU run)."""
     if device.type == "cpu" and pin:
-        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        out.copy_(t)
-        return out
+        return pinned_copy(t)
     return t.to(device, copy=True) if t.device != device else t.clone()

@@ -28,14 +28,17 @@ import torch
 
 from zerofit.engine.flat_group import FlatGroup
 from zerofit.engine.optim import master_pieces, step_with_factor, sub_optimizer, sync_hyperparams
+from zerofit.engine.timing import StepTimes
 
 
 class HostStepper:
     """Runs offloaded groups' optimizer steps on a worker thread; forward waits per group."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, groups: list[FlatGroup], device: torch.device):
+    def __init__(self, optimizer: torch.optim.Optimizer, groups: list[FlatGroup], device: torch.device,
+                 times: StepTimes | None = None):
         self.optimizer = optimizer
         self.device = device
+        self.times = times or StepTimes()
         self.stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
         self._sub = {id(g): sub_optimizer(optimizer, master_pieces(g)) for g in groups}
         self._done: dict[int, threading.Event] = {id(g): threading.Event() for g in groups}
@@ -49,8 +52,17 @@ class HostStepper:
         self._thread = threading.Thread(target=self._run, name="zerofit-host-step", daemon=True)
         self._thread.start()
 
-    def submit(self, groups: list[FlatGroup], factor=None) -> None:
-        """Queue these groups' steps (in this order), gradients times `factor`; forward waits for them."""
+    def hyperparams(self) -> list[dict]:
+        """The script optimizer's current settings (lr & co.) of every param group."""
+        return [{k: v for k, v in pg.items() if k != "params"} for pg in self.optimizer.param_groups]
+
+    def submit(self, groups: list[FlatGroup], factor=None, *, hyper: list[dict] | None = None,
+               settle_grads: bool = False) -> None:
+        """Queue these groups' steps (in this order), gradients times `factor`; forward waits for them.
+
+        `settle_grads`: the worker first waits for the group's gradient download (a step started
+        during backward, before the main thread settled it).
+        """
         self._raise()
         if isinstance(factor, torch.Tensor):
             factor = factor.to("cpu")  # tiny; the gradients it scales were already waited for
@@ -58,25 +70,28 @@ class HostStepper:
             self.swap.schedule(groups)  # start reading the first groups before the worker needs them
         # The settings of this step, taken now: the script's scheduler changes lr on the main thread
         # right after step() returns, while the worker is still stepping later groups.
-        hyper = [{k: v for k, v in pg.items() if k != "params"} for pg in self.optimizer.param_groups]
+        hyper = hyper if hyper is not None else self.hyperparams()
         for g in groups:
             self._done[id(g)].clear()
-            self._queue.put((g, factor, hyper))
+            self._queue.put((g, factor, hyper, settle_grads))
 
     def wait(self, g: FlatGroup) -> None:
         """Block until `g` is stepped and its parameters are on their way to the device (stream-ordered)."""
         done = self._done.get(id(g))
         if done is None:
             return
-        done.wait()
+        if not done.is_set():
+            with self.times.measure("wait_host_step"):
+                done.wait()
         self._raise()
         event = self._events.pop(id(g), None)
         if event is not None:
             torch.cuda.current_stream(self.device).wait_event(event)
 
     def wait_all(self) -> None:
-        for done in self._done.values():
-            done.wait()
+        with self.times.measure("wait_host_step"):
+            for done in self._done.values():
+                done.wait()
         self._raise()
         if self.swap is not None:
             self.swap.flush()  # the files hold the stepped values before anyone reads them
@@ -112,8 +127,10 @@ class HostStepper:
             self._run_one(*item)
             del item  # hold no group while idle: groups reach the parameters, whose hooks reach the engine
 
-    def _run_one(self, g: FlatGroup, factor, hyper) -> None:
+    def _run_one(self, g: FlatGroup, factor, hyper, settle_grads: bool) -> None:
         try:
+            if settle_grads:
+                g.settle_host_grad()
             self._step(g, factor, hyper)
         except BaseException as e:  # noqa: BLE001 - surfaced on the main thread by wait()
             self._error = e
@@ -123,11 +140,21 @@ class HostStepper:
     def _step(self, g: FlatGroup, factor, hyper: list[dict]) -> None:
         sub, index = self._sub[id(g)]
         if self.swap is not None:
-            self.swap.swap_in(g)
+            with self.times.measure("nvme_wait"):
+                self.swap.swap_in(g)
         if sub is not None:
             sync_hyperparams(sub, index, hyper)  # this step's lr & co., as submitted
-            step_with_factor(sub, factor)
+            with self.times.measure("host_optimizer"):
+                step_with_factor(sub, factor)
         g.grad_consumed()
+        with self.times.measure("host_publish"):
+            event = self._publish(g)
+        if self.swap is not None:
+            with self.times.measure("nvme_wait"):
+                self.swap.swap_out(g, uploaded=event)
+
+    def _publish(self, g: FlatGroup):
+        """Start the upload of `g`'s stepped master; returns the event that marks it done (CUDA)."""
         if self.stream is None:
             g.publish_master()
             event = None
@@ -137,6 +164,5 @@ class HostStepper:
                 event = torch.cuda.Event()
                 event.record(self.stream)
             self._events[id(g)] = event
-        if self.swap is not None:
-            self.swap.swap_out(g, uploaded=event)
+        return event
 

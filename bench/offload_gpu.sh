@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The offload benchmark of README "Benchmarks" on one GPU, peers in the same run (one device call).
+#   bash bench/offload_gpu.sh OUT_DIR [clip|noclip|scale]
+# clip:   GPT-2 XL 16x128, clipping 1.0: plain PyTorch, zerofit ZeRO-2/3 offload, DeepSpeed, FSDP2
+# noclip: the same without clipping (zerofit's host steps then start during backward)
+# scale:  the largest Llama-style model with ZeRO-3 + full CPU offload, and GPT-2 XL under a 24 GiB cap
+# DeepSpeed comes from wheels in .whl/ when present (see ../shared/ANCHORS.md).
+set -uo pipefail
+OUT="${1:-out/offload_gpu}"; WHAT="${2:-clip}"
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+B="python3 bench/engine_step.py"
+case "$WHAT" in
+  clip)
+    $B --methods zerofit-s2-offload zerofit-s3-offload torch deepspeed-s2-offload deepspeed-s3-offload fsdp2-offload \
+       --steps 6 --timeout 200 --out "$OUT/clip" ;;
+  noclip)
+    $B --methods zerofit-s2-offload zerofit-s3-offload deepspeed-s2-offload --clip 0 --steps 6 --timeout 200 \
+       --out "$OUT/noclip" ;;
+  scale)
+    $B --methods zerofit-s3-offload --model llama --n_embd 4096 --n_layer 32 --n_head 32 --intermediate 11008 \
+       --batch 8 --seq 512 --steps 2 --meta --timeout 330 --out "$OUT/llama7b"
+    $B --methods zerofit-s3-offload --gpu-memory-gib 24 --batch 32 --steps 4 --timeout 120 --out "$OUT/cap24" ;;
+esac
