@@ -8,9 +8,9 @@ registered (page-locked) with CUDA, which makes host<->GPU copies of it asynchro
 
 [Note: registered lifetime]
 A registered range must be unregistered before its memory goes back to the C allocator. The
-finalizer below runs when the tensor returned here dies and holds the storage until it has
-unregistered it; views that outlive the tensor keep the (then ordinary) memory alive, and copies
-from it are still correct, only synchronous.
+finalizer below runs when the tensor returned here dies, and holds the storage until it has
+unregistered it. Views do not end the registration early: a view keeps its base tensor (`_base`)
+alive, so the finalizer runs only once the last view is gone (tests/test_pinned.py).
 """
 
 from __future__ import annotations
