@@ -33,12 +33,13 @@ from torch.utils.data import DataLoader
 
 from zerofit import ops, runtime, tracking
 from zerofit.config import load_config
-from zerofit.config.schema import RunConfig, SchedulerConfig
+from zerofit.config.schema import RunConfig, SchedulerConfig, is_auto
 from zerofit.data import ShardedDataLoader
 from zerofit.engine import ZeroEngine
 from zerofit.errors import ConfigError
 from zerofit.optimizers import AcceleratedOptimizer, build_optimizer
 from zerofit.persistence import PersistenceMixin
+from zerofit.plan.auto import needs_planning, plan_for
 from zerofit.plan.backoff import OomBackoff
 from zerofit.schedulers import AcceleratedScheduler, build_scheduler
 from zerofit.script_config import (
@@ -162,7 +163,7 @@ class Accelerator(PersistenceMixin):
 
     @property
     def distributed_type(self) -> DistributedType:
-        if self.config.zero.stage >= 1:
+        if is_auto(self.config.zero.stage) or self.config.zero.stage >= 1:  # "auto": decided at prepare()
             return DistributedType.ZERO
         if self.num_processes == 1:
             return DistributedType.NO
@@ -289,6 +290,8 @@ class Accelerator(PersistenceMixin):
         if id(model) in self._engines:
             raise ValueError(f"this {type(model).__name__} was prepared already: prepare each model once, "
                              "together with its optimizer")
+        if needs_planning(self.config):  # stage / offload "auto": the planner picks (zerofit.plan.auto)
+            self.config = plan_for(self, model)
         cfg = self.config
         engine = ZeroEngine(model, optimizer, zero=cfg.zero, precision=cfg.precision,
                             gradient_accumulation_steps=cfg.batch.gradient_accumulation_steps,

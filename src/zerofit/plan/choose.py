@@ -41,6 +41,8 @@ class Budget:
     """Host memory of the machine, shared by the ranks on it."""
     ranks_per_host: int = 1
     headroom: float = DEFAULT_HEADROOM
+    unified: bool = False
+    """No accelerator (CPU runs): the "GPU" bytes live in host memory too, so both must fit the host."""
 
     def gpu_fits(self, e: Estimate) -> bool | None:
         if self.gpu_bytes is None:
@@ -50,8 +52,12 @@ class Budget:
     def host_fits(self, e: Estimate) -> bool | None:
         if self.host_bytes is None:
             return None
-        need = self.ranks_per_host * (e.host_total + HOST_BASELINE_BYTES)
-        return need <= (1 - self.headroom) * self.host_bytes
+        per_rank = e.host_total + HOST_BASELINE_BYTES + (e.gpu_total if self.unified else 0)
+        return self.ranks_per_host * per_rank <= (1 - self.headroom) * self.host_bytes
+
+    def need(self, e: Estimate) -> int:
+        """The bytes that decide the smallest setting: GPU bytes, or device and host together without a GPU."""
+        return e.gpu_total + e.host_total if self.unified else e.gpu_total
 
     def fits(self, e: Estimate) -> bool:
         return self.gpu_fits(e) is not False and self.host_fits(e) is not False
@@ -64,6 +70,8 @@ class Plan:
     estimates: tuple[Estimate, ...]
     choice: Estimate | None
     reason: str
+    smallest: Estimate | None = None
+    """The setting needing the least memory (what runs when nothing fits)."""
 
 
 def machine_budget(*, gpu_memory_gib: float | None = None, host_memory_gib: float | None = None,
@@ -104,10 +112,11 @@ def plan(counts: ModelCounts, work: Workload, budget: Budget, traces: dict[bool,
     estimates = tuple(estimate(counts, s, work, traces.get(s.checkpointing)) for s in settings)
     fitting = [e for e in estimates if budget.fits(e)]
     if not fitting:
-        smallest = min(estimates, key=lambda e: e.gpu_total)
-        return Plan(estimates, None, f"nothing fits: the smallest GPU need is {smallest.setting.label} at "
-                                     f"{smallest.gpu_total / GIB:.1f} GiB (+{GPU_RESERVE_BYTES / GIB:.0f} GiB reserve)"
-                                     f"{_of(budget)}; lower the micro-batch, add GPUs or turn on checkpointing")
+        smallest = min(estimates, key=budget.need)
+        what = "memory" if budget.unified else "GPU need"
+        why = (f"nothing fits: the smallest {what} is {smallest.setting.label} at {budget.need(smallest) / GIB:.2f} GiB"
+               f"{_of(budget)}; lower the micro-batch, add GPUs or turn on checkpointing")
+        return Plan(estimates, None, why, smallest)
     choice = fitting[0]
     faster = [e for e in estimates if speed_rank(e.setting) < speed_rank(choice.setting)]
     why = f"{choice.setting.label}: the fastest setting that fits, {choice.gpu_total / GIB:.1f} GiB GPU"
