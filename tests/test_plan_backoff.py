@@ -106,10 +106,19 @@ def test_split_batch_cuts_tensors_and_lists():
     assert halves[0]["names"] == ["a", "b"] and halves[1]["names"] == ["c"] and halves[1]["flag"] is True
 
 
-def test_one_rank_backs_off_and_matches(capfd):
+def test_a_loop_without_accumulate_keeps_no_window():
+    acc = Accelerator(config=RunConfig())
+    dl = acc.prepare(DataLoader(Samples(), batch_size=MICRO))
+    for _ in dl:
+        pass
+    assert dl.splitter.window == [] and not dl.splitter.recording
+
+
+@pytest.mark.parametrize("start", [1, 4])
+def test_one_rank_backs_off_and_matches(capfd, start):
     ref = train(0, 1, 0, None)
-    # OOM at the 4th forward: the second micro-step of the second window, so a seen batch is replayed too
-    got = train(0, 1, 0, (MICRO // 2, 4))
+    # OOM at the 1st forward, or at the 4th: the second micro-step of the second window (a seen batch replays)
+    got = train(0, 1, 0, (MICRO // 2, start))
     assert "backing off 1/4: micro-batch 8 -> 4, gradient accumulation 2 -> 4" in capfd.readouterr().err
     assert got["accum"] == 2 * GAS
     _close(got, ref)

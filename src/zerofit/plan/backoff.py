@@ -103,6 +103,10 @@ class BatchSplitter:
         self.factor = 1
         self.window: list[Any] = []
         """Batches of the accumulation window in progress (to replay it after a back-off)."""
+        self.current: Any = None
+        """The batch being delivered."""
+        self.recording = False
+        """Set by the first `accumulate()` block over this loader: only then do windows close (and empty)."""
         self._restart = False
 
     def deliver(self, batch: Any, *, last: bool, loader: Any) -> Iterator[Any]:
@@ -111,7 +115,9 @@ class BatchSplitter:
         `loader.at_last_batch` is true only for the last piece of the last batch, so the window closes
         after the whole batch, not after its first piece.
         """
-        self.window.append(batch)
+        self.current = batch
+        if self.recording:
+            self.window.append(batch)
         queue = deque(split_batch(batch, self.factor) if self.factor > 1 else [batch])
         while queue:
             piece = queue.popleft()
@@ -124,6 +130,12 @@ class BatchSplitter:
     def piece_size(self) -> int | None:
         sizes = [batch_size_of(b) for b in self.window]
         return max((math.ceil(s / self.factor) for s in sizes if s is not None), default=None)
+
+    def start_recording(self) -> None:
+        """The loop uses `accumulate()`: keep the window from the batch being processed on."""
+        if not self.recording:
+            self.recording = True
+            self.window = [self.current]
 
     def replay(self) -> None:
         self.factor *= 2
@@ -148,12 +160,14 @@ class OomBackoff:
     def guard(self) -> Iterator[None]:
         """Around one `accumulate()` block: back off on an OOM, else close the loader's window on sync."""
         self.phase = "forward"
+        loader = self._loader()
+        if loader is not None:
+            loader.splitter.start_recording()
         try:
             yield
         except (torch.OutOfMemoryError, PeerOutOfMemory) as e:
             self._handle(e)
         else:
-            loader = self._loader()
             if loader is not None and self.acc.gradient_state.sync_gradients:
                 loader.splitter.close_window()
         finally:
