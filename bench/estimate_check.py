@@ -41,7 +41,7 @@ SETTINGS = {
     "s3-offload": (3, "cpu", "cpu", False),
     "s3-offload-ckpt": (3, "cpu", "cpu", True),
 }
-PLAN = {"gpt2-xl": ["s0", "s0-ckpt", "s2-offload", "s3-offload"], "llama-1b": ["s0", "s0-ckpt", "s3-offload-ckpt"],
+PLAN = {"gpt2-xl": ["s0", "s0-ckpt", "s2-offload", "s3-offload"], "llama-1b": ["s0", "s3-offload-ckpt"],
         "bert-large-cls": ["s0", "s2-offload"]}
 
 

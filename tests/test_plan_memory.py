@@ -151,3 +151,20 @@ def test_setting_rules():
         Setting(stage=0, offload_optimizer="cpu")
     with pytest.raises(ValueError, match="need stage 3"):
         Setting(stage=2, offload_param="cpu")
+
+
+def test_trace_and_counts_must_carve_the_same_units():
+    trace = trace_step(_toy(False), batch=2, seq=4)
+    with pytest.raises(ValueError, match="same unit_size_threshold"):
+        trace.peak([1, 2, 3])
+
+
+def test_budget_from_the_environment_names_the_variable(monkeypatch):
+    from zerofit.plan.auto import budget_for
+
+    monkeypatch.setenv("ZEROFIT_HOST_MEMORY_GIB", "lots")
+    with pytest.raises(ValueError, match="ZEROFIT_HOST_MEMORY_GIB='lots' must be a number of GiB"):
+        budget_for(torch.device("cpu"), 1)
+    monkeypatch.setenv("ZEROFIT_HOST_MEMORY_GIB", "2")
+    budget = budget_for(torch.device("cpu"), 1)
+    assert budget.unified and budget.host_bytes == 2 << 30 and budget.gpu_bytes is None

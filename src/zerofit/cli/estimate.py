@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
 
     from zerofit.plan.choose import machine_budget, plan, traces_for
     from zerofit.plan.memory import ModelCounts, Workload, all_settings
-    from zerofit.plan.sources import build_fake_model
+    from zerofit.plan.sources import ModelSpecError, build_fake_model
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "no": torch.float32}[args.mixed_precision]
     fake = build_fake_model(args.model, dtype=dtype, task=args.task)
@@ -82,8 +82,12 @@ def run(args: argparse.Namespace) -> int:
     budget = machine_budget(gpu_memory_gib=args.gpu_memory, host_memory_gib=args.host_memory,
                             ranks_per_host=args.gpus_per_host or args.num_gpus, headroom=args.headroom)
     counts = ModelCounts.of(fake.model)
-    result = plan(counts, work, budget, traces_for(fake, work, ck),
-                  settings=all_settings(work.world, checkpointing=ck, nvme=args.nvme))
+    traces = traces_for(fake, work, ck)
+    if not traces:
+        raise ModelSpecError(f"--model {args.model!r} does not support activation checkpointing: use "
+                             "--checkpointing off")
+    result = plan(counts, work, budget, traces,
+                  settings=all_settings(work.world, checkpointing=tuple(traces), nvme=args.nvme))
     if args.json:
         print(json.dumps(_as_json(args, counts, work, budget, result), indent=1))
     else:

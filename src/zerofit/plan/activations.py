@@ -61,6 +61,9 @@ class ActivationTrace:
         """The peak with the engine's transient per-unit gradient buffers (`unit_grad_bytes[u]` each) added."""
         if not unit_grad_bytes:
             return self.peak_bytes
+        if len(unit_grad_bytes) != self.units:
+            raise ValueError(f"{len(unit_grad_bytes)} unit sizes for a trace of {self.units} units: plan both with "
+                             "the same unit_size_threshold")
         extra, best, live = 0, 0, 0
         held: set[int] = set()
         inflight: deque[int] = deque()
@@ -87,6 +90,7 @@ class _LiveBytes(TorchDispatchMode):
         self.total = 0
         self.peak = 0
         self.timeline: list[tuple[int, int, int]] = []
+        self.masks: set[int] = set()
 
     def _release(self, key: int) -> None:
         self.refs[key] -= 1
@@ -110,7 +114,8 @@ class _LiveBytes(TorchDispatchMode):
     def _as_mask(self, t: torch.Tensor) -> None:
         """A dropout mask: one byte per element on the GPU (see [Note: trace vs GPU])."""
         key = t.untyped_storage()._cdata
-        if key in self.sizes and t.element_size() > 1:
+        if key in self.sizes and t.element_size() > 1 and key not in self.masks:
+            self.masks.add(key)
             shrink = self.sizes[key] - t.numel()
             self.sizes[key] -= shrink
             self.total -= shrink
@@ -121,14 +126,13 @@ class _LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func.__name__.startswith("bernoulli"):
-            self._as_mask(out)
-            return out
         seen: set[int] = set()
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and id(t) not in seen and t.untyped_storage().nbytes() > 0:
                 seen.add(id(t))
                 self._track(t)
+        if func.__name__.startswith("bernoulli") and isinstance(out, torch.Tensor):
+            self._as_mask(out)
         return out
 
 
@@ -175,11 +179,15 @@ def _prepare(model: nn.Module, checkpointing: bool) -> None:
         off()
 
 
-def trace_step(fake: FakeModel, *, batch: int, seq: int, checkpointing: bool = False) -> ActivationTrace:
-    """Run forward + backward of one micro-batch of `batch` x `seq` tokens on `fake`, counting bytes."""
+def trace_step(fake: FakeModel, *, batch: int, seq: int, checkpointing: bool = False,
+               unit_size_threshold: int = 10_000_000) -> ActivationTrace:
+    """Run forward + backward of one micro-batch of `batch` x `seq` tokens on `fake`, counting bytes.
+
+    `unit_size_threshold` must be the engine's (`zero.unit_size_threshold`): units are numbered as it carves them.
+    """
     model = fake.model
     _prepare(model, checkpointing)
-    specs = plan_units(model)
+    specs = plan_units(model, size_threshold=unit_size_threshold)
     unit_of = {id(p): u for u, spec in enumerate(specs) for _, p in spec.params}
     waiting = [len(spec.params) for spec in specs]
     inputs = _fake_inputs(fake, batch, seq)

@@ -130,7 +130,8 @@ def choose(config: RunConfig, model: nn.Module, *, world: int, device: torch.dev
         fake = replica_of(model, _DTYPES.get(precision, torch.float32))
         if fake is not None:
             try:
-                trace = trace_step(fake, batch=shape[0], seq=shape[1], checkpointing=checkpointing)
+                trace = trace_step(fake, batch=shape[0], seq=shape[1], checkpointing=checkpointing,
+                                   unit_size_threshold=work.unit_size_threshold)
             except Exception:  # noqa: BLE001 - the states are still planned, and the reason says so
                 trace = None
     counts = ModelCounts.of(model, unit_size_threshold=work.unit_size_threshold)

@@ -138,10 +138,19 @@ def _of(budget: Budget) -> str:
 
 
 def traces_for(fake: FakeModel | None, work: Workload, checkpointing: tuple[bool, ...]) -> dict[bool, ActivationTrace | None]:
-    """Activation traces for each checkpointing choice (None where the model cannot be traced)."""
+    """Activation traces for each checkpointing choice (None: no model to trace). A model that cannot
+    checkpoint (transformers raises ValueError) has no checkpointing entry: those settings are not listed."""
     out: dict[bool, ActivationTrace | None] = {}
     for ck in checkpointing:
-        out[ck] = trace_step(fake, batch=work.micro_batch, seq=work.seq, checkpointing=ck) if fake else None
+        if fake is None:
+            out[ck] = None
+            continue
+        try:
+            out[ck] = trace_step(fake, batch=work.micro_batch, seq=work.seq, checkpointing=ck,
+                                 unit_size_threshold=work.unit_size_threshold)
+        except ValueError:
+            if not ck:
+                raise
     return out
 
 
