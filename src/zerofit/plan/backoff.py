@@ -31,7 +31,7 @@ That is safe only while nothing collective ran between the start of the micro-st
   (reductions are mid-sequence), OOM in forward under stage 3 or optimizer offload on several ranks
   (parameter gathers run in forward), and OOM in the optimizer step anywhere (masters may be half
   updated).
-The agreement costs one tiny all-reduce per micro-step and only when the world has several ranks.
+The agreement costs one tiny all-reduce per micro-step, only with several ranks and a silent forward.
 """
 
 from __future__ import annotations
@@ -174,8 +174,10 @@ class OomBackoff:
             self.phase = "idle"
 
     def before_backward(self) -> None:
-        """The agreement point of a healthy rank (world > 1); raises PeerOutOfMemory if any rank failed."""
-        if self.phase == "forward" and self._agree(False):
+        """The agreement point of a healthy rank (world > 1); raises PeerOutOfMemory if any rank failed.
+
+        Skipped where a forward OOM is not recoverable anyway (the failing rank does not wait for it)."""
+        if self.phase == "forward" and self._silent_forward(self.acc._trained_engine()) and self._agree(False):
             raise PeerOutOfMemory()
         if self.phase != "idle":
             self.phase = "backward"
