@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from zerofit.config import load_config
+from zerofit.config.schema import is_auto
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text(encoding="utf-8")
@@ -25,8 +26,12 @@ def test_every_config_example_in_the_readme_loads(kind, text, tmp_path):
     path = tmp_path / f"example.{kind}"
     path.write_text(text, encoding="utf-8")
     cfg = load_config(path)
-    stage = re.search(r"(?:stage|zero_stage)\"?: (\d)", text)
-    assert stage and cfg.zero.stage == int(stage.group(1))
+    stage = re.search(r"(?:stage|zero_stage)\"?: \"?(\d|auto)", text)
+    assert stage
+    if stage.group(1) == "auto":
+        assert is_auto(cfg.zero.stage) and is_auto(cfg.zero.offload_optimizer.device)
+    else:
+        assert cfg.zero.stage == int(stage.group(1))
 
 
 def test_the_readme_commands_are_what_ci_runs():

@@ -51,9 +51,14 @@ BAD = [
         "zero_optimization.stage must be 0, 1, 2 or 3 (got 4): pick one",
     ),
     (
-        "ds-stage-auto",
-        {"zero_optimization": {"stage": "auto"}},
-        'zero_optimization.stage cannot be "auto" here: write the value',
+        "ds-stage-word",  # "auto" is a stage now (the planner picks it); other words are not
+        {"zero_optimization": {"stage": "fastest"}},
+        "zero_optimization.stage must be a whole number (got 'fastest')",
+    ),
+    (
+        "ds-offload-auto-fixed-stage",  # without a planned stage, "auto" offload keeps Accelerate's meaning
+        {"zero_optimization": {"stage": 1, "offload_param": {"device": "cpu"}}},
+        "zero_optimization.offload_param requires stage 3 (got stage 1)",
     ),
     (
         "ds-ratio",
@@ -402,7 +407,8 @@ def test_rejected_value_is_not_reported_again_by_cross_field_rules():
     with pytest.raises(ConfigError) as caught:
         config_from_dict({"zero_optimization": {"stage": "two", "offload_optimizer": {"device": "cpu"}}})
     assert caught.value.problems == [
-        "zero_optimization.stage must be a whole number (got 'two'): write it like 500000000 or 5e8"
+        "zero_optimization.stage must be a whole number (got 'two'): write it like 500000000 or 5e8; "
+        'or "auto" to let zerofit fill it'
     ]
 
 

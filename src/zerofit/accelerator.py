@@ -33,12 +33,14 @@ from torch.utils.data import DataLoader
 
 from zerofit import ops, runtime, tracking
 from zerofit.config import load_config
-from zerofit.config.schema import RunConfig, SchedulerConfig
+from zerofit.config.schema import RunConfig, SchedulerConfig, is_auto
 from zerofit.data import ShardedDataLoader
 from zerofit.engine import ZeroEngine
 from zerofit.errors import ConfigError
 from zerofit.optimizers import AcceleratedOptimizer, build_optimizer
 from zerofit.persistence import PersistenceMixin
+from zerofit.plan.auto import needs_planning, plan_for
+from zerofit.plan.backoff import OomBackoff
 from zerofit.schedulers import AcceleratedScheduler, build_scheduler
 from zerofit.script_config import (
     Facts,
@@ -120,6 +122,7 @@ class Accelerator(PersistenceMixin):
         self._warned: set[str] = set()
         self.step = 0
         self.state = AcceleratorState(self)
+        self._backoff = OomBackoff(self)  # out-of-memory back-off inside accumulate()
 
     # --- who and where --------------------------------------------------------------------------
     @property
@@ -160,7 +163,7 @@ class Accelerator(PersistenceMixin):
 
     @property
     def distributed_type(self) -> DistributedType:
-        if self.config.zero.stage >= 1:
+        if is_auto(self.config.zero.stage) or self.config.zero.stage >= 1:  # "auto": decided at prepare()
             return DistributedType.ZERO
         if self.num_processes == 1:
             return DistributedType.NO
@@ -287,6 +290,8 @@ class Accelerator(PersistenceMixin):
         if id(model) in self._engines:
             raise ValueError(f"this {type(model).__name__} was prepared already: prepare each model once, "
                              "together with its optimizer")
+        if needs_planning(self.config):  # stage / offload "auto": the planner picks (zerofit.plan.auto)
+            self.config = plan_for(self, model)
         cfg = self.config
         engine = ZeroEngine(model, optimizer, zero=cfg.zero, precision=cfg.precision,
                             gradient_accumulation_steps=cfg.batch.gradient_accumulation_steps,
@@ -360,19 +365,24 @@ class Accelerator(PersistenceMixin):
         """Backpropagate `loss`: divided by the accumulation steps, loss-scaled under fp16, reduced per stage."""
         engine = self._trained_engine()
         sync = self.sync_gradients and self._no_sync_depth == 0
+        self._backoff.before_backward()  # several ranks: agree that no rank ran out of memory in forward
         if engine is None:
             (loss / self.gradient_accumulation_steps).backward(**kwargs)
             return
         engine.backward(loss, sync=sync)
+        self._backoff.after_backward()
         if not sync:
             for opt in self._optimizers:
                 opt.window_open = True
 
     @contextlib.contextmanager
     def accumulate(self, *models: nn.Module) -> Iterator[None]:
-        """Count one micro-step; `sync_gradients` is True when it closes a window (or ends the dataloader)."""
+        """Count one micro-step; `sync_gradients` is True when it closes a window (or ends the dataloader).
+
+        A CUDA out-of-memory error inside the block backs off: see `zerofit.plan.backoff`."""
         self.gradient_state.count_micro_step()
-        yield
+        with self._backoff.guard():
+            yield
 
     @contextlib.contextmanager
     def no_sync(self, model: nn.Module | None = None) -> Iterator[None]:

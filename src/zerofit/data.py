@@ -28,6 +28,7 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, Sampler
 
 from zerofit.ops import send_to_device
+from zerofit.plan.backoff import BatchSplitter
 from zerofit.state import GradientState
 
 
@@ -141,6 +142,8 @@ class ShardedDataLoader:
         self.resume_position = 0
         """`batches_yielded` of the checkpoint last loaded (pass it to `skip_first_batches`)."""
         self._skip_next = 0
+        self.splitter = BatchSplitter()
+        """Cuts batches smaller after an out-of-memory back-off (see zerofit.plan.backoff)."""
         self.batch_sampler: ShardedBatchSampler | None = None
         # Its own generator for the worker seeds: starting an epoch must not draw from the global RNG,
         # or a resumed run's dropout masks would differ from an uninterrupted one's.
@@ -255,7 +258,8 @@ class ShardedDataLoader:
                 following = next(it, _END)  # one ahead: the script must know when a batch is the last
                 self.at_last_batch = following is _END
                 self.batches_yielded += 1  # counted before the script sees it: a save inside the loop body
-                yield current if self.device is None else send_to_device(current, self.device)  # resumes after it
+                batch = current if self.device is None else send_to_device(current, self.device)  # resumes after it
+                yield from self.splitter.deliver(batch, last=self.at_last_batch, loader=self)
                 current = following
             self.iteration += 1
             self.batches_yielded = 0

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from zerofit import runtime
-from zerofit.config.schema import RunConfig
+from zerofit.config.schema import RunConfig, is_auto
 
 
 class DistributedType(str, enum.Enum):
@@ -175,7 +175,7 @@ class AcceleratorState:
     def deepspeed_plugin(self) -> ZeroPlugin | None:
         """A `ZeroPlugin` when the config shards (stage >= 1) or names an optimizer or scheduler; else None."""
         cfg = self._acc.config
-        if cfg.zero.stage >= 1 or cfg.optimizer is not None or cfg.scheduler is not None:
+        if is_auto(cfg.zero.stage) or cfg.zero.stage >= 1 or cfg.optimizer is not None or cfg.scheduler is not None:
             return ZeroPlugin(cfg)
         return None
 

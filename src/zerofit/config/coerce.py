@@ -147,7 +147,12 @@ def convert(value: Any, hint: Any) -> Any:
     kinds = [m for m in members if m is not Any and m is not type(None)]
     if len(kinds) != 1:
         raise TypeError(f"schema annotation {hint!r} is not one zerofit's loaders understand")
-    return _convert_kind(value, kinds[0])
+    try:
+        return _convert_kind(value, kinds[0])
+    except BadValue as bad:
+        if allows_auto:
+            raise BadValue(f'{bad}; or "auto" to let zerofit fill it') from None
+        raise
 
 
 def _is_union(hint: Any) -> bool:

@@ -25,7 +25,7 @@ from typing import Any
 
 from .coerce import is_auto_text, to_bool, to_choice, to_int
 from .reading import INVALID, Reading, dig, has, walk
-from .schema import AUTO
+from .schema import AUTO, is_auto
 
 _ZERO = "zero_optimization"
 _OPT = f"{_ZERO}.offload_optimizer"
@@ -264,6 +264,10 @@ def read(data: Mapping[str, Any], source: str | None = None) -> Reading:
     if "bfloat16" in data and "bf16" not in data:
         data = {("bf16" if k == "bfloat16" else k): v for k, v in data.items()}  # DeepSpeed's alias
     walk(reading, data, table=TABLE, handled=_HANDLED, auto_means=_AUTO_MEANS)
+    if is_auto(reading.values.get("zero.stage")):  # with the stage planned, "auto" offload is planned too
+        for kind, path in (("offload_optimizer", _OPT), ("offload_param", _PARAM)):
+            if is_auto_text(dig(data, f"{path}.device")):
+                reading.set(f"zero.{kind}.device", AUTO)
     _read_precision(reading, data)
     _read_deprecated(reading, data)
     _read_features(reading, data)

@@ -21,7 +21,7 @@ import yaml
 from ..errors import ConfigError
 from . import accelerate_yaml, catalog, deepspeed_json, tree, validate, zerofit_yaml
 from .reading import Reading, did_you_mean
-from .schema import RunConfig
+from .schema import AUTO, RunConfig, is_auto
 
 _ACCELERATE_MARKERS = ("distributed_type", "compute_environment")
 _ZEROFIT_MARKERS = ("launch", "zero", "precision", "batch", "logging", "source_format")
@@ -110,6 +110,7 @@ def config_from_dict(
         reading = zerofit_yaml.read(data, source)
     _apply_overrides(reading, overrides or {})
     _canonical_types(reading)
+    _auto_stage_opens_offload(reading)
     if kind != "zerofit" or "source_format" not in data:
         reading.values["source_format"] = reading.source_format
     if kind != "zerofit" or "source" not in data:
@@ -152,6 +153,14 @@ def _canonical_types(reading: Reading) -> None:
     kind = reading.values.get("scheduler.type")
     if isinstance(kind, str) and kind:
         reading.values["scheduler.type"] = catalog.schedule_name(kind) or kind
+
+
+def _auto_stage_opens_offload(reading: Reading) -> None:
+    """`stage: auto` lets the planner offload too, unless the file says where each state lives."""
+    if not is_auto(reading.values.get("zero.stage")):
+        return
+    for kind in ("offload_optimizer", "offload_param"):
+        reading.values.setdefault(f"zero.{kind}.device", AUTO)
 
 
 def save_config(config: RunConfig, path: str | os.PathLike[str]) -> None:

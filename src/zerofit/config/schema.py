@@ -48,8 +48,8 @@ MixedPrecision = Literal["no", "fp16", "bf16"]
 class OffloadConfig:
     """Where one kind of state lives when it is not on the accelerator."""
 
-    device: OffloadDevice = "none"
-    """none: stays on the accelerator; cpu: pinned host memory; nvme: files under nvme_path."""
+    device: OffloadDevice | Any = "none"
+    """none: stays on the accelerator; cpu: pinned host memory; nvme: files under nvme_path; "auto": the planner picks none or cpu at prepare()."""
     nvme_path: str | None = None
     """Directory for NVMe offload files (required when device is nvme)."""
     pin_memory: bool = True
@@ -94,8 +94,8 @@ class AioConfig:
 class ZeroConfig:
     """What the ZeRO engine shards and when it communicates."""
 
-    stage: int = 0
-    """0: DDP (gradients all-reduced); 1: + optimizer state sharded; 2: + gradients; 3: + parameters."""
+    stage: int | Any = 0
+    """0: DDP (gradients all-reduced); 1: + optimizer state sharded; 2: + gradients; 3: + parameters; "auto": the fastest that fits, picked at prepare() (zerofit.plan.auto)."""
     offload_optimizer: OffloadConfig = field(default_factory=OffloadConfig)
     """fp32 master weights and optimizer states off the accelerator (stages 1-3)."""
     offload_param: OffloadConfig = field(default_factory=OffloadConfig)

@@ -51,8 +51,11 @@ class _Checker:
 
 def _stage(c: _Checker) -> None:
     stage = c.values["zero.stage"]
+    if is_auto(stage):
+        return  # the planner picks it at prepare() (zerofit.plan.auto)
     if not isinstance(stage, int) or isinstance(stage, bool) or not 0 <= stage <= 3:
-        c.add(f"{c.name('zero.stage')} must be 0, 1, 2 or 3 (got {stage!r}): pick one of them", "zero.stage")
+        c.add(f"{c.name('zero.stage')} must be 0, 1, 2 or 3 (got {stage!r}): pick one of them, or \"auto\" to "
+              "let zerofit pick the fastest that fits", "zero.stage")
 
 
 def _offload(c: _Checker) -> None:
@@ -61,6 +64,8 @@ def _offload(c: _Checker) -> None:
     for kind in ("offload_optimizer", "offload_param"):
         key = f"zero.{kind}"
         device = c.values[f"{key}.device"]
+        if is_auto(device):
+            continue  # the planner picks none or cpu at prepare()
         if device not in ("none", "cpu", "nvme"):
             c.add(f"{c.name(key + '.device')} must be none, cpu or nvme (got {device!r})", f"{key}.device")
             continue

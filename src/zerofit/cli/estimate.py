@@ -1,0 +1,140 @@
+"""`zerofit estimate --model SPEC`: GPU and host memory of every setting for one model, offline, in seconds.
+
+The model is built without data (see `zerofit.plan.sources`); activations come from running one
+micro-step on fake tensors (`zerofit.plan.activations`); every engine buffer from the engine's own
+layout (`zerofit.plan.memory`). One row per setting, fastest first, with whether it fits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+_PRECISIONS = ("bf16", "fp16", "no")
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "estimate", allow_abbrev=False, help="memory per ZeRO stage / offload / checkpointing setting (offline)",
+        description=__doc__.splitlines()[0],
+        epilog="examples:\n  zerofit estimate --model GPT2Config:n_layer=48,n_embd=1600,n_head=25 --micro_batch 16 "
+               "--seq 128\n  zerofit estimate --model ./my-model/config.json --num_gpus 8 --gpu_memory 80 --json",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="config.json, a saved model directory, a config class with sizes "
+                   "(LlamaConfig:hidden_size=2048,num_hidden_layers=16), or a cached model name")
+    p.add_argument("--task", default="causal-lm", choices=("causal-lm", "classification"),
+                   help="which head to build (default causal-lm)")
+    p.add_argument("--num_gpus", type=int, default=1, help="ranks the model is sharded over (default 1)")
+    p.add_argument("--gpu_memory", type=float, default=None, help="GiB per GPU (default: this machine's first GPU)")
+    p.add_argument("--host_memory", type=float, default=None, help="GiB of host memory (default: this machine's)")
+    p.add_argument("--gpus_per_host", type=int, default=None,
+                   help="ranks sharing one host's memory (default: --num_gpus, one machine)")
+    p.add_argument("--micro_batch", type=int, default=1, help="samples per GPU per micro-step (default 1)")
+    p.add_argument("--seq", type=int, default=512, help="tokens per sample (default 512)")
+    p.add_argument("--gradient_accumulation_steps", type=int, default=1, help="micro-steps per optimizer step")
+    p.add_argument("--mixed_precision", default="bf16", choices=_PRECISIONS, help="compute dtype (default bf16)")
+    p.add_argument("--optimizer_states", type=int, default=2,
+                   help="fp32 state tensors per parameter: 2 for Adam/AdamW (default), 1 SGD+momentum, 0 SGD")
+    p.add_argument("--checkpointing", default="both", choices=("both", "on", "off"),
+                   help="activation checkpointing rows to show (default both)")
+    p.add_argument("--nvme", action="store_true", help="also list ZeRO-3 with the optimizer state on NVMe")
+    p.add_argument("--headroom", type=float, default=0.10, help="fraction of memory kept free (default 0.10)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=run)
+
+
+def _check(args: argparse.Namespace) -> None:
+    from zerofit.errors import ZerofitError
+
+    class UsageError(ZerofitError, ValueError):
+        pass
+
+    for flag in ("num_gpus", "micro_batch", "seq", "gradient_accumulation_steps"):
+        if getattr(args, flag) < 1:
+            raise UsageError(f"--{flag} must be at least 1 (got {getattr(args, flag)})")
+    for flag in ("gpu_memory", "host_memory"):
+        value = getattr(args, flag)
+        if value is not None and value <= 0:
+            raise UsageError(f"--{flag} must be a positive number of GiB (got {value})")
+    if args.gpus_per_host is not None and not 1 <= args.gpus_per_host <= args.num_gpus:
+        raise UsageError(f"--gpus_per_host must be between 1 and --num_gpus ({args.num_gpus}) (got "
+                         f"{args.gpus_per_host})")
+    if args.optimizer_states < 0:
+        raise UsageError(f"--optimizer_states must be 0 or more (got {args.optimizer_states})")
+    if not 0 <= args.headroom < 1:
+        raise UsageError(f"--headroom must be in [0, 1) (got {args.headroom})")
+
+
+def run(args: argparse.Namespace) -> int:
+    _check(args)
+    import torch
+
+    from zerofit.plan.choose import machine_budget, plan, traces_for
+    from zerofit.plan.memory import ModelCounts, Workload, all_settings
+    from zerofit.plan.sources import ModelSpecError, build_fake_model
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "no": torch.float32}[args.mixed_precision]
+    fake = build_fake_model(args.model, dtype=dtype, task=args.task)
+    work = Workload(world=args.num_gpus, mixed_precision=args.mixed_precision, micro_batch=args.micro_batch,
+                    seq=args.seq, optimizer_states=args.optimizer_states,
+                    gradient_accumulation_steps=args.gradient_accumulation_steps)
+    ck = {"both": (False, True), "on": (True,), "off": (False,)}[args.checkpointing]
+    budget = machine_budget(gpu_memory_gib=args.gpu_memory, host_memory_gib=args.host_memory,
+                            ranks_per_host=args.gpus_per_host or args.num_gpus, headroom=args.headroom)
+    counts = ModelCounts.of(fake.model)
+    traces = traces_for(fake, work, ck)
+    if not traces:
+        raise ModelSpecError(f"--model {args.model!r} does not support activation checkpointing: use "
+                             "--checkpointing off")
+    result = plan(counts, work, budget, traces,
+                  settings=all_settings(work.world, checkpointing=tuple(traces), nvme=args.nvme))
+    if args.json:
+        print(json.dumps(_as_json(args, counts, work, budget, result), indent=1))
+    else:
+        print(_as_table(args, counts, budget, result))
+    return 0
+
+
+def _row(e, budget) -> dict:
+    return {"setting": e.setting.label, "stage": e.setting.stage, "offload_optimizer": e.setting.offload_optimizer,
+            "offload_param": e.setting.offload_param, "checkpointing": e.setting.checkpointing,
+            "gpu_bytes": {"params": e.params, "grads": e.grads, "optimizer": e.optimizer,
+                          "activations": e.activations, "buffers": e.buffers, "total": e.gpu_total},
+            "host_bytes": {"params": e.host_params, "grads": e.host_grads, "optimizer": e.host_optimizer,
+                           "buffers": e.host_buffers, "total": e.host_total},
+            "nvme_bytes": e.nvme, "gpu_fits": budget.gpu_fits(e), "host_fits": budget.host_fits(e),
+            "fits": budget.fits(e)}
+
+
+def _as_json(args, counts, work, budget, result) -> dict:
+    return {"model": args.model, "parameters": counts.numel, "units": len(counts.units),
+            "workload": {"num_gpus": work.world, "micro_batch": work.micro_batch, "seq": work.seq,
+                         "mixed_precision": work.mixed_precision, "optimizer_states": work.optimizer_states,
+                         "gradient_accumulation_steps": work.gradient_accumulation_steps},
+            "budget": {"gpu_bytes": budget.gpu_bytes, "host_bytes": budget.host_bytes, "headroom": budget.headroom},
+            "settings": [_row(e, budget) for e in result.estimates],
+            "choice": result.choice.setting.label if result.choice else None, "reason": result.reason}
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f}"
+
+
+def _as_table(args, counts, budget, result) -> str:
+    head = (f"{args.model}: {counts.numel / 1e9:.3f} B parameters in {len(counts.units)} units; "
+            f"{args.num_gpus} GPU(s), micro-batch {args.micro_batch} x {args.seq}, {args.mixed_precision}; GiB per rank")
+    cols = ["setting", "params", "grads", "optim", "activ", "buffers", "GPU total", "host pinned", "fits"]
+    rows = []
+    for e in result.estimates:
+        fits = {True: "yes", False: "no", None: "?"}
+        verdict = fits[budget.fits(e)] if budget.gpu_bytes or budget.host_bytes else "?"
+        if budget.gpu_fits(e) is False:
+            verdict += " (GPU)"
+        elif budget.host_fits(e) is False:
+            verdict += " (host)"
+        rows.append([e.setting.label, _gib(e.params), _gib(e.grads), _gib(e.optimizer), _gib(e.activations),
+                     _gib(e.buffers), _gib(e.gpu_total), _gib(e.host_total), verdict])
+    widths = [max(len(str(r[i])) for r in [cols, *rows]) for i in range(len(cols))]
+    line = lambda r: "  ".join(str(v).ljust(w) if i == 0 else str(v).rjust(w) for i, (v, w) in enumerate(zip(r, widths)))  # noqa: E731
+    out = [head, line(cols), line(["-" * w for w in widths]), *map(line, rows), "", f"choice: {result.reason}"]
+    return "\n".join(out)

@@ -1,0 +1,40 @@
+"""What the planner says about the running model when memory runs out: the estimate, in one message."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from zerofit.plan.memory import GIB, ModelCounts, Setting, Workload, estimate
+
+
+def _setting_of(config: Any) -> Setting | None:
+    z = config.zero
+    try:
+        return Setting(stage=z.stage, offload_optimizer=z.offload_optimizer.device, offload_param=z.offload_param.device)
+    except (ValueError, TypeError):
+        return None
+
+
+def memory_advice(accelerator: Any, engine: Any, *, micro_batch: int = 1, seq: int | None = None) -> str:
+    """`zerofit estimate`'s figures for this model at `micro_batch`, and what to change (never raises)."""
+    fix = ("Lower the DataLoader's batch_size, turn on activation checkpointing "
+           "(model.gradient_checkpointing_enable()), raise zero_optimization.stage, or offload the optimizer state "
+           "(zero_optimization.offload_optimizer.device: cpu); `zerofit estimate --model ...` lists every setting")
+    if engine is None:
+        return fix + "."
+    try:
+        cfg = accelerator.config
+        counts = ModelCounts.of(engine.model)
+        setting = _setting_of(cfg)
+        work = Workload(world=accelerator.num_processes, mixed_precision=cfg.precision.mixed_precision,
+                        micro_batch=micro_batch, seq=seq or 512)
+        if setting is None:
+            return fix + "."
+        e = estimate(counts, setting, work, None)
+        states = e.gpu_total
+        return (f"Estimate for this model ({counts.numel / 1e9:.3f} B parameters) under {setting.label} on "
+                f"{work.world} rank(s): {states / GIB:.2f} GiB of GPU memory per rank before activations "
+                f"(parameters {e.params / GIB:.2f}, gradients {e.grads / GIB:.2f}, optimizer {e.optimizer / GIB:.2f}, "
+                f"buffers {e.buffers / GIB:.2f}), {e.host_total / GIB:.2f} GiB pinned host. {fix}.")
+    except Exception as bad:  # noqa: BLE001 - advice must never hide the out-of-memory error it explains
+        return f"{fix} (no estimate: {bad})."

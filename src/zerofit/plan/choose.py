@@ -1,0 +1,158 @@
+"""Planning a run: estimate every setting for a model and pick the fastest that fits.
+
+[Note: speed order]
+Settings are ranked by what they add to a step, fastest first: stage 0 (no extra communication),
+1, 2, 3 (each adds collectives), optimizer offload (a CPU step and host copies), parameter offload
+(host uploads before every gather), NVMe (file I/O). Activation checkpointing (a second forward,
+about a third of a step more) ranks below the same offload level without it but above any more
+offloading: on GPT-2 XL (bench/results) optimizer offload made the step 5-10x slower, a recomputed
+forward cannot cost more than about 1.4x. With one rank stages 1-3 shard nothing and cost what
+stage 0 costs, so only stage 0 is listed for them.
+
+[Note: headroom]
+A setting fits when its GPU total plus `GPU_RESERVE_BYTES` (CUDA context, cuBLAS workspaces, the
+allocator's rounding and fragmentation) stays below `(1 - headroom)` of the GPU memory, and its
+pinned host bytes plus `HOST_BASELINE_BYTES` (the resident size of a Python process with torch and
+CUDA loaded, 1.4-1.5 GiB in bench/results) stay below `(1 - headroom)` of the host memory.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from torch import nn
+
+from zerofit.plan.activations import ActivationTrace, trace_step
+from zerofit.plan.memory import GIB, Estimate, ModelCounts, Setting, Workload, all_settings, estimate
+from zerofit.plan.sources import FakeModel
+
+GPU_RESERVE_BYTES = 1 * GIB
+HOST_BASELINE_BYTES = 3 * GIB // 2
+DEFAULT_HEADROOM = 0.10
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Memory one rank may use; None: unknown (that side is not checked)."""
+
+    gpu_bytes: int | None
+    host_bytes: int | None
+    """Host memory of the machine, shared by the ranks on it."""
+    ranks_per_host: int = 1
+    headroom: float = DEFAULT_HEADROOM
+    unified: bool = False
+    """No accelerator (CPU runs): the "GPU" bytes live in host memory too, so both must fit the host."""
+
+    def gpu_fits(self, e: Estimate) -> bool | None:
+        if self.gpu_bytes is None:
+            return None
+        return e.gpu_total + GPU_RESERVE_BYTES <= (1 - self.headroom) * self.gpu_bytes
+
+    def host_fits(self, e: Estimate) -> bool | None:
+        if self.host_bytes is None:
+            return None
+        per_rank = e.host_total + HOST_BASELINE_BYTES + (e.gpu_total if self.unified else 0)
+        return self.ranks_per_host * per_rank <= (1 - self.headroom) * self.host_bytes
+
+    def need(self, e: Estimate) -> int:
+        """The bytes that decide the smallest setting: GPU bytes, or device and host together without a GPU."""
+        return e.gpu_total + e.host_total if self.unified else e.gpu_total
+
+    def fits(self, e: Estimate) -> bool:
+        return self.gpu_fits(e) is not False and self.host_fits(e) is not False
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Every setting's estimate, fastest first, and the choice with the reason for it."""
+
+    estimates: tuple[Estimate, ...]
+    choice: Estimate | None
+    reason: str
+    smallest: Estimate | None = None
+    """The setting needing the least memory (what runs when nothing fits)."""
+
+
+def machine_budget(*, gpu_memory_gib: float | None = None, host_memory_gib: float | None = None,
+                   ranks_per_host: int = 1, headroom: float = DEFAULT_HEADROOM) -> Budget:
+    """This machine's memory (first GPU's total; physical host memory) unless given in GiB."""
+    gpu = int(gpu_memory_gib * GIB) if gpu_memory_gib is not None else None
+    if gpu is None:
+        import torch
+
+        if torch.cuda.is_available():
+            gpu = torch.cuda.get_device_properties(0).total_memory
+    host = int(host_memory_gib * GIB) if host_memory_gib is not None else _host_memory()
+    return Budget(gpu_bytes=gpu, host_bytes=host, ranks_per_host=ranks_per_host, headroom=headroom)
+
+
+def _host_memory() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - not POSIX
+        return None
+
+
+def speed_rank(s: Setting) -> tuple:
+    """Sort key, fastest first (see [Note: speed order])."""
+    offload = (s.offload_optimizer != "none") + (s.offload_param != "none") + (s.offload_optimizer == "nvme")
+    return (offload, s.checkpointing, s.stage)
+
+
+def plan(counts: ModelCounts, work: Workload, budget: Budget, traces: dict[bool, ActivationTrace | None], *,
+         settings: list[Setting] | None = None) -> Plan:
+    """Estimate `settings` (default: all for the world size) and choose the fastest that fits `budget`.
+
+    `traces` maps checkpointing on/off to its activation trace (None: activations unknown, counted 0).
+    """
+    if settings is None:
+        settings = all_settings(work.world, checkpointing=tuple(sorted(traces)))
+    settings = sorted(settings, key=speed_rank)
+    estimates = tuple(estimate(counts, s, work, traces.get(s.checkpointing)) for s in settings)
+    fitting = [e for e in estimates if budget.fits(e)]
+    if not fitting:
+        smallest = min(estimates, key=budget.need)
+        what = "memory" if budget.unified else "GPU need"
+        why = (f"nothing fits: the smallest {what} is {smallest.setting.label} at {budget.need(smallest) / GIB:.2f} GiB"
+               f"{_of(budget)}; lower the micro-batch, add GPUs or turn on checkpointing")
+        return Plan(estimates, None, why, smallest)
+    choice = fitting[0]
+    faster = [e for e in estimates if speed_rank(e.setting) < speed_rank(choice.setting)]
+    why = f"{choice.setting.label}: the fastest setting that fits, {choice.gpu_total / GIB:.1f} GiB GPU"
+    why += f" and {choice.host_total / GIB:.1f} GiB pinned host{_of(budget)}"
+    if faster:
+        why += f"; faster ones do not fit ({faster[-1].setting.label} needs {faster[-1].gpu_total / GIB:.1f} GiB GPU)"
+    if not any(traces.values()):
+        why += "; activations unknown (not counted)"
+    return Plan(estimates, choice, why)
+
+
+def _of(budget: Budget) -> str:
+    parts = []
+    if budget.gpu_bytes is not None:
+        parts.append(f"{budget.gpu_bytes / GIB:.1f} GiB GPU")
+    if budget.host_bytes is not None:
+        parts.append(f"{budget.host_bytes / GIB:.1f} GiB host")
+    return f" of {' / '.join(parts)} with {budget.headroom:.0%} headroom" if parts else ""
+
+
+def traces_for(fake: FakeModel | None, work: Workload, checkpointing: tuple[bool, ...]) -> dict[bool, ActivationTrace | None]:
+    """Activation traces for each checkpointing choice (None: no model to trace). A model that cannot
+    checkpoint (transformers raises ValueError) has no checkpointing entry: those settings are not listed."""
+    out: dict[bool, ActivationTrace | None] = {}
+    for ck in checkpointing:
+        if fake is None:
+            out[ck] = None
+            continue
+        try:
+            out[ck] = trace_step(fake, batch=work.micro_batch, seq=work.seq, checkpointing=ck,
+                                 unit_size_threshold=work.unit_size_threshold)
+        except ValueError:
+            if not ck:
+                raise
+    return out
+
+
+def counts_of(model: nn.Module, work: Workload) -> ModelCounts:
+    return ModelCounts.of(model, unit_size_threshold=work.unit_size_threshold)

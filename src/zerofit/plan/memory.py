@@ -1,0 +1,209 @@
+"""Bytes per rank of one zerofit setting, from the engine's own layout: the memory model.
+
+The engine's pure functions decide everything here - `plan_units` (which parameters form a unit),
+`StagePolicy.placement` (what each unit's flat group shards and where it lives) and `plan_layout`
+(padding to `world` equal shards of a multiple of 16 elements) - so the model follows the engine
+when either changes. For each flat group with padded size N and shard size S = N / shard_world,
+c bytes per compute element (4 fp32, 2 bf16/fp16) and k optimizer state tensors (2 for Adam):
+
+| term | bytes | where |
+|---|---|---|
+| parameters | N*c, or S*c for a group sharded between uses (stage 3) | GPU; host (pinned) with param offload |
+| gathered parameters | N*c of the root unit (if sharded) + the 2 largest sharded units (current + prefetched) | GPU, stage 3 only |
+| fp32 master | S*4, none when compute is fp32 and the state is on the GPU (it is the parameter itself) | with the optimizer state |
+| gradients | S*4 shard; + N*4 full buffer when it persists (stage 1 on several ranks) | with the optimizer state |
+| optimizer states | k*S*4 | GPU; host with optimizer offload; files with NVMe (one group's worth in host slots) |
+| transient gradients | N*4 (+ S*4 reduce output) per unit while reduced, at most 2 reductions in flight | GPU, on the activation timeline |
+| offload staging | S*4 pinned per group, when accumulating over several micro-steps | host |
+| activations | measured by `zerofit.plan.activations` at the planned batch | GPU |
+
+The GPU total is the persistent terms plus the activation peak with the transient gradients and
+gathered parameters on top; `fits` adds a fixed reserve for the CUDA context and allocator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from zerofit.engine.engine import _ALIGN
+from zerofit.engine.layout import plan_layout
+from zerofit.engine.policy import StagePolicy
+from zerofit.engine.units import UnitSpec, plan_units
+from zerofit.plan.activations import ActivationTrace
+
+GIB = 1 << 30
+DTYPE_BYTES = {"no": 4, "fp32": 4, "bf16": 2, "fp16": 2}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Setting:
+    """One way to run: ZeRO stage, where the optimizer state and parameters live, checkpointing."""
+
+    stage: int
+    offload_optimizer: str = "none"
+    """none, cpu or nvme."""
+    offload_param: str = "none"
+    """none or cpu (stage 3 only)."""
+    checkpointing: bool = False
+
+    def __post_init__(self) -> None:
+        if self.stage not in (0, 1, 2, 3):
+            raise ValueError(f"stage must be 0, 1, 2 or 3 (got {self.stage})")
+        if self.offload_optimizer not in ("none", "cpu", "nvme"):
+            raise ValueError(f"offload_optimizer must be none, cpu or nvme (got {self.offload_optimizer!r})")
+        if self.offload_param not in ("none", "cpu"):
+            raise ValueError(f"offload_param must be none or cpu (got {self.offload_param!r})")
+        if self.offload_optimizer != "none" and self.stage == 0:
+            raise ValueError("offload_optimizer needs stage 1 or higher")
+        if (self.offload_param != "none" or self.offload_optimizer == "nvme") and self.stage != 3:
+            raise ValueError("offload_param and NVMe optimizer offload need stage 3")
+
+    @property
+    def label(self) -> str:
+        name = "DDP (stage 0)" if self.stage == 0 else f"ZeRO-{self.stage}"
+        if self.offload_optimizer != "none":
+            name += f" + opt {self.offload_optimizer}"
+        if self.offload_param != "none":
+            name += f" + param {self.offload_param}"
+        return name + (" + ckpt" if self.checkpointing else "")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Workload:
+    """What one rank trains: world size, precision, optimizer state count, micro-batch and accumulation."""
+
+    world: int = 1
+    mixed_precision: str = "bf16"
+    optimizer_states: int = 2
+    """Shard-sized fp32 state tensors per parameter (Adam/AdamW: 2; SGD with momentum: 1)."""
+    micro_batch: int = 1
+    seq: int = 512
+    gradient_accumulation_steps: int = 1
+    persistence_threshold: int = 100_000
+    unit_size_threshold: int = 10_000_000
+
+
+@dataclass(frozen=True, kw_only=True)
+class Estimate:
+    """Bytes per rank of one setting, by term; `gpu_total` and `host_total` are what must fit."""
+
+    setting: Setting
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    """Activation peak, including the transient per-unit gradient buffers of reductions in flight."""
+    buffers: int
+    """Model buffers, persistent full-gradient buffers (stage 1), gathered parameters (stage 3)."""
+    host_params: int
+    host_grads: int
+    host_optimizer: int
+    host_buffers: int
+    nvme: int = 0
+
+    @property
+    def gpu_total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.activations + self.buffers
+
+    @property
+    def host_total(self) -> int:
+        return self.host_params + self.host_grads + self.host_optimizer + self.host_buffers
+
+
+@dataclass(frozen=True)
+class ModelCounts:
+    """What the memory model needs to know about a model: its units' trainable and frozen sizes."""
+
+    units: tuple[tuple[str, int, int], ...]
+    """(unit name, trainable elements, frozen elements), root first, as `plan_units` orders them."""
+    buffer_bytes: int
+
+    @property
+    def numel(self) -> int:
+        return sum(t + f for _, t, f in self.units)
+
+    @classmethod
+    def of(cls, model: nn.Module, *, unit_size_threshold: int = 10_000_000) -> ModelCounts:
+        specs: list[UnitSpec] = plan_units(model, size_threshold=unit_size_threshold)
+        units = tuple((s.name, sum(p.numel() for _, p in s.params if p.requires_grad),
+                       sum(p.numel() for _, p in s.params if not p.requires_grad)) for s in specs)
+        return cls(units=units, buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()))
+
+
+def estimate(counts: ModelCounts, setting: Setting, work: Workload, trace: ActivationTrace | None) -> Estimate:
+    """The per-rank bytes of `setting` (see the module doc for every term's formula)."""
+    c = DTYPE_BYTES[work.mixed_precision]
+    k = work.optimizer_states
+    policy = StagePolicy(stage=setting.stage, world=work.world, rank=0,
+                         persistence_threshold=work.persistence_threshold,
+                         offload_param=setting.offload_param != "none")
+    offload = setting.offload_optimizer != "none"
+    gpu = dict(params=0, grads=0, optimizer=0, buffers=counts.buffer_bytes)
+    host = dict(params=0, grads=0, optimizer=0, buffers=0)
+    nvme = 0
+    transient: list[int] = []
+    gathered: list[int] = []
+    root_gathered = 0
+    largest_state = 0
+    for u, (_, trainable, frozen) in enumerate(counts.units):
+        unit_numel = trainable + frozen
+        transient.append(0)
+        for numel, is_trainable in ((trainable, True), (frozen, False)):
+            if numel == 0:
+                continue
+            pl = policy.placement(trainable=is_trainable, unit_numel=unit_numel, offload_state=offload)
+            lay = plan_layout([numel], pl.shard_world, align=_ALIGN)
+            n, s = lay.padded_numel, lay.shard_numel
+            if pl.shard_params:
+                (host if pl.offload_params else gpu)["params"] += s * c
+                if u == 0:
+                    root_gathered += n * c
+                else:
+                    gathered.append(n * c)
+            else:
+                gpu["params"] += n * c
+            if not is_trainable:
+                continue
+            state = host if pl.offload_state else gpu
+            if c != 4 or pl.offload_state:
+                state["optimizer"] += s * 4  # the fp32 master
+            state["grads"] += s * 4
+            if setting.offload_optimizer == "nvme":
+                nvme += (1 + k) * s * 4
+                largest_state = max(largest_state, (1 + k) * s * 4)
+                state["optimizer"] -= s * 4
+            else:
+                state["optimizer"] += k * s * 4
+            if pl.offload_state and work.gradient_accumulation_steps > 1:
+                host["buffers"] += s * 4  # the staging buffer a second micro-step's download lands in
+            if pl.keep_full_grads and pl.shard_world > 1:
+                gpu["buffers"] += n * 4
+            elif not pl.keep_full_grads:
+                transient[u] += n * 4 + (s * 4 if pl.shard_world > 1 else 0)
+    if setting.offload_optimizer == "nvme":
+        host["optimizer"] += 2 * largest_state  # slots: the group being stepped and the next one read ahead
+    activations = 0
+    if trace is not None:
+        activations = trace.peak(transient if any(transient) else None)
+    gpu["buffers"] += root_gathered + sum(sorted(gathered)[-2:])
+    return Estimate(setting=setting, params=gpu["params"], grads=gpu["grads"], optimizer=gpu["optimizer"],
+                    activations=activations, buffers=gpu["buffers"], host_params=host["params"],
+                    host_grads=host["grads"], host_optimizer=host["optimizer"], host_buffers=host["buffers"],
+                    nvme=nvme)
+
+
+def all_settings(world: int, *, checkpointing: tuple[bool, ...] = (False, True),
+                 nvme: bool = False) -> list[Setting]:
+    """Every setting worth listing, fastest first (see `zerofit.plan.choose` for the order)."""
+    base = [Setting(stage=0), Setting(stage=1), Setting(stage=2), Setting(stage=3),
+            Setting(stage=2, offload_optimizer="cpu"), Setting(stage=3, offload_optimizer="cpu"),
+            Setting(stage=3, offload_optimizer="cpu", offload_param="cpu")]
+    if nvme:
+        base.append(Setting(stage=3, offload_optimizer="nvme", offload_param="cpu"))
+    if world == 1:  # one rank: stages 1-3 shard nothing, so they cost what stage 0 costs
+        base = [s for s in base if s.stage == 0 or (s.offload_optimizer != "none" and (s.stage == 2) == (
+            s.offload_param == "none"))]
+    return [Setting(stage=s.stage, offload_optimizer=s.offload_optimizer, offload_param=s.offload_param,
+                    checkpointing=ck) for ck in checkpointing for s in base]

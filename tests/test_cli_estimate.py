@@ -1,0 +1,53 @@
+"""`zerofit estimate` through the real command line (offline, tiny models)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from zerofit.cli.main import main
+
+TINY = "GPT2Config:n_layer=2,n_embd=32,n_head=2,vocab_size=96,n_positions=64"
+
+
+def test_table_lists_every_setting(capsys):
+    assert main(["estimate", "--model", TINY, "--micro_batch", "2", "--seq", "16", "--gpu_memory", "8",
+                 "--host_memory", "16"]) == 0
+    out = capsys.readouterr().out
+    for row in ("DDP (stage 0)", "DDP (stage 0) + ckpt", "ZeRO-2 + opt cpu", "ZeRO-3 + opt cpu + param cpu + ckpt"):
+        assert row in out
+    assert "GPU total" in out and "choice: DDP (stage 0):" in out
+
+
+def test_json_parses_and_sums(capsys, tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "gpt2", "n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": 96,
+                                  "n_positions": 64}))
+    assert main(["estimate", "--model", str(config), "--num_gpus", "4", "--gpu_memory", "8", "--host_memory", "16",
+                 "--checkpointing", "off", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["workload"]["num_gpus"] == 4
+    labels = [s["setting"] for s in data["settings"]]
+    assert labels[:4] == ["DDP (stage 0)", "ZeRO-1", "ZeRO-2", "ZeRO-3"]
+    for s in data["settings"]:
+        gpu = s["gpu_bytes"]
+        assert gpu["total"] == sum(v for k, v in gpu.items() if k != "total")
+    assert data["choice"] == "DDP (stage 0)"
+
+
+@pytest.mark.parametrize(("args", "flag"), [
+    (["--micro_batch", "0"], "--micro_batch"),
+    (["--gpu_memory", "-1"], "--gpu_memory"),
+    (["--num_gpus", "2", "--gpus_per_host", "3"], "--gpus_per_host"),
+    (["--headroom", "1.5"], "--headroom"),
+])
+def test_bad_arguments_name_the_flag(capsys, args, flag):
+    assert main(["estimate", "--model", TINY, *args]) == 2
+    assert flag in capsys.readouterr().err
+
+
+def test_unreachable_name_is_a_clear_error(capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert main(["estimate", "--model", "no-such-org/no-such-model"]) == 2
+    assert "works offline" in capsys.readouterr().err

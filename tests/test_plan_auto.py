@@ -1,0 +1,120 @@
+"""`stage: auto` / offload `auto`: accepted by every config format, resolved by the planner at prepare()."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from zerofit import Accelerator
+from zerofit.config import load_config
+from zerofit.config.schema import AUTO, OffloadConfig, RunConfig, ZeroConfig
+from zerofit.errors import ConfigError
+from zerofit.plan.auto import choose
+from zerofit.plan.choose import HOST_BASELINE_BYTES
+from zerofit.testing.distributed import run_distributed
+
+GIB = 1 << 30
+
+
+def _write(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def test_zerofit_yaml_auto_stage_opens_unwritten_offload(tmp_path):
+    cfg = load_config(_write(tmp_path, "z.yaml", "zero:\n  stage: auto\n  offload_param:\n    device: none\n"))
+    assert cfg.zero.stage is AUTO and cfg.zero.offload_optimizer.device is AUTO
+    assert cfg.zero.offload_param.device == "none"  # written: kept
+
+
+def test_deepspeed_json_auto(tmp_path):
+    planned = {"zero_optimization": {"stage": "auto", "offload_optimizer": {"device": "auto"}},
+               "train_micro_batch_size_per_gpu": "auto"}
+    cfg = load_config(_write(tmp_path, "ds.json", json.dumps(planned)))
+    assert (cfg.zero.stage, cfg.zero.offload_optimizer.device, cfg.zero.offload_param.device) == (AUTO, AUTO, AUTO)
+    # with a written stage, an "auto" offload device keeps Accelerate's launch-time meaning: none
+    fixed = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "auto"}},
+             "train_micro_batch_size_per_gpu": "auto"}
+    assert load_config(_write(tmp_path, "ds2.json", json.dumps(fixed))).zero.offload_optimizer.device == "none"
+
+
+def test_accelerate_yaml_auto(tmp_path):
+    cfg = load_config(_write(tmp_path, "acc.yaml", "distributed_type: DEEPSPEED\ndeepspeed_config:\n"
+                                                   "  zero_stage: auto\n  offload_optimizer_device: auto\n"))
+    assert cfg.zero.stage is AUTO and cfg.zero.offload_optimizer.device is AUTO
+
+
+@pytest.mark.parametrize(("name", "text", "match"), [
+    ("z.yaml", "zero:\n  stage: fastest\n",
+     r"zero\.stage must be a whole number \(got 'fastest'\).*or \"auto\" to let zerofit fill it"),
+    ("acc.yaml", "distributed_type: DEEPSPEED\ndeepspeed_config:\n  zero_stage: 5\n",
+     r"deepspeed_config\.zero_stage must be 0, 1, 2 or 3 \(got 5\).*or \"auto\""),
+    ("ds.json", json.dumps({"zero_optimization": {"stage": "auto", "offload_param": {"device": "gpu"}}}),
+     r"zero_optimization\.offload_param\.device must be one of 'none', 'cpu', 'nvme' \(got 'gpu'\).*\"auto\""),
+])
+def test_bad_values_name_key_value_and_fix(tmp_path, name, text, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(_write(tmp_path, name, text))
+
+
+def _tiny_gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32, use_cache=False))
+
+
+def _loader():
+    g = torch.Generator().manual_seed(1)
+    rows = [{"input_ids": torch.randint(0, 64, (16,), generator=g)} for _ in range(16)]
+    return DataLoader(rows, batch_size=4)
+
+
+AUTO_ZERO = ZeroConfig(stage=AUTO, offload_optimizer=OffloadConfig(device=AUTO),
+                       offload_param=OffloadConfig(device=AUTO))
+
+
+def test_auto_resolves_on_cpu_and_draws_no_random_numbers(monkeypatch, capsys):
+    monkeypatch.setenv("ZEROFIT_HOST_MEMORY_GIB", "64")
+    acc = Accelerator(config=RunConfig(zero=AUTO_ZERO), cpu=True)
+    model = _tiny_gpt2()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    before = torch.get_rng_state()
+    model, opt, dl = acc.prepare(model, opt, _loader())
+    assert torch.equal(before, torch.get_rng_state())
+    assert acc.config.zero.stage == 0 and acc.config.zero.offload_optimizer.device == "none"
+    assert "auto -> DDP (stage 0): the fastest setting that fits" in capsys.readouterr().out
+
+
+def _needs(world: int) -> dict[str, int]:
+    """Every candidate's host need per machine (2 ranks share it), from the planner itself."""
+    _, result = choose(RunConfig(zero=AUTO_ZERO), _tiny_gpt2(), world=world, device=torch.device("cpu"),
+                       shape=(4, 16))
+    return {e.setting.label: 2 * (e.gpu_total + e.host_total + HOST_BASELINE_BYTES) for e in result.estimates}
+
+
+def _train_auto(rank: int, world: int):
+    acc = Accelerator(config=RunConfig(zero=AUTO_ZERO))
+    model = _tiny_gpt2()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt, dl = acc.prepare(model, opt, _loader())
+    for batch in dl:
+        with acc.accumulate(model):
+            acc.backward(model(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss)
+            opt.step()
+            opt.zero_grad()
+    z = acc.config.zero
+    return z.stage, z.offload_optimizer.device, acc._trained_engine().policy.stage
+
+
+def test_two_ranks_pick_the_same_fastest_fitting_stage(monkeypatch):
+    monkeypatch.setenv("ZEROFIT_HOST_MEMORY_GIB", "1000")
+    needs = _needs(2)
+    assert needs["DDP (stage 0)"] > needs["ZeRO-1"]  # sharding the optimizer saves memory on 2 ranks
+    budget = (needs["DDP (stage 0)"] + needs["ZeRO-1"]) / 2 / 0.9  # stage 0 misses, ZeRO-1 fits
+    monkeypatch.setenv("ZEROFIT_HOST_MEMORY_GIB", repr(budget / GIB))
+    assert run_distributed(_train_auto, 2, timeout=120) == [(1, "none", 1), (1, "none", 1)]

@@ -1,0 +1,170 @@
+"""The planner's arithmetic on models small enough to count every byte by hand."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from zerofit.plan.activations import trace_step
+from zerofit.plan.choose import GPU_RESERVE_BYTES, Budget, plan
+from zerofit.plan.memory import ModelCounts, Setting, Workload, all_settings, estimate
+from zerofit.plan.sources import FakeModel, ModelSpecError, build_fake_model, fake_mode, parse_overrides
+
+
+class Blocks(nn.Module):
+    """Root unit: head (10*3 + 3 = 33 elements); three repeated blocks of 10*10 + 10 = 110 elements."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(10, 10) for _ in range(3))
+        self.head = nn.Linear(10, 3)
+
+
+def counts() -> ModelCounts:
+    return ModelCounts.of(Blocks())
+
+
+def test_units_follow_the_engine():
+    c = counts()
+    assert [(t, f) for _, t, f in c.units] == [(33, 0), (110, 0), (110, 0), (110, 0)]
+    assert c.numel == 363 and c.buffer_bytes == 0
+
+
+def test_stage0_one_rank_bf16():
+    # Padding to multiples of 16: 33 -> 48, 110 -> 112; flat total 48 + 3 * 112 = 384 elements.
+    e = estimate(counts(), Setting(stage=0), Workload(mixed_precision="bf16"), None)
+    assert e.params == 384 * 2
+    assert e.grads == 384 * 4  # fp32 gradient shard; the full gradient is the shard itself
+    assert e.optimizer == 384 * 4 + 2 * 384 * 4  # fp32 master + Adam's two states
+    assert e.buffers == 0 and e.host_total == 0 and e.activations == 0
+
+
+def test_stage0_fp32_master_is_the_parameter():
+    e = estimate(counts(), Setting(stage=0), Workload(mixed_precision="no"), None)
+    assert e.params == 384 * 4 and e.optimizer == 2 * 384 * 4
+
+
+def test_stage1_two_ranks_keeps_full_gradients():
+    # Shards: ceil(33 / 2) = 17 -> 32 (padded 64); ceil(110 / 2) = 55 -> 64 (padded 128).
+    e = estimate(counts(), Setting(stage=1), Workload(world=2), None)
+    assert e.params == (64 + 3 * 128) * 2
+    assert e.grads == (32 + 3 * 64) * 4
+    assert e.optimizer == 3 * (32 + 3 * 64) * 4
+    assert e.buffers == (64 + 3 * 128) * 4  # full fp32 gradients persist until the step's reduce-scatter
+
+
+def test_stage3_two_ranks_shards_parameters_and_counts_gathered_units():
+    e = estimate(counts(), Setting(stage=3), Workload(world=2, persistence_threshold=0), None)
+    assert e.params == (32 + 3 * 64) * 2
+    assert e.buffers == 64 * 2 + 2 * 128 * 2  # the gathered root + two gathered blocks
+
+
+def test_offload_moves_state_to_the_host():
+    e = estimate(counts(), Setting(stage=2, offload_optimizer="cpu"), Workload(gradient_accumulation_steps=2), None)
+    assert (e.grads, e.optimizer) == (0, 0)
+    assert e.host_grads == 384 * 4 and e.host_optimizer == 3 * 384 * 4
+    assert e.host_buffers == 384 * 4  # the staging buffer of accumulated downloads
+    p = estimate(counts(), Setting(stage=3, offload_optimizer="cpu", offload_param="cpu"),
+                 Workload(persistence_threshold=0), None)
+    assert p.params == 0 and p.host_params == 384 * 2
+
+
+class Toy(nn.Module):
+    def __init__(self, dropout: bool):
+        super().__init__()
+        self.emb = nn.Embedding(50, 8)
+        self.drop = nn.Dropout(0.5) if dropout else nn.Identity()
+
+    def forward(self, input_ids, labels):
+        h = self.drop(self.emb(input_ids))
+        return (h * h).sum()
+
+
+def _toy(dropout: bool) -> FakeModel:
+    mode = fake_mode()
+    with mode:
+        model = Toy(dropout)
+    return FakeModel(model=model, mode=mode, vocab_size=50, num_labels=None, description="toy")
+
+
+def test_trace_counts_saved_tensors_by_hand():
+    b, s, d = 2, 4, 8
+    plain = trace_step(_toy(False), batch=b, seq=s)
+    assert plain.forward_end_bytes == b * s * d * 4 + 4  # h saved by the square, and the loss
+    assert plain.peak_bytes >= 2 * b * s * d * 4  # h and h * h before the sum
+    dropped = trace_step(_toy(True), batch=b, seq=s)
+    # the embedding output is freed; the mask (one byte per element) and dropout's output are saved
+    assert dropped.forward_end_bytes == b * s * d * 1 + b * s * d * 4 + 4
+
+
+def test_trace_replays_gradient_buffers():
+    trace = trace_step(_toy(False), batch=2, seq=4)
+    assert trace.peak([1000]) >= trace.peak_bytes + 1000 - 4 * 50 * 8  # held while backward runs
+    assert trace.peak(None) == trace.peak_bytes
+
+
+@pytest.fixture(scope="module")
+def tiny_gpt2():
+    return build_fake_model("GPT2Config:n_layer=2,n_embd=32,n_head=2,vocab_size=96,n_positions=64",
+                            dtype=torch.bfloat16)
+
+
+def test_checkpointing_lowers_the_activation_peak(tiny_gpt2):
+    off = trace_step(tiny_gpt2, batch=4, seq=16)
+    on = trace_step(tiny_gpt2, batch=4, seq=16, checkpointing=True)
+    logits = 4 * 16 * 96 * 2
+    assert off.forward_end_bytes > logits
+    assert on.forward_end_bytes < off.forward_end_bytes
+
+
+def test_plan_picks_the_fastest_that_fits(tiny_gpt2):
+    work = Workload(micro_batch=4, seq=16)
+    c = ModelCounts.of(tiny_gpt2.model)
+    traces = {False: trace_step(tiny_gpt2, batch=4, seq=16)}
+    settings = all_settings(1, checkpointing=(False,))
+    big = Budget(gpu_bytes=64 << 30, host_bytes=64 << 30)
+    assert plan(c, work, big, traces, settings=settings).choice.setting == Setting(stage=0)
+    need0 = estimate(c, Setting(stage=0), work, traces[False]).gpu_total
+    tight = Budget(gpu_bytes=int((need0 + GPU_RESERVE_BYTES) / 0.9) - 1, host_bytes=64 << 30)
+    chosen = plan(c, work, tight, traces, settings=settings)
+    assert chosen.choice.setting.offload_optimizer == "cpu"
+    assert "faster ones do not fit" in chosen.reason
+    none = plan(c, work, Budget(gpu_bytes=1, host_bytes=None), traces, settings=settings)
+    assert none.choice is None and "nothing fits" in none.reason
+
+
+def test_spec_errors_name_the_fix(tmp_path):
+    with pytest.raises(ModelSpecError, match="no NoSuchConfig"):
+        build_fake_model("NoSuchConfig:a=1", dtype=torch.float32)
+    with pytest.raises(ModelSpecError, match="local Hugging Face cache"):
+        build_fake_model("surely-not-a-cached/model-name", dtype=torch.float32)
+    with pytest.raises(ModelSpecError, match="without config.json"):
+        build_fake_model(str(tmp_path), dtype=torch.float32)
+    with pytest.raises(ModelSpecError, match="not key=value"):
+        parse_overrides("n_layer", "--model x")
+    assert parse_overrides("a=1,b=[1,2],c=gelu", "x") == {"a": 1, "b": [1, 2], "c": "gelu"}
+
+
+def test_setting_rules():
+    with pytest.raises(ValueError, match="stage 1 or higher"):
+        Setting(stage=0, offload_optimizer="cpu")
+    with pytest.raises(ValueError, match="need stage 3"):
+        Setting(stage=2, offload_param="cpu")
+
+
+def test_trace_and_counts_must_carve_the_same_units():
+    trace = trace_step(_toy(False), batch=2, seq=4)
+    with pytest.raises(ValueError, match="same unit_size_threshold"):
+        trace.peak([1, 2, 3])
+
+
+def test_budget_from_the_environment_names_the_variable(monkeypatch):
+    from zerofit.plan.auto import budget_for
+
+    monkeypatch.setenv("ZEROFIT_HOST_MEMORY_GIB", "lots")
+    with pytest.raises(ValueError, match="ZEROFIT_HOST_MEMORY_GIB='lots' must be a number of GiB"):
+        budget_for(torch.device("cpu"), 1)
+    monkeypatch.setenv("ZEROFIT_HOST_MEMORY_GIB", "2")
+    budget = budget_for(torch.device("cpu"), 1)
+    assert budget.unified and budget.host_bytes == 2 << 30 and budget.gpu_bytes is None
