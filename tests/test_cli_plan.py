@@ -8,7 +8,13 @@ import re
 import pytest
 from torch.distributed import run as torchrun
 
-from zerofit.cli.launch import DEFAULT_MULTI_NODE_PORT, WORKER_MODULE, exposure_warning, network_env, plan_launch
+from zerofit.cli.launch import (
+    DEFAULT_MULTI_NODE_PORT,
+    WORKER_MODULE,
+    exposure_warning,
+    network_env,
+    plan_launch,
+)
 from zerofit.cli.main import build_parser
 from zerofit.config.schema import LaunchConfig, RunConfig
 from zerofit.errors import ConfigError
