@@ -14,9 +14,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from zerofit import Accelerator, resume
+from zerofit import Accelerator, failures, resume
 from zerofit.config.schema import CheckpointConfig, RunConfig
-from zerofit.engine import failures
 from zerofit.errors import CheckpointError, CollectiveError, ConfigError
 from zerofit.process_group import restart_count
 from zerofit.utils import ProjectConfiguration

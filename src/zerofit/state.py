@@ -19,9 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zerofit import process_group, runtime
+from zerofit import failures, process_group, runtime
 from zerofit.config.schema import RunConfig
-from zerofit.engine import failures
 
 
 class DistributedType(str, enum.Enum):
