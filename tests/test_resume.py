@@ -7,7 +7,9 @@ tests/test_faults.py; here are the decisions and messages behind them, and a res
 
 from __future__ import annotations
 
+import argparse
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -178,3 +180,31 @@ def test_errors_that_are_not_communication_failures_pass_through():
     with pytest.raises(ValueError, match="shape"):
         with failures.named("all_gather:x", 0):
             raise ValueError("shape")
+
+
+# --- the recipes' --resume_from_checkpoint '' -----------------------------------------------------
+def test_recipes_resume_the_checkpoint_latest_names_never_a_newer_partial_one(tmp_path, monkeypatch):
+    pytest.importorskip("transformers")
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "examples"))
+    common = pytest.importorskip("common")
+
+    class Loads:
+        def __init__(self):
+            self.paths = []
+
+        def load_state(self, path):
+            self.paths.append(path)
+
+        def print(self, *args):
+            pass
+
+    _complete(tmp_path / "step_4")
+    (tmp_path / "latest").write_text("step_4\n")
+    (tmp_path / "step_8.tmp-abc").mkdir()  # newer, but a save that never committed
+    args = argparse.Namespace(resume_from_checkpoint="", output_dir=str(tmp_path), gradient_accumulation_steps=1)
+    acc = Loads()
+    assert common.resume(acc, args, batches_per_epoch=3) == (1, 1, 4)
+    assert acc.paths == [str(tmp_path / "step_4")]
+    with pytest.raises(ValueError, match=r"--resume_from_checkpoint '' found no checkpoint in .* \(no 'latest' file\)"):
+        common.resume(acc, argparse.Namespace(resume_from_checkpoint="", output_dir=str(tmp_path / "none"),
+                                              gradient_accumulation_steps=1), batches_per_epoch=3)

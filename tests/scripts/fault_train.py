@@ -119,6 +119,8 @@ def main() -> None:
             step += 1
             loss = nn.functional.mse_loss(model(x), y)
             if step == args.hang_step and rank == 1 and attempt == 0:
+                with open(os.path.join(args.out, "hang-start"), "w") as f:
+                    f.write(repr(time.time()))
                 time.sleep(3600)  # hung inside the step: the other rank waits in the backward's collective
             accelerator.backward(loss)
             optimizer.step()
