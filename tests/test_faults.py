@@ -75,6 +75,16 @@ def test_killed_rank_restarts_and_resumes_without_losing_or_repeating_a_step(run
     print(f"kill run {run}: {seconds:.1f} s")
 
 
+def test_a_script_that_creates_the_process_group_itself_also_survives_the_kill(uninterrupted, tmp_path):
+    """Its keys never carry zerofit's attempt prefix: the launcher's fresh store per restart covers it."""
+    proc, _ = launch(tmp_path, "--max_restarts", "3", script_args=("--kill_step", "6", "--own_init"))
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    result = json.loads((tmp_path / "losses.json").read_text())
+    assert result["attempts"] == [0] * 4 + [1] * 8
+    assert result["losses"] == uninterrupted["losses"]
+    assert_all_gone(worker_pids(tmp_path))
+
+
 def test_hung_rank_times_out_naming_the_collective_and_every_rank_is_stopped(tmp_path):
     proc, _ = launch(tmp_path, "--process_group_timeout", "5", script_args=("--hang_step", "3"))
     assert proc.returncode != 0

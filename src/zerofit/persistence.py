@@ -27,7 +27,8 @@ class PersistenceMixin:
     resumed_from: str | None = None
     """The checkpoint `prepare()` loaded by itself (see `zerofit.resume`), else None."""
     _resume_checked = False
-    _custom_to_restore: tuple[Any, ...] | list[Any] = ()  # saved states of objects not registered yet
+    _custom_to_restore: list[Any] | tuple[()] = ()
+    """Saved states of registered objects that an automatic resume found before the script registered them."""
 
     @property
     def completed_steps(self) -> int:
@@ -105,9 +106,11 @@ class PersistenceMixin:
             self.project_configuration.iteration += 1
         return path
 
-    def load_state(self, input_dir: str | os.PathLike | None = None, _custom_may_follow: bool = False,
-                   **kwargs: Any) -> None:
+    def load_state(self, input_dir: str | os.PathLike | None = None, **kwargs: Any) -> None:
         """Restore what `save_state` wrote (at any world size or stage, see zerofit.checkpoint). Collective."""
+        self._load(input_dir, custom_may_follow=False)
+
+    def _load(self, input_dir: str | os.PathLike | None, *, custom_may_follow: bool) -> None:
         from zerofit.checkpoint import load_state
 
         engine = self._trained_engine() or next(iter(self._engines.values()), None)
@@ -118,7 +121,7 @@ class PersistenceMixin:
         extra = load_state(self._checkpoint_dir(input_dir), engine)
         self._custom_to_restore = checkpointing.restore(
             extra, schedulers=self._schedulers, optimizers=self._optimizers, dataloaders=self._dataloaders,
-            custom=self._custom, custom_may_follow=_custom_may_follow)
+            custom=self._custom, custom_may_follow=custom_may_follow)
         self.gradient_state.micro_step = extra.get("micro_step", 0)
         if self.project_configuration.automatic_checkpoint_naming:
             self.project_configuration.iteration = extra.get("iteration", 0) + 1
@@ -145,7 +148,11 @@ class PersistenceMixin:
             raise ConfigError(problems) if bad_config else CheckpointError(problems[0])
         if chosen is None:
             return
-        self.load_state(chosen, _custom_may_follow=True)
+        try:
+            self._load(chosen, custom_may_follow=True)
+        except ValueError as e:  # the checkpoint holds dataloaders or schedulers this prepare() has not seen
+            raise ValueError(f"{e} (checkpoint.resume loads at the end of the prepare() call that prepares the "
+                             "model: pass the model, optimizer, scheduler and dataloaders to that one call)") from e
         for loader in self._dataloaders:
             loader.skip_batches(loader.resume_position)  # its next epoch continues after the saved batch
         self.resumed_from = chosen
@@ -153,7 +160,6 @@ class PersistenceMixin:
             resume.logger.warning("zerofit: resumed from checkpoint %s (attempt %d): %d optimizer step(s) done, "
                                   "continuing with step %d", chosen, process_group.restart_count(),
                                   self.completed_steps, self.completed_steps + 1)
-
 
 
 def _latest_checkpoint(folder: str) -> str:

@@ -11,11 +11,13 @@ Faults, each on rank 1 only, on the first attempt only:
   --hang_step N   sleep inside step N (before backward), as a hung rank does
   --uneven        train on the script's own, unprepared DataLoader with one batch more on rank 0
   --sockets FILE  (no fault) rank 0 writes the listening sockets of the launcher and every worker
+  --own_init      the script creates the process group itself (torch's env:// rendezvous), before zerofit
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import signal
@@ -74,9 +76,12 @@ def main() -> None:
     p.add_argument("--hang_step", type=int, default=0)
     p.add_argument("--uneven", action="store_true")
     p.add_argument("--sockets", default=None)
+    p.add_argument("--own_init", action="store_true")
     args = p.parse_args()
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
+    if args.own_init:
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
     torch.manual_seed(0)
     accelerator = Accelerator(project_config=ProjectConfiguration(project_dir=args.out,
                                                                   automatic_checkpoint_naming=True))
