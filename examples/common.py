@@ -13,6 +13,7 @@ import logging
 import math
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,6 +21,7 @@ from tqdm.auto import tqdm
 from transformers import SchedulerType, get_scheduler
 
 from zerofit.logging import get_logger
+from zerofit.resume import latest_complete
 from zerofit.utils import DummyOptim, DummyScheduler
 
 logger = get_logger(__name__)
@@ -120,10 +122,12 @@ def resume(accelerator, args: argparse.Namespace, batches_per_epoch: int) -> tup
     if args.resume_from_checkpoint is None:
         return 0, 0, 0
     path = args.resume_from_checkpoint
-    if not path:  # '' means the newest step_N / epoch_N folder in --output_dir
-        folders = [f.path for f in os.scandir(args.output_dir) if f.is_dir() and f.name.split("_")[0] in
-                   ("step", "epoch")]
-        path = max(folders, key=os.path.getmtime)
+    if not path:  # '' means the newest complete checkpoint: the one --output_dir/latest names
+        found = latest_complete(Path(args.output_dir or "."))
+        if found is None:
+            raise ValueError(f"--resume_from_checkpoint '' found no checkpoint in {args.output_dir} (no 'latest' "
+                             "file): pass a checkpoint folder, or drop the flag to start from scratch")
+        path = str(found)
     accelerator.print(f"Resumed from checkpoint: {path}")
     accelerator.load_state(path)
     kind, number = os.path.basename(path.rstrip("/")).split("_")

@@ -28,7 +28,7 @@ def test_dry_run_prints_the_plan_and_a_loadable_resolved_config(capsys, tmp_path
                  str(CHECK), "--lr", "1"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("# zerofit launch plan: 4 rank(s) = 1 machine(s) x 4 process(es)")
-    assert "backend gloo" in out and "rendezvous static at 127.0.0.1:" in out
+    assert "backend gloo" in out and "rendezvous zerofit-loopback at 127.0.0.1:" in out
     assert f"# each rank runs: {CHECK} --lr 1" in out
     (tmp_path / "resolved.yaml").write_text(out)
     cfg = load_config(tmp_path / "resolved.yaml")

@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 from torch.distributed import run as torchrun
 
-from zerofit.cli.launch import DEFAULT_MULTI_NODE_PORT, WORKER_MODULE, plan_launch
+from zerofit.cli.launch import (
+    DEFAULT_MULTI_NODE_PORT,
+    WORKER_MODULE,
+    exposure_warning,
+    network_env,
+    plan_launch,
+)
 from zerofit.cli.main import build_parser
 from zerofit.config.schema import LaunchConfig, RunConfig
 from zerofit.errors import ConfigError
@@ -44,13 +51,41 @@ def test_num_processes_counts_all_machines():
     assert plan.config.launch.main_process_port == DEFAULT_MULTI_NODE_PORT
 
 
-def test_static_argv_is_accepted_by_torchrun():
+def test_one_machine_argv_uses_the_loopback_rendezvous():
     plan = plan_launch(config(num_processes=2, main_process_port=1234), TARGET, gpu_count=0)
     args = torchrun.parse_args(plan.torchrun_argv())
-    assert (args.nnodes, args.nproc_per_node, args.rdzv_backend) == ("1", "2", "static")
-    assert (args.master_addr, args.master_port, args.node_rank) == ("127.0.0.1", 1234, 0)
+    assert (args.nnodes, args.nproc_per_node, args.rdzv_backend) == ("1", "2", "zerofit-loopback")
+    assert args.rdzv_endpoint == "127.0.0.1:1234"
     assert args.module and args.training_script == WORKER_MODULE
     assert args.training_script_args == list(TARGET)
+    assert plan.loopback_only and exposure_warning(plan) is None
+
+
+def test_static_argv_is_accepted_by_torchrun():
+    plan = plan_launch(config(num_processes=2, num_machines=2, main_process_ip="10.0.0.1", main_process_port=1234),
+                       TARGET, gpu_count=0)
+    args = torchrun.parse_args(plan.torchrun_argv())
+    assert (args.nnodes, args.nproc_per_node, args.rdzv_backend) == ("2", "1", "static")
+    assert (args.master_addr, args.master_port, args.node_rank) == ("10.0.0.1", 1234, 0)
+    assert not plan.loopback_only
+    assert re.search(r"WARNING: the rendezvous store on 10.0.0.1:1234 listens on every network interface",
+                     exposure_warning(plan))
+
+
+def test_one_machine_with_a_network_address_warns_that_it_is_exposed():
+    plan = plan_launch(config(num_processes=2, main_process_ip="192.168.1.5"), TARGET, gpu_count=0)
+    assert not plan.loopback_only
+    assert "listens on every network interface" in exposure_warning(plan)
+
+
+def test_a_non_loopback_gloo_interface_chosen_by_the_user_is_warned_about(monkeypatch):
+    plan = plan_launch(config(num_processes=2), TARGET, gpu_count=0)
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth0")
+    assert network_env(plan) == {}  # the user's choice wins
+    assert re.search(r"GLOO_SOCKET_IFNAME=eth0 makes the workers' gloo sockets listen beyond loopback",
+                     exposure_warning(plan))
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME")
+    assert network_env(plan) == {"GLOO_SOCKET_IFNAME": "lo"}
 
 
 def test_c10d_argv_uses_an_endpoint_and_no_node_rank():
@@ -104,7 +139,7 @@ def test_launch_flag_set_is_frozen():
         "--num_machines", "--num-machines", "--machine_rank", "--machine-rank",
         "--main_process_ip", "--main-process-ip", "--main_process_port", "--main-process-port",
         "--mixed_precision", "--mixed-precision", "--cpu", "--max_restarts", "--max-restarts",
-        "--dry-run", "--dry_run", "-m", "--module",
+        "--resume", "--process_group_timeout", "--process-group-timeout", "--dry-run", "--dry_run", "-m", "--module",
     }
 
 

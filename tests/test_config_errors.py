@@ -327,6 +327,18 @@ BAD = [
     ("zf-bad-log-with", {"logging": {"log_with": 3}}, "logging.log_with must be a list of names"),
     ("zf-scheduler-without-type", {"scheduler": {"params": {}}}, "scheduler.type is missing"),
     ("zf-override-typo", {"zero": {"stage": 1}}, None),  # override checked below
+    (
+        "zf-timeout-below-a-second",
+        {"launch": {"process_group_timeout": 0.5}},
+        "launch.process_group_timeout must be at least 1 (got 0.5): set it to 1 or more",
+    ),
+    ("zf-timeout-not-a-number", {"launch": {"process_group_timeout": "soon"}},
+     "launch.process_group_timeout must be a number (got 'soon')"),
+    (
+        "zf-unknown-resume-mode",
+        {"checkpoint": {"resume": "sometimes"}},
+        "checkpoint.resume must be one of 'restart', 'auto', 'must', 'never' (got 'sometimes')",
+    ),
 ]
 
 

@@ -224,6 +224,7 @@ class Accelerator(PersistenceMixin):
                 out[i] = self._wrap_optimizer(obj, real[id(obj)])
         for i, sched in schedulers:
             out[i] = self._prepare_scheduler(sched)
+        self._resume_if_configured()  # checkpoint.resume: a restarted attempt continues from its checkpoint
         return out[0] if len(out) == 1 else tuple(out)
 
     def prepare_model(self, model: nn.Module, device_placement: Any = None, evaluation_mode: bool = False) -> nn.Module:

@@ -53,7 +53,8 @@ def collect(*, schedulers: list[Any], optimizers: list[Any], dataloaders: list[A
     return {
         "version": EXTRA_STATE_VERSION,
         "schedulers": [s.state_dict() for s in schedulers],
-        "optimizers": [{"step_was_skipped": bool(o.step_was_skipped)} for o in optimizers],
+        "optimizers": [{"step_was_skipped": bool(o.step_was_skipped), "steps_taken": o.steps_taken}
+                       for o in optimizers],
         "dataloaders": [{"epoch": d.iteration, "batches_yielded": d.batches_yielded, "seed": d.seed}
                         for d in dataloaders],
         "custom": [obj.state_dict() for obj in custom],
@@ -64,11 +65,18 @@ def collect(*, schedulers: list[Any], optimizers: list[Any], dataloaders: list[A
 
 
 def restore(extra: dict[str, Any], *, schedulers: list[Any], optimizers: list[Any], dataloaders: list[Any],
-            custom: list[Any]) -> dict[str, Any]:
-    """Put `extra` (from `zerofit.checkpoint.load_state`) back; returns it for the counters it holds."""
+            custom: list[Any], custom_may_follow: bool = False) -> list[Any]:
+    """Put `extra` (from `zerofit.checkpoint.load_state`) back.
+
+    With `custom_may_follow` (an automatic resume inside `prepare()`), the checkpoint may hold more
+    registered objects than are registered yet: the states of the missing ones come back, in order,
+    for `register_for_checkpointing` to apply when the script registers them.
+    """
+    saved_custom = extra.get("custom", [])
+    later = saved_custom[len(custom):] if custom_may_follow else []
     for what, saved, live in (("schedulers", extra.get("schedulers", []), schedulers),
                               ("dataloaders", extra.get("dataloaders", []), dataloaders),
-                              ("registered objects", extra.get("custom", []), custom)):
+                              ("registered objects", saved_custom[:len(saved_custom) - len(later)], custom)):
         if len(saved) != len(live):
             raise ValueError(f"the checkpoint holds {len(saved)} {what} but this run prepared {len(live)}: "
                              f"prepare (or register_for_checkpointing) the same objects, in the same order, "
@@ -77,12 +85,13 @@ def restore(extra: dict[str, Any], *, schedulers: list[Any], optimizers: list[An
         sched.load_state_dict(sd)
     for opt, sd in zip(optimizers, extra.get("optimizers", [])):
         opt.step_was_skipped = sd["step_was_skipped"]
+        opt.steps_taken = int(sd.get("steps_taken", 0))
     for loader, sd in zip(dataloaders, extra["dataloaders"]):
         loader.iteration = sd["epoch"]
         loader.resume_position = sd["batches_yielded"]
         loader.seed = sd.get("seed", loader.seed)
-    for obj, sd in zip(custom, extra["custom"]):
+    for obj, sd in zip(custom, saved_custom):
         obj.load_state_dict(sd)
     if "rng" in extra:
         set_rng_state(extra["rng"])
-    return extra
+    return later

@@ -26,3 +26,13 @@ class LossScaleError(EngineError):
 class CheckpointError(ZerofitError, RuntimeError):
     """A checkpoint could not be written or read (corrupt, truncated, partial, or from another model);
     the message names the file, the problem and what to do."""
+
+
+class CollectiveError(EngineError):
+    """A collective did not complete: a peer hung past the timeout, or left the run. The message names
+    the collective's label, this rank, and the setting that bounds the wait."""
+
+    def __init__(self, message: str, *, label: str, rank: int):
+        super().__init__(message)
+        self.label = label
+        self.rank = rank

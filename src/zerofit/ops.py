@@ -13,9 +13,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from zerofit.failures import named
+
 
 def _world() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def recurse(fn: Callable[[torch.Tensor], Any], data: Any) -> Any:
@@ -49,7 +55,8 @@ def _gather_one(t: torch.Tensor) -> torch.Tensor:
         t = t[None]
     t = t.contiguous()
     parts = [torch.empty_like(t) for _ in range(_world())]
-    dist.all_gather(parts, t)
+    with named("gather", _rank()):
+        dist.all_gather(parts, t)
     return torch.cat(parts, dim=0)
 
 
@@ -69,7 +76,8 @@ def gather_object(obj: Any) -> list[Any]:
     if _world() == 1:
         return list(obj) if isinstance(obj, list) else [obj]
     out: list[Any] = [None] * _world()
-    dist.all_gather_object(out, obj)
+    with named("gather_object", _rank()):
+        dist.all_gather_object(out, obj)
     if all(isinstance(o, list) for o in out):
         return [x for o in out for x in o]
     return out
@@ -80,7 +88,8 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     if _world() == 1:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src)
+    with named("broadcast_object", _rank()):
+        dist.broadcast_object_list(box, src=src)
     return box[0]
 
 
@@ -92,7 +101,8 @@ def reduce(data: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
     def one(t: torch.Tensor) -> torch.Tensor:
         out = t.clone()
         if _world() > 1 and reduction != "none":
-            dist.all_reduce(out)
+            with named("reduce", _rank()):
+                dist.all_reduce(out)
             if reduction == "mean":
                 out = out / _world()
         return out * scale if scale != 1.0 else out

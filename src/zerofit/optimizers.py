@@ -41,6 +41,8 @@ class AcceleratedOptimizer:
         self.step_was_skipped = False
         self.window_open = False
         """True once a backward has run in an accumulation window that has not been stepped yet."""
+        self.steps_taken = 0
+        """Optimizer steps taken (accumulation windows closed, skipped fp16 steps included); checkpointed."""
 
     # --- the calls a training loop makes --------------------------------------------------------
     def step(self, closure: Callable[[], Any] | None = None) -> None:
@@ -51,6 +53,7 @@ class AcceleratedOptimizer:
             return
         self.step_was_skipped = not self.engine.step()
         self.window_open = False
+        self.steps_taken += 1
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if not self.gradient_state.sync_gradients or self.window_open:

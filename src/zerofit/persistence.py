@@ -10,17 +10,30 @@ collective: each process must call it.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from zerofit import checkpointing
+from zerofit import checkpointing, ops, process_group, resume
 from zerofit.engine import ZeroEngine
+from zerofit.errors import CheckpointError, ConfigError
 
 
 class PersistenceMixin:
     """File methods of `zerofit.Accelerator` (it provides `_engines`, `_trained_engine` and the rest)."""
+
+    resumed_from: str | None = None
+    """The checkpoint `prepare()` loaded by itself (see `zerofit.resume`), else None."""
+    _resume_checked = False
+    _custom_to_restore: list[Any] | tuple[()] = ()
+    """Saved states of registered objects that an automatic resume found before the script registered them."""
+
+    @property
+    def completed_steps(self) -> int:
+        """Optimizer steps taken so far, counting those restored from a checkpoint (where to continue)."""
+        return max((opt.steps_taken for opt in self._optimizers), default=0)
 
     def _engine_of(self, model: nn.Module) -> ZeroEngine:
         engine = self._engines.get(id(model))
@@ -60,7 +73,10 @@ class PersistenceMixin:
         if bad:
             raise TypeError(f"register_for_checkpointing takes objects with state_dict() and load_state_dict(); "
                             f"{', '.join(bad)} lack(s) them: add both methods or save the object yourself")
-        self._custom.extend(objects)
+        for obj in objects:
+            if self._custom_to_restore:  # restored by an automatic resume before the script registered it
+                obj.load_state_dict(self._custom_to_restore.pop(0))
+            self._custom.append(obj)
 
     def _checkpoint_dir(self, directory: str | os.PathLike | None) -> str:
         if directory is not None:
@@ -92,6 +108,9 @@ class PersistenceMixin:
 
     def load_state(self, input_dir: str | os.PathLike | None = None, **kwargs: Any) -> None:
         """Restore what `save_state` wrote (at any world size or stage, see zerofit.checkpoint). Collective."""
+        self._load(input_dir, custom_may_follow=False)
+
+    def _load(self, input_dir: str | os.PathLike | None, *, custom_may_follow: bool) -> None:
         from zerofit.checkpoint import load_state
 
         engine = self._trained_engine() or next(iter(self._engines.values()), None)
@@ -100,15 +119,53 @@ class PersistenceMixin:
         if input_dir is None and self.project_configuration.automatic_checkpoint_naming:
             input_dir = _latest_checkpoint(os.path.join(self.project_dir or ".", "checkpoints"))
         extra = load_state(self._checkpoint_dir(input_dir), engine)
-        checkpointing.restore(extra, schedulers=self._schedulers, optimizers=self._optimizers,
-                              dataloaders=self._dataloaders, custom=self._custom)
+        self._custom_to_restore = checkpointing.restore(
+            extra, schedulers=self._schedulers, optimizers=self._optimizers, dataloaders=self._dataloaders,
+            custom=self._custom, custom_may_follow=custom_may_follow)
         self.gradient_state.micro_step = extra.get("micro_step", 0)
         if self.project_configuration.automatic_checkpoint_naming:
             self.project_configuration.iteration = extra.get("iteration", 0) + 1
 
+    def _resume_if_configured(self) -> None:
+        """At the end of the first prepare() of the trained model: load the checkpoint `checkpoint.resume`
+        asks for (see zerofit.resume), so the script continues where the checkpoint left off. Collective."""
+        if self._resume_checked or self._trained_engine() is None:
+            return
+        self._resume_checked = True
+        pc = self.project_configuration
+        root = resume.checkpoint_root(pc.project_dir, pc.automatic_checkpoint_naming, self.config.checkpoint.output_dir)
+        chosen, problems, bad_config = None, None, False
+        if self.is_main_process:  # one decision for every rank, even if their views of the disk differ
+            try:
+                chosen = resume.choose(self.config.checkpoint.resume, process_group.restart_count(), root)
+            except ConfigError as e:
+                problems, bad_config = e.problems, True
+            except CheckpointError as e:
+                problems = [str(e)]
+        chosen, problems, bad_config = ops.broadcast_object(
+            (None if chosen is None else str(chosen), problems, bad_config))
+        if problems:  # raised on every rank alike, so none is left waiting in a collective
+            raise ConfigError(problems) if bad_config else CheckpointError(problems[0])
+        if chosen is None:
+            return
+        try:
+            self._load(chosen, custom_may_follow=True)
+        except ValueError as e:  # the checkpoint holds dataloaders or schedulers this prepare() has not seen
+            raise ValueError(f"{e} (checkpoint.resume loads at the end of the prepare() call that prepares the "
+                             "model: pass the model, optimizer, scheduler and dataloaders to that one call)") from e
+        for loader in self._dataloaders:
+            loader.skip_batches(loader.resume_position)  # its next epoch continues after the saved batch
+        self.resumed_from = chosen
+        if self.is_main_process:
+            resume.logger.warning("zerofit: resumed from checkpoint %s (attempt %d): %d optimizer step(s) done, "
+                                  "continuing with step %d", chosen, process_group.restart_count(),
+                                  self.completed_steps, self.completed_steps + 1)
+
 
 def _latest_checkpoint(folder: str) -> str:
-    names = [n for n in os.listdir(folder) if n.startswith("checkpoint_")] if os.path.isdir(folder) else []
-    if not names:
-        raise ValueError(f"no checkpoint_<n> folder in {folder}: pass load_state(directory) explicitly")
-    return os.path.join(folder, max(names, key=lambda n: int(n.split("_")[-1])))
+    """The checkpoint `folder/latest` names (only complete checkpoints are ever named there)."""
+    found = resume.latest_complete(Path(folder))
+    if found is None:
+        raise ValueError(f"no complete checkpoint in {folder} (no {folder}/latest): pass load_state(directory) "
+                         "explicitly, or save_state() first")
+    return str(found)

@@ -13,14 +13,13 @@ of its dataloader (and how many of its samples are real, for `gather_for_metrics
 from __future__ import annotations
 
 import enum
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from zerofit import runtime
+from zerofit import failures, process_group, runtime
 from zerofit.config.schema import RunConfig, is_auto
 
 
@@ -36,11 +35,6 @@ class DistributedType(str, enum.Enum):
     MULTI_CPU = "MULTI_CPU"
     MULTI_GPU = "MULTI_GPU"
     ZERO = "ZERO"
-
-
-def _launched_world() -> int:
-    """The world size torchrun announced, or 0 when this process was not started by a launcher."""
-    return int(os.environ.get("WORLD_SIZE", "0") or 0)
 
 
 @dataclass
@@ -61,10 +55,10 @@ class ProcessState:
         device = torch.device("cpu") if use_cpu else runtime.device(config)
         backend = "gloo" if use_cpu else "nccl"
         created = False
-        if not dist.is_initialized() and _launched_world() >= 1 and "MASTER_ADDR" in os.environ:
+        if not dist.is_initialized() and process_group.launched():
             if device.type == "cuda":
                 torch.cuda.set_device(device)
-            dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
+            process_group.join(config, backend, device)
             created = True
         if dist.is_initialized():
             backend = dist.get_backend()
@@ -86,7 +80,8 @@ class ProcessState:
 
     def barrier(self) -> None:
         if self.distributed:
-            dist.barrier()
+            with failures.named("barrier (wait_for_everyone)", self.process_index):
+                dist.barrier()
 
 
 @dataclass

@@ -15,6 +15,7 @@ from typing import Any
 import torch.distributed as dist
 
 from zerofit.errors import CheckpointError
+from zerofit.failures import named
 
 
 class Ranks:
@@ -35,7 +36,8 @@ class Ranks:
         if self.world == 1:
             return [obj]
         out: list[Any] = [None] * self.world
-        dist.all_gather_object(out, obj, group=self.group)
+        with named("checkpoint:all_gather_object", self.rank):
+            dist.all_gather_object(out, obj, group=self.group)
         return out
 
     def broadcast(self, obj: Any) -> Any:
@@ -44,7 +46,8 @@ class Ranks:
             return obj
         box = [obj]
         src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
-        dist.broadcast_object_list(box, src=src, group=self.group)
+        with named("checkpoint:broadcast", self.rank):
+            dist.broadcast_object_list(box, src=src, group=self.group)
         return box[0]
 
     def agree(self, error: str | None) -> None:
@@ -55,7 +58,8 @@ class Ranks:
 
     def barrier(self) -> None:
         if self.world > 1:
-            dist.barrier(group=self.group)
+            with named("checkpoint:barrier", self.rank):
+                dist.barrier(group=self.group)
 
     def dst0(self) -> int:
         """Rank 0 of the group as a global rank (what `dist.gather` takes)."""

@@ -5,11 +5,13 @@ into a `LaunchPlan` (a pure function of the config and the machine's GPU count, 
 without processes), writes the resolved config where every worker can read it (`ZEROFIT_CONFIG_FILE`,
 see `zerofit.runtime`), builds a torchrun argv and runs it in this process.
 
-[Note: loopback by default] A one-machine run binds its rendezvous to 127.0.0.1 on a free port, so
-nothing is announced on the network and two runs on one machine never fight over 29500. torchrun's
-TCPStore may still listen on every interface (a torch limitation), which the README tells users to
-firewall on shared hosts. Several machines use `main_process_ip:main_process_port` (port 29500 when
-unset), through torchrun's static rendezvous (machine ranks as given) or its c10d rendezvous.
+[Note: loopback by default] A one-machine run listens on 127.0.0.1 only: its rendezvous store is
+bound there by zerofit's own rendezvous backend (`zerofit.cli.rendezvous`, a free port, a new store
+per restart), and gloo is told to use the loopback interface (GLOO_SOCKET_IFNAME), so nothing is
+reachable from the network and two runs on one machine never fight over 29500. Several machines (or
+one machine given a non-loopback main_process_ip) use `main_process_ip:main_process_port` (port 29500
+when unset) through torchrun's static or c10d rendezvous, whose store listens on every interface: the
+launcher warns about that, and the README tells users to firewall the port.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import argparse
 import contextlib
 import dataclasses
 import importlib.util
+import ipaddress
 import os
 import socket
 import sys
@@ -25,6 +28,7 @@ import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from zerofit.cli import rendezvous
 from zerofit.config import load_config, save_config
 from zerofit.config.schema import RunConfig
 from zerofit.errors import ConfigError
@@ -46,6 +50,8 @@ FLAG_TO_KEY = {
     "mixed_precision": "precision.mixed_precision",
     "cpu": "launch.use_cpu",
     "max_restarts": "launch.max_restarts",
+    "process_group_timeout": "launch.process_group_timeout",
+    "resume": "checkpoint.resume",
 }
 
 
@@ -69,6 +75,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--cpu", action="store_true", default=None, help="run on CPU with gloo even where GPUs exist")
     p.add_argument("--max_restarts", "--max-restarts", type=int, metavar="K",
                    help="restart the worker group up to K times after a failure")
+    p.add_argument("--resume", choices=("restart", "auto", "must", "never"),
+                   help="when prepare() loads the latest complete checkpoint (default: restart, on restarted attempts)")
+    p.add_argument("--process_group_timeout", "--process-group-timeout", type=float, metavar="SECONDS",
+                   help="how long a collective waits for a peer before it raises (default: 1800)")
     p.add_argument("--dry-run", "--dry_run", dest="dry_run", action="store_true",
                    help="validate, print the resolved config and the launch plan, start nothing")
     add_target_arguments(p)
@@ -108,21 +118,73 @@ class LaunchPlan:
     def backend(self) -> str:
         return "gloo" if self.config.launch.use_cpu else "nccl"
 
+    @property
+    def loopback_only(self) -> bool:
+        """True when every socket of the run can listen on loopback (see [Note: loopback by default])."""
+        la = self.config.launch
+        return la.num_machines == 1 and la.rdzv_backend == "static" and is_loopback(la.main_process_ip)
+
     def rendezvous(self) -> str:
         la = self.config.launch
-        return f"{la.rdzv_backend} at {la.main_process_ip}:{la.main_process_port}"
+        backend = rendezvous.BACKEND if self.loopback_only else la.rdzv_backend
+        return f"{backend} at {la.main_process_ip}:{la.main_process_port}"
 
     def torchrun_argv(self) -> list[str]:
         la = self.config.launch
         argv = ["--nnodes", str(la.num_machines), "--nproc-per-node", str(self.nproc_per_node),
-                "--max-restarts", str(la.max_restarts), "--rdzv-backend", la.rdzv_backend]
-        if la.rdzv_backend == "static":
+                "--max-restarts", str(la.max_restarts)]
+        if self.loopback_only:
+            argv += ["--rdzv-backend", rendezvous.BACKEND, "--rdzv-endpoint",
+                     f"{la.main_process_ip}:{la.main_process_port}", "--rdzv-id", f"zerofit-{la.main_process_port}"]
+        elif la.rdzv_backend == "static":
+            argv += ["--rdzv-backend", "static"]
             argv += ["--master-addr", la.main_process_ip, "--master-port", str(la.main_process_port),
                      "--node-rank", str(la.machine_rank)]
         else:  # c10d assigns machine ranks itself, in the order machines join
-            argv += ["--rdzv-endpoint", f"{la.main_process_ip}:{la.main_process_port}",
+            argv += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{la.main_process_ip}:{la.main_process_port}",
                      "--rdzv-id", f"zerofit-{la.main_process_port}"]
         return [*argv, "--module", WORKER_MODULE, *self.target]
+
+
+def is_loopback(address: str | None) -> bool:
+    try:
+        return ipaddress.ip_address(address or "").is_loopback
+    except ValueError:
+        return address == "localhost"
+
+
+def loopback_interface() -> str | None:
+    """The name of this machine's loopback interface (lo on Linux), for GLOO_SOCKET_IFNAME."""
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except OSError:
+        return None
+    return next((n for n in names if n in ("lo", "lo0")), None)
+
+
+def network_env(plan: LaunchPlan) -> dict[str, str]:
+    """Environment that keeps gloo's sockets on loopback for a one-machine run (the user's setting wins)."""
+    if not plan.loopback_only or "GLOO_SOCKET_IFNAME" in os.environ:
+        return {}
+    name = loopback_interface()
+    return {"GLOO_SOCKET_IFNAME": name} if name else {}
+
+
+def exposure_warning(plan: LaunchPlan) -> str | None:
+    """What the launcher says when some socket of the run listens beyond loopback (None: nothing does)."""
+    la = plan.config.launch
+    if not plan.loopback_only:
+        return (f"zerofit launch: WARNING: the rendezvous store on {la.main_process_ip}:{la.main_process_port} "
+                "listens on every network interface and runs requests from anyone who can reach it (torch's "
+                "TCPStore has no authentication): let only the training machines reach that port (firewall)")
+    user_choice = os.environ.get("GLOO_SOCKET_IFNAME")
+    if user_choice is not None and user_choice != loopback_interface():
+        return (f"zerofit launch: WARNING: GLOO_SOCKET_IFNAME={user_choice} makes the workers' gloo sockets "
+                "listen beyond loopback: unset it to keep a one-machine run on loopback")
+    if loopback_interface() is None:
+        return ("zerofit launch: WARNING: no loopback interface (lo) was found, so the workers' gloo sockets "
+                "may listen on every interface: set GLOO_SOCKET_IFNAME to your loopback interface")
+    return None
 
 
 def free_loopback_port() -> int:
@@ -269,6 +331,11 @@ def execute(plan: LaunchPlan) -> int:
             env["CUDA_VISIBLE_DEVICES"] = plan.cuda_visible_devices
         if "OMP_NUM_THREADS" not in os.environ:  # else torchrun sets 1 and prints a warning about it
             env["OMP_NUM_THREADS"] = str(plan.omp_num_threads)
+        env.update(network_env(plan))
+        warning = exposure_warning(plan)
+        if warning:
+            print(warning, file=sys.stderr, flush=True)
+        rendezvous.register()
         with _environ(env):
             try:
                 torchrun.run(torchrun.parse_args(plan.torchrun_argv()))

@@ -209,7 +209,9 @@ class LaunchConfig:
     gpu_ids: str | None = None
     """Comma-separated GPU indices to use on each machine ("0,1"); None or "all": every visible GPU."""
     max_restarts: int = 0
-    """Elastic restarts of the worker group after a failure."""
+    """Elastic restarts of the worker group after a failure (each restart resumes per checkpoint.resume)."""
+    process_group_timeout: float = 1800.0
+    """Seconds a collective (and joining the process group) may wait for a peer before it raises."""
     main_training_function: str = "main"
     """Kept from Accelerate configs; scripts are run as __main__."""
 
@@ -224,6 +226,9 @@ class CheckpointConfig:
     """Keep at most this many checkpoints (oldest removed first); None: keep all."""
     use_node_local_storage: bool = False
     """Every node writes its own ranks' shards to local disk."""
+    resume: Literal["restart", "auto", "must", "never"] = "restart"
+    """When prepare() loads the latest complete checkpoint by itself: restart: on a restarted attempt
+    (--max_restarts); auto: whenever one exists; must: always, and fail when there is none; never."""
 
 
 @dataclass(frozen=True, kw_only=True)

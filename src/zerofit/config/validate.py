@@ -121,6 +121,7 @@ _MINIMUMS = {
     "launch.num_machines": 1,
     "launch.machine_rank": 0,
     "launch.max_restarts": 0,
+    "launch.process_group_timeout": 1,
     "launch.main_process_port": 1,
     "checkpoint.total_limit": 1,
     "logging.steps_per_print": 1,
@@ -134,7 +135,8 @@ def _minimums(c: _Checker) -> None:
     for key, least in _MINIMUMS.items():
         value = c.known(key)
         if isinstance(value, (int, float)) and not isinstance(value, bool) and value < least:
-            rule = "positive" if least == 1 else "at least 0" if least == 0 else f"at least {least}"
+            # "positive" would be wrong for a float such as 0.5 seconds below a minimum of 1
+            rule = "positive" if least == 1 and isinstance(value, int) else f"at least {least}"
             c.add(f"{c.name(key)} must be {rule} (got {value}): set it to {least} or more", key)
 
 

@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
+from zerofit import failures
+
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
@@ -28,11 +30,13 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 class Pending:
     """A collective in flight (or a finished no-op), plus the work to run once it is done."""
 
-    __slots__ = ("_work", "_event", "_then", "_keep", "done")
+    __slots__ = ("_work", "_event", "_then", "_keep", "done", "label", "rank")
 
-    def __init__(self, work=None, event=None, then: Callable[[], None] | None = None, keep=()):
+    def __init__(self, work=None, event=None, then: Callable[[], None] | None = None, keep=(),
+                 label: str = "", rank: int = 0):
         self._work, self._event, self._then, self._keep = work, event, then, keep
         self.done = False
+        self.label, self.rank = label, rank
 
     def wait(self) -> None:
         if self.done:
@@ -41,7 +45,8 @@ class Pending:
             torch.cuda.current_stream().wait_event(self._event)
         else:
             if self._work is not None:
-                self._work.wait()
+                with failures.named(self.label, self.rank):
+                    self._work.wait()
             if self._then is not None:
                 self._then()
         self._work = self._event = self._then = None
@@ -70,15 +75,17 @@ class Collectives:
             self.calls += 1
         with record_function(f"zerofit::{label}"):
             if self.stream is None:
-                work = run(True) if run is not None else None
+                with failures.named(label, self.rank):
+                    work = run(True) if run is not None else None
                 if work is None and then is not None:
                     then()
                     return _finished()
-                return Pending(work=work, then=then, keep=keep)
+                return Pending(work=work, then=then, keep=keep, label=label, rank=self.rank)
             self.stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(self.stream):
                 if run is not None:
-                    run(False)
+                    with failures.named(label, self.rank):
+                        run(False)
                 if then is not None:
                     then()
                 event = torch.cuda.Event()
@@ -124,7 +131,7 @@ class Collectives:
         """Sum `tensor` over ranks in place on the current stream (for small scalars on the step path)."""
         if self.world > 1:
             self.calls += 1
-            with record_function(f"zerofit::all_reduce:{label}"):
+            with record_function(f"zerofit::all_reduce:{label}"), failures.named(f"all_reduce:{label}", self.rank):
                 dist.all_reduce(tensor, group=self.group)
         return tensor
 

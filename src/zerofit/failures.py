@@ -1,0 +1,53 @@
+"""A collective that fails names itself: which collective, on which rank, and what to change.
+
+torch reports a peer that hangs as gloo's "Timed out waiting 10000ms for recv operation" (or NCCL's
+watchdog timeout), and a peer that died as "Connection closed by peer": neither says which of the
+engine's collectives was waiting, nor which setting bounds the wait. `named(label, rank)` wraps the
+issue and the wait of a collective (the engine's, the script-facing ones in `zerofit.ops`, the
+checkpoint's and `wait_for_everyone`) and turns torch's error into a `CollectiveError` that does (the
+original stays chained as its cause). The rank that raises exits, and the launcher then stops every
+other rank of the run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+from zerofit import process_group
+from zerofit.errors import CollectiveError
+
+TIMEOUT_KEY = "launch.process_group_timeout"
+TIMEOUT_FLAG = "--process_group_timeout"
+
+
+def describe(label: str, rank: int, error: BaseException) -> str:
+    """The message of the CollectiveError that replaces torch's `error` for collective `label`."""
+    text = str(error)
+    seconds = process_group.current_timeout_s()
+    limit = f"{seconds:g} s" if seconds is not None else "its timeout"
+    if "timed out" in text.lower() or "timeout" in text.lower():
+        return (f"rank {rank}: collective {label} did not complete within {limit} ({TIMEOUT_KEY}): another rank "
+                f"is hung or is running a different collective (ranks that run different numbers of steps, "
+                f"e.g. a DataLoader not passed to prepare() that gives ranks different numbers of batches). "
+                f"Check the other ranks' logs; if the step is only slow, raise {TIMEOUT_KEY} "
+                f"({TIMEOUT_FLAG} SECONDS). [{_first_line(text)}]")
+    return (f"rank {rank}: collective {label} failed because another rank left the run (it crashed, was "
+            f"killed, or finished early, e.g. it ran out of batches of a DataLoader not passed to prepare()): "
+            f"check the other ranks' logs. [{_first_line(text)}]")
+
+
+@contextlib.contextmanager
+def named(label: str, rank: int) -> Iterator[None]:
+    """Run a collective's issue or wait; a communication failure becomes a CollectiveError naming `label`."""
+    try:
+        yield
+    except CollectiveError:
+        raise
+    except RuntimeError as e:  # gloo raises RuntimeError, NCCL DistBackendError (a RuntimeError)
+        raise CollectiveError(describe(label, rank, e), label=label, rank=rank) from e
+
+
+def _first_line(text: str) -> str:
+    line = text.strip().splitlines()[0] if text.strip() else ""
+    return line[:300]

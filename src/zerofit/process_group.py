@@ -1,0 +1,67 @@
+"""Joining the run's process group: a bounded wait, and a key space of its own for every restart.
+
+[Note: one store namespace per attempt]
+torchrun's launcher process hosts the TCPStore that workers rendezvous through, and it keeps that
+store across elastic restarts (`--max_restarts`). The keys a process group writes while it forms
+(each rank's gloo address, the init counters) carry no attempt number, so the workers of a restarted
+attempt found the dead attempt's keys still there: rank 0 dialled the killed rank's old address
+("connectFullMesh ... Connection refused") or waited on counters already past their target (a hung
+init). Prefixing the store with the attempt number (`TORCHELASTIC_RESTART_COUNT`) gives every
+attempt fresh keys; the launcher's own single-machine rendezvous also starts a new store per attempt
+(`zerofit.cli.rendezvous`), so scripts that create the process group themselves are covered there.
+
+`launch.process_group_timeout` bounds joining and every collective, so a peer that hangs makes the
+others raise (see `zerofit.failures`) instead of waiting torch's default 30 minutes.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from zerofit.config.schema import RunConfig
+
+
+def restart_count() -> int:
+    """Which attempt of an elastic run this process belongs to: 0 first, then 1, 2, ... after restarts."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
+def launched() -> bool:
+    """True when a launcher announced a world to join (torchrun sets WORLD_SIZE and MASTER_ADDR)."""
+    return int(os.environ.get("WORLD_SIZE", "0") or 0) >= 1 and "MASTER_ADDR" in os.environ
+
+
+_joined_timeout_s: float | None = None
+"""The timeout `join` gave the process group (None: zerofit did not create it)."""
+
+
+def timeout_of(config: RunConfig) -> timedelta:
+    return timedelta(seconds=float(config.launch.process_group_timeout))
+
+
+def current_timeout_s() -> float | None:
+    """Seconds a collective of the default group waits before it raises, when zerofit set it."""
+    return _joined_timeout_s
+
+
+def join(config: RunConfig, backend: str, device: torch.device) -> None:
+    """Create the default process group from the launcher's environment (see the module note)."""
+    global _joined_timeout_s
+    timeout = timeout_of(config)
+    _joined_timeout_s = timeout.total_seconds()
+    device_id = device if device.type == "cuda" else None
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+        # Not started by torchrun's agent (e.g. MASTER_ADDR set by hand): rank 0 hosts the store itself
+        # and there are no earlier attempts whose keys could collide.
+        dist.init_process_group(backend, timeout=timeout, device_id=device_id)
+        return
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    agent_store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                                is_master=False, timeout=timeout)
+    store = dist.PrefixStore(f"zerofit/attempt-{restart_count()}", agent_store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout,
+                            device_id=device_id)

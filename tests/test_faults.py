@@ -1,0 +1,132 @@
+"""Faults under the real `zerofit launch` on two CPU ranks (gloo): a killed rank, a hung rank, uneven
+batches, and what the run listens on. Every launch is bounded by a timeout; the script is
+tests/scripts/fault_train.py (12 ZeRO-2 steps, a checkpoint every 4, resume by `checkpoint.resume`).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+SCRIPTS = Path(__file__).parent / "scripts"
+TRAIN = SCRIPTS / "fault_train.py"
+CONFIG = SCRIPTS / "zerofit_faults.yaml"
+LAUNCH_TIMEOUT_S = 120
+KILL_RUNS = 5
+
+
+def launch(out: Path, *flags: str, script_args: tuple[str, ...] = ()) -> tuple[subprocess.CompletedProcess, float]:
+    env = dict(os.environ)
+    env.pop("ZEROFIT_CONFIG_FILE", None)
+    env.pop("OMP_NUM_THREADS", None)
+    env.pop("GLOO_SOCKET_IFNAME", None)
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "zerofit.cli.main", "launch", "--config_file", str(CONFIG), *flags,
+           str(TRAIN), "--out", str(out), *script_args]
+    start = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S, env=env)
+    return proc, time.monotonic() - start
+
+
+def worker_pids(out: Path) -> list[int]:
+    return [int(p.read_text()) for p in sorted(out.glob("pid-*"))]
+
+
+def assert_all_gone(pids: list[int]) -> None:
+    assert pids, "the workers wrote no pid files"
+    alive = [pid for pid in pids if Path(f"/proc/{pid}").exists()
+             and "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()]
+    assert not alive, f"worker processes left behind: {alive}"
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("uninterrupted")
+    proc, _ = launch(out)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads((out / "losses.json").read_text())
+    assert len(result["losses"]) == 12 and len(set(result["losses"])) == 12  # 12 distinct steps: a real run
+    assert result["attempts"] == [0] * 12 and result["resumed_from"] is None
+    return result
+
+
+@pytest.mark.parametrize("run", range(KILL_RUNS))
+def test_killed_rank_restarts_and_resumes_without_losing_or_repeating_a_step(run, uninterrupted, tmp_path):
+    proc, seconds = launch(tmp_path, "--max_restarts", "3", script_args=("--kill_step", "6"))
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    result = json.loads((tmp_path / "losses.json").read_text())
+    # Attempt 0 died after step 6; attempt 1 resumed from the step-4 checkpoint: steps 1-4 come from
+    # attempt 0 through the checkpoint, 5-12 were computed once more by attempt 1.
+    assert result["attempts"] == [0] * 4 + [1] * 8, proc.stderr[-3000:]
+    assert result["losses"] == uninterrupted["losses"]  # exactly: same data, RNG, optimizer and schedule
+    assert result["completed_steps"] == 12
+    assert result["resumed_from"].endswith("checkpoint_0")
+    assert "zerofit: resumed from checkpoint" in proc.stderr and "continuing with step 5" in proc.stderr
+    assert_all_gone(worker_pids(tmp_path))
+    print(f"kill run {run}: {seconds:.1f} s")
+
+
+def test_a_script_that_creates_the_process_group_itself_also_survives_the_kill(uninterrupted, tmp_path):
+    """Its keys never carry zerofit's attempt prefix: the launcher's fresh store per restart covers it."""
+    proc, _ = launch(tmp_path, "--max_restarts", "3", script_args=("--kill_step", "6", "--own_init"))
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    result = json.loads((tmp_path / "losses.json").read_text())
+    assert result["attempts"] == [0] * 4 + [1] * 8
+    assert result["losses"] == uninterrupted["losses"]
+    assert_all_gone(worker_pids(tmp_path))
+
+
+def test_hung_rank_times_out_naming_the_collective_and_every_rank_is_stopped(tmp_path):
+    proc, _ = launch(tmp_path, "--process_group_timeout", "5", script_args=("--hang_step", "3"))
+    assert proc.returncode != 0
+    # Rank 1 sleeps inside step 3; rank 0 waits in the backward's first gradient reduction.
+    assert "CollectiveError: rank 0: collective reduce_scatter:" in proc.stderr
+    assert "did not complete within 5 s (launch.process_group_timeout)" in proc.stderr
+    # From the moment rank 1 hung to the end of the launch: the 5 s timeout plus teardown, not an hour.
+    hung_for = time.time() - float((tmp_path / "hang-start").read_text())
+    assert 5 <= hung_for < 5 + 8, f"the launch ended {hung_for:.1f} s after rank 1 hung"
+    assert_all_gone(worker_pids(tmp_path))
+
+
+def test_a_rank_with_more_batches_raises_a_clear_error_instead_of_hanging(tmp_path):
+    proc, seconds = launch(tmp_path, "--process_group_timeout", "5", script_args=("--uneven",))
+    assert proc.returncode != 0
+    # Rank 1 finishes its 4 batches and waits at the final barrier while rank 0 runs a 5th step: they
+    # run different collectives, so both give up within the timeout, each naming what it waited in.
+    assert "CollectiveError: rank 0: collective reduce_scatter:" in proc.stderr
+    assert "CollectiveError: rank 1: collective barrier (wait_for_everyone) did not complete" in proc.stderr
+    assert "a DataLoader not passed to prepare()" in proc.stderr
+    assert seconds < 5 + 25, f"took {seconds:.0f} s"
+    assert not (tmp_path / "losses.json").exists()
+    assert_all_gone(worker_pids(tmp_path))
+
+
+def test_a_one_machine_launch_listens_on_loopback_only(tmp_path):
+    report_file = tmp_path / "sockets.json"
+    proc, _ = launch(tmp_path, script_args=("--sockets", str(report_file)))
+    assert proc.returncode == 0, proc.stderr
+    assert "WARNING" not in proc.stderr
+    report = json.loads(report_file.read_text())
+    assert report["launcher"], "the launcher's rendezvous store was not found listening"
+    assert report["workers"], "no gloo listener was found in the workers"
+    for entry in report["launcher"] + report["workers"]:
+        assert _is_loopback(entry.rsplit(":", 1)[0]), f"{entry} listens beyond loopback: {report}"
+
+
+def _is_loopback(hex_address: str) -> bool:
+    """/proc/net/tcp{,6} addresses are hex in host byte order, 32-bit words each."""
+    raw = bytes.fromhex(hex_address)
+    raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    address = ipaddress.ip_address(raw)
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return address.is_loopback
