@@ -7,11 +7,11 @@ import sys
 import warnings
 
 from zerofit import __version__
-from zerofit.cli import configure, demo, env, estimate, launch, merge
+from zerofit.cli import bench, configure, demo, env, estimate, launch, merge
 from zerofit.config import ConfigWarning
 from zerofit.errors import ZerofitError
 
-SUBCOMMANDS = (launch, env, configure, demo, merge, estimate)
+SUBCOMMANDS = (launch, env, configure, demo, merge, estimate, bench)
 
 
 def build_parser() -> argparse.ArgumentParser:

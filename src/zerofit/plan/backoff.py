@@ -54,6 +54,20 @@ MAX_BACKOFFS = 4
 """Halvings allowed in one run (the micro-batch can shrink 16-fold) before the error."""
 
 
+def discard_partial_step(engine: Any) -> None:
+    """Forget a failed micro-step's partial window and free what it held (gathered units, gradients, cache)."""
+    if engine is not None:
+        for g in engine.groups:
+            if g.placement.offload_state:
+                g.settle_host_grad()  # a download still in flight must not land in the next window
+        for unit in engine.units:
+            unit.release()
+        engine.zero_grad()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 class PeerOutOfMemory(Exception):
     """Another rank ran out of memory in this micro-step: leave the block so every rank backs off."""
 
@@ -228,7 +242,7 @@ class OomBackoff:
             raise EngineError(f"rank {rank}: out of memory, and the batch did not come from a DataLoader prepared "
                               f"by this Accelerator, so zerofit cannot replay it smaller. {self._advice(engine)}"
                               ) from (None if peer else error)
-        self._reset(engine)
+        discard_partial_step(engine)
         piece = loader.splitter.piece_size()
         old_accum = self.acc.gradient_state.gradient_accumulation_steps
         if self.backoffs >= self.max_backoffs or piece is None or piece < 2:
@@ -249,19 +263,6 @@ class OomBackoff:
               f"{piece} -> {math.ceil(piece / 2)}, gradient accumulation {old_accum} -> {old_accum * 2} (global batch "
               f"unchanged); replaying the window's {len(loader.splitter.window)} batch(es)", file=sys.stderr,
               flush=True)
-
-    def _reset(self, engine: Any) -> None:
-        """Forget the partial window and free what the failed micro-step held."""
-        if engine is not None:
-            for g in engine.groups:
-                if g.placement.offload_state:
-                    g.settle_host_grad()  # a download still in flight must not land in the next window
-            for unit in engine.units:
-                unit.release()
-            engine.zero_grad()
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
 
     @staticmethod
     def _why(phase: str) -> str:

@@ -1,0 +1,250 @@
+"""One training set-up per benchmark method, behind the same three verbs: train, evaluate, recover.
+
+Methods (the row names of the tables):
+- `ddp`: the plain PyTorch baseline: fp32 weights, bf16 autocast, fused AdamW, clipping; wrapped in
+  DistributedDataParallel with several processes (what `accelerate launch` gives a plain script).
+- `zerofit-sN[-offload]`: the Accelerate-style loop on `zerofit.Accelerator`, configured by the
+  DeepSpeed JSON below written to a file, exactly as a user passes it.
+- `deepspeed-sN[-offload]`: DeepSpeed's own engine with that same JSON.
+- `fsdp2[-offload]`: `fully_shard` on every repeated block and the root, bf16 parameters with fp32
+  reductions, optionally `CPUOffloadPolicy`.
+
+Every set-up builds the workload's model on the compute device under the same seed (see
+[Note: same start, same data] in `zerofit.bench.workloads`).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import tempfile
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zerofit.bench.workloads import Workload
+
+LR = 1e-4
+WEIGHT_DECAY = 0.01
+
+
+def parse(method: str) -> tuple[str, int, bool]:
+    """("zerofit", 3, True) for "zerofit-s3-offload"; stage 0 for ddp, 3 for fsdp2."""
+    parts = method.split("-")
+    family = parts[0]
+    if family not in ("ddp", "zerofit", "deepspeed", "fsdp2"):
+        raise ValueError(f"unknown method {method!r}: use ddp, zerofit-sN[-offload], deepspeed-sN[-offload] or "
+                         "fsdp2[-offload]")
+    stage = {"ddp": 0, "fsdp2": 3}.get(family)
+    if stage is None:
+        if len(parts) < 2 or parts[1] not in ("s0", "s1", "s2", "s3"):
+            raise ValueError(f"method {method!r}: name the ZeRO stage, e.g. {family}-s2")
+        stage = int(parts[1][1])
+    offload = parts[-1] == "offload"
+    if offload and stage < 2 and family != "fsdp2":
+        raise ValueError(f"method {method!r}: optimizer offload needs stage 2 or 3")
+    return family, stage, offload
+
+
+def deepspeed_json(stage: int, offload: bool, *, bf16: bool, clip: float, micro_batch: int) -> dict[str, Any]:
+    """The one config both zerofit and DeepSpeed rows run: what a user writes for this setting."""
+    zero: dict[str, Any] = {"stage": stage, "overlap_comm": True, "contiguous_gradients": True}
+    if offload:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+        if stage == 3:
+            zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    return {"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": 1,
+            "gradient_clipping": clip, "bf16": {"enabled": bf16}, "zero_optimization": zero,
+            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WEIGHT_DECAY}},
+            "steps_per_print": 10**9, "wall_clock_breakdown": False}
+
+
+class Runner:
+    """A prepared model and optimizer: `train(batch)` one step, `evaluate(batch)` one forward."""
+
+    model: nn.Module
+
+    def train(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def evaluate(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        self.model.eval()
+        try:
+            with torch.no_grad(), self._autocast():
+                return self.model(**batch).loss.detach()
+        finally:
+            self.model.train()
+
+    def recover(self) -> None:
+        """After an out-of-memory error in `train`/`evaluate`: drop the partial step, free memory."""
+        _free()
+
+    def config(self) -> dict[str, Any]:
+        """The resolved settings of this row, for the JSON record."""
+        return {}
+
+    def _autocast(self):
+        return torch.autocast("cuda", dtype=torch.bfloat16, enabled=False)
+
+
+class PlainRunner(Runner):
+    def __init__(self, model: nn.Module, device: torch.device, *, bf16: bool, clip: float, world: int):
+        self.raw = model
+        self.bf16, self.clip, self.device = bf16, clip, device
+        if world > 1:
+            from torch.nn.parallel import DistributedDataParallel
+
+            model = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
+        self.model = model
+        self.optimizer = torch.optim.AdamW(self.raw.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
+
+    def _autocast(self):
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16)
+
+    def train(self, batch):
+        with self._autocast():
+            loss = self.model(**batch).loss
+        loss.backward()
+        if self.clip:
+            torch.nn.utils.clip_grad_norm_(self.raw.parameters(), self.clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    def recover(self):
+        self.optimizer.zero_grad(set_to_none=True)
+        _free()
+
+    def config(self):
+        return {"optimizer": "torch.optim.AdamW(fused=True)", "autocast": "bf16" if self.bf16 else None,
+                "gradient_clipping": self.clip}
+
+
+class ZerofitRunner(Runner):
+    def __init__(self, model: nn.Module, ds_config: dict[str, Any]):
+        from zerofit import Accelerator
+        from zerofit.utils import DummyOptim
+
+        self.ds_config = ds_config
+        fd, self.path = tempfile.mkstemp(prefix="zerofit-bench-", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            json.dump(ds_config, f)
+        self.accelerator = Accelerator(config=self.path)
+        self.model, self.optimizer = self.accelerator.prepare(model, DummyOptim(model.parameters()))
+        os.unlink(self.path)
+
+    def train(self, batch):
+        loss = self.model(**batch).loss
+        self.accelerator.backward(loss)
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        return loss.detach()
+
+    def recover(self):
+        from zerofit.plan.backoff import discard_partial_step
+
+        discard_partial_step(self.optimizer.engine)
+
+    def config(self):
+        return {"deepspeed_json": self.ds_config}
+
+
+class DeepSpeedRunner(Runner):
+    def __init__(self, model: nn.Module, ds_config: dict[str, Any]):
+        import deepspeed
+
+        self.ds_config = ds_config
+        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+        self.model, self.optimizer, _, _ = deepspeed.initialize(model=model, config=dict(ds_config),
+                                                                model_parameters=model.parameters())
+
+    def train(self, batch):
+        loss = self.model(**batch).loss
+        self.model.backward(loss)
+        self.model.step()
+        return loss.detach()
+
+    def recover(self):
+        self.model.zero_grad()
+        _free()
+
+    def config(self):
+        import deepspeed
+
+        return {"deepspeed_json": self.ds_config, "deepspeed": deepspeed.__version__}
+
+
+class Fsdp2Runner(Runner):
+    def __init__(self, model: nn.Module, *, bf16: bool, offload: bool, clip: float):
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+        self.bf16, self.offload, self.clip = bf16, offload, clip
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
+            else MixedPrecisionPolicy()
+        policy = CPUOffloadPolicy() if offload else OffloadPolicy()
+        if offload:
+            model = model.to("cpu")
+        for block in repeated_blocks(model):
+            fully_shard(block, mp_policy=mp, offload_policy=policy)
+        fully_shard(model, mp_policy=mp, offload_policy=policy)
+        self.model = model
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
+
+    def train(self, batch):
+        loss = self.model(**batch).loss
+        loss.backward()
+        if self.clip:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    def recover(self):
+        self.optimizer.zero_grad(set_to_none=True)
+        _free()
+
+    def config(self):
+        return {"fully_shard": "each repeated block + root", "param_dtype": "bf16" if self.bf16 else "fp32",
+                "reduce_dtype": "fp32", "offload_policy": "CPUOffloadPolicy" if self.offload else None,
+                "optimizer": "torch.optim.AdamW(fused=True)", "gradient_clipping": self.clip}
+
+
+def repeated_blocks(model: nn.Module) -> list[nn.Module]:
+    """The entries of every ModuleList with two or more entries: a transformer's layers."""
+    return [m for lst in model.modules() if isinstance(lst, nn.ModuleList) and len(lst) >= 2 for m in lst]
+
+
+def build_runner(method: str, workload: Workload, *, tiny: bool, device: torch.device, bf16: bool, clip: float,
+                 world: int, micro_batch: int) -> Runner:
+    family, stage, offload = parse(method)
+    if family in ("deepspeed", "fsdp2"):
+        init_process_group(device)
+    model = workload.build_model(tiny, device)
+    if family == "ddp":
+        if world > 1:
+            init_process_group(device)
+        return PlainRunner(model, device, bf16=bf16, clip=clip, world=world)
+    if family == "fsdp2":
+        return Fsdp2Runner(model, bf16=bf16, offload=offload, clip=clip)
+    ds = deepspeed_json(stage, offload, bf16=bf16, clip=clip, micro_batch=micro_batch)
+    return ZerofitRunner(model, ds) if family == "zerofit" else DeepSpeedRunner(model, ds)
+
+
+def init_process_group(device: torch.device) -> None:
+    """The job's process group (torchrun's environment, or a one-process group on this host)."""
+    if dist.is_initialized():
+        return
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29511")
+    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+        os.environ.setdefault(key, value)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+
+
+def _free() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

@@ -1,0 +1,175 @@
+"""The tables, the JSON record and the plots of a `zerofit bench` run.
+
+Per row, from the worker's measurements: the largest batch, the train and eval time of one epoch
+projected from the median step time over the table's epoch size (`Workload.train_examples`), tokens
+per second, peak GPU memory; the speed-up over DDP (epoch time) and over the matching peers; and the
+equal-batch columns (every method at the same batch from the same weights: step time and first loss).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+from typing import Any
+
+# zerofit row -> the peers running the same setting
+PEERS = {"zerofit-s2": ("deepspeed-s2",), "zerofit-s2-offload": ("deepspeed-s2-offload",),
+         "zerofit-s3": ("deepspeed-s3", "fsdp2"), "zerofit-s3-offload": ("deepspeed-s3-offload", "fsdp2-offload")}
+
+
+def derive(row: dict[str, Any], table: dict[str, Any], world: int) -> dict[str, Any]:
+    """The table's numbers for one row (None where the row has no such measurement)."""
+    t = row.get("timing")
+    out: dict[str, Any] = {"status": status(row)}
+    if t:
+        steps = math.ceil(table["train_examples"] / (t["train_batch"] * world))
+        eval_steps = math.ceil(table["eval_examples"] / (t["eval_batch"] * world))
+        out.update(train_batch=t["train_batch"], eval_batch=t["eval_batch"], train_epoch_s=t["train_s"] * steps,
+                   eval_epoch_s=t["eval_s"] * eval_steps,
+                   tokens_per_s=t["train_batch"] * world * table["tokens_per_sample"] / t["train_s"],
+                   gpu_peak_gib=t.get("gpu_peak_gib"), host_rss_gib=t.get("host_rss_gib"),
+                   capped=bool(row.get("done", {}).get("capped")))
+    eq = row.get("equal")
+    out["equal_fits"] = None if eq is None else bool(eq["fits"])
+    if out["equal_fits"]:
+        out.update(equal_s=eq["train_s"], first_loss=eq["losses"][0])
+    return out
+
+
+def status(row: dict[str, Any]) -> str:
+    if row.get("skipped"):
+        return f"skipped: {row['skipped']}"
+    if row.get("error"):
+        return "failed"
+    if row.get("done") and row["done"].get("train_batch") == 0:
+        return "out of memory at batch 1"
+    return "ok" if row.get("timing") else "incomplete"
+
+
+def markdown(record: dict[str, Any]) -> list[str]:
+    world = record["options"]["nproc"]
+    cap = record["options"].get("gpu_memory_gib")
+    hw = record["environment"]
+    where = f"{world} x {hw.get('gpu') or 'CPU'}" + (f", capped at {cap:g} GiB each" if cap else "")
+    lines = [f"Hardware: {where}; {hw.get('cpus')} CPU cores; torch {hw.get('torch')}, transformers "
+             f"{hw.get('transformers')}, DeepSpeed {hw.get('deepspeed') or '-'}; precision "
+             f"{record['options']['precision']}, AdamW, clipping {record['options']['clip']:g}; median of "
+             f"{record['options']['steps']} steps after a warm-up step.", ""]
+    for table in record["tables"]:
+        lines += table_markdown(table, world) + [""]
+    return lines
+
+
+def table_markdown(table: dict[str, Any], world: int) -> list[str]:
+    rows = {r["method"]: r for r in table["rows"]}
+    d = {m: derive(r, table, world) for m, r in rows.items()}
+    base = d.get("ddp", {})
+    eval_col = table["search_eval_batch"]
+    head = ["method", "largest train batch"] + (["largest eval batch"] if eval_col else []) + [
+        "train s / epoch", "eval s / epoch", "tokens / s", "GPU peak GiB", "host RSS GiB", "epoch vs DDP",
+        "zerofit vs peers", f"s / step at batch {table['equal_batch']}", "first loss"]
+    size = "toy sizes of the " if table.get("tiny") else ""
+    out = [f"### Table {table['table']}: {size}{table['title']} ({_millions(table['params'])} parameters)", "",
+           f"{table['epoch_note']}; {table['seed_result']}.", "",
+           "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for m, x in d.items():
+        if "train_batch" not in x:
+            cells = [m, x["status"]] + [""] * (len(head) - 4) + _equal_cells(x)
+            out.append("| " + " | ".join(cells) + " |")
+            continue
+        batch = f"{'>= ' if x['capped'] else ''}{x['train_batch']}"
+        vs_ddp = f"{base['train_epoch_s'] / x['train_epoch_s']:.2f}x" if "train_epoch_s" in base else "-"
+        peers = ", ".join(f"{d[p]['train_epoch_s'] / x['train_epoch_s']:.2f}x {p}" for p in PEERS.get(m, ())
+                          if "train_epoch_s" in d.get(p, {}))
+        cells = [m, batch] + ([str(x["eval_batch"])] if eval_col else []) + [
+            f"{x['train_epoch_s']:.1f}", f"{x['eval_epoch_s']:.1f}", f"{x['tokens_per_s']:,.0f}",
+            _num(x["gpu_peak_gib"]), _num(x["host_rss_gib"]), vs_ddp, peers or "-"] + _equal_cells(x)
+        out.append("| " + " | ".join(cells) + " |")
+    return out
+
+
+def _equal_cells(x: dict[str, Any]) -> list[str]:
+    if not x["equal_fits"]:
+        return ["out of memory" if x["equal_fits"] is False else "", ""]
+    return [f"{x['equal_s']:.3f}", f"{x['first_loss']:.4f}"]
+
+
+def _millions(n: int) -> str:
+    return f"{n / 1e6:,.0f} M" if n >= 10**7 else f"{n / 1e6:.2f} M"
+
+
+def _num(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1f}"
+
+
+def plots(record: dict[str, Any], out_dir: str) -> list[str]:
+    """One PNG per table: train time per epoch and largest batch per method. [] without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    world = record["options"]["nproc"]
+    written = []
+    for table in record["tables"]:
+        d = {r["method"]: derive(r, table, world) for r in table["rows"]}
+        methods = list(d)
+        fig, (a, b) = plt.subplots(1, 2, figsize=(11, 0.5 * len(methods) + 1.8))
+        for ax, key, label in ((a, "train_epoch_s", "train seconds per epoch (lower is better)"),
+                               (b, "train_batch", "largest train batch (higher is better)")):
+            values = [d[m].get(key) or 0 for m in methods]
+            ax.barh(methods, values, color=["#c44" if m.startswith("zerofit") else "#888" for m in methods])
+            ax.invert_yaxis()
+            ax.set_xlabel(label)
+            for i, v in enumerate(values):
+                ax.text(v, i, f" {v:,.1f}" if isinstance(v, float) else f" {v}" if v else " n/a", va="center")
+        hw = record["environment"].get("gpu") or "CPU"
+        cap = record["options"].get("gpu_memory_gib")
+        fig.suptitle(f"Table {table['table']}: {table['title']}\n{world} x {hw}" + (f", {cap:g} GiB cap" if cap else ""),
+                     fontsize=10)
+        fig.tight_layout()
+        path = os.path.join(out_dir, f"table{table['table']}_{table['key']}.png")
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def environment() -> dict[str, Any]:
+    import torch
+
+    import zerofit
+
+    env: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
+                           "zerofit": zerofit.__version__, "cuda": torch.version.cuda, "cpus": os.cpu_count(),
+                           "platform": platform.platform()}
+    for name in ("transformers", "deepspeed"):
+        try:
+            env[name] = __import__(name).__version__
+        except Exception:  # noqa: BLE001 - absent or broken: the record says so
+            env[name] = None
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        env.update(gpu=props.name, gpu_memory_gib=round(props.total_memory / 2**30, 1),
+                   gpus=torch.cuda.device_count())
+    try:
+        with open("/proc/meminfo") as f:
+            env["host_memory_gib"] = round(int(f.readline().split()[1]) / 2**20, 1)
+    except OSError:
+        pass
+    return env
+
+
+def write(record: dict[str, Any], out_dir: str) -> list[str]:
+    """results.json, tables.md and the plots under `out_dir`; returns the paths written."""
+    os.makedirs(out_dir, exist_ok=True)
+    paths = [os.path.join(out_dir, "results.json"), os.path.join(out_dir, "tables.md")]
+    with open(paths[0], "w") as f:
+        json.dump(record, f, indent=1)
+    with open(paths[1], "w") as f:
+        f.write("\n".join(markdown(record)) + "\n")
+    return paths + plots(record, out_dir)

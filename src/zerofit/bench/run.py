@@ -1,0 +1,180 @@
+"""The rows' processes: each method of each table in processes of its own, relaunched where needed.
+
+A row starts one worker (`zerofit.bench.worker`; under torchrun with several processes). The worker
+reports every result as it happens, so when a process ends early - an out-of-memory that one process
+cannot recover from, any out-of-memory with several processes, a crash inside a peer's engine after
+recovering - the next worker starts from the bounds already known instead of from scratch. A try
+that never reported back counts as out of memory only when the process said so (stderr names the
+out-of-memory error); anything else ends the row with its error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+from typing import Any
+
+from zerofit.bench.methods import parse
+from zerofit.bench.workloads import Workload
+
+MAX_LAUNCHES = 6
+_OOM_MARKERS = ("OutOfMemoryError", "out of memory", "SimulatedOutOfMemory")
+
+
+@dataclasses.dataclass
+class RowState:
+    method: str
+    table: str
+    equal: dict[str, Any] | None = None
+    bounds: dict[str, list[int | None]] = dataclasses.field(
+        default_factory=lambda: {"train": [0, None], "eval": [0, None]})
+    timing: dict[str, Any] | None = None
+    config: dict[str, Any] | None = None
+    done: dict[str, Any] | None = None
+    launches: int = 0
+    timing_failures: int = 0
+    error: str | None = None
+    skipped: str | None = None
+    log: list[str] = dataclasses.field(default_factory=list)
+
+    def record(self, event: dict[str, Any]) -> None:
+        kind = event["event"]
+        if kind == "config":
+            self.config = event["config"]
+        elif kind == "equal":
+            self.equal = event
+            self._bound("train", event["batch"], event["fits"])
+        elif kind == "tried":
+            self._bound(event["phase"], event["batch"], event["fits"])
+        elif kind == "timing":
+            self.timing = event
+        elif kind == "done":
+            self.done = event
+
+    def _bound(self, phase: str, batch: int, fits: bool) -> None:
+        lo, hi = self.bounds[phase]
+        if fits:
+            self.bounds[phase][0] = max(lo, batch)
+        else:
+            self.bounds[phase][1] = batch if hi is None else min(hi, batch)
+
+    def as_record(self) -> dict[str, Any]:
+        out = {k: v for k, v in dataclasses.asdict(self).items() if k != "log"}
+        out["log_tail"] = self.log[-40:]
+        return out
+
+
+def deepspeed_missing() -> bool:
+    return importlib.util.find_spec("deepspeed") is None
+
+
+def run_row(workload: Workload, method: str, opts: dict[str, Any], *, nproc: int, timeout: float,
+            echo: bool = True) -> RowState:
+    """All processes of one row until it is done, failed, or out of launches."""
+    state = RowState(method=method, table=workload.key)
+    family, _, _ = parse(method)
+    if family == "deepspeed" and deepspeed_missing():
+        state.skipped = "DeepSpeed is not installed here (pip install deepspeed)"
+        return state
+    while state.done is None and state.error is None:
+        if state.launches >= MAX_LAUNCHES:
+            state.error = f"gave up after {MAX_LAUNCHES} launches"
+            break
+        state.launches += 1
+        tried: dict[int, dict[str, Any]] = {}
+        proc = _launch(workload, method, opts, state, nproc=nproc, timeout=timeout)
+        for event in proc["events"]:
+            if event.get("rank", 0) == 0 or event["event"] == "tried" and not event["fits"]:
+                state.record(event)
+            if event["event"] == "try":
+                tried[event["rank"]] = event
+            elif event["event"] == "tried":
+                tried.pop(event["rank"], None)
+        state.log += [ln for ln in (proc["stdout"] + proc["stderr"]).splitlines() if ln.strip()][-200:]
+        if echo:
+            print(f"  {method}: launch {state.launches} ended (rc {proc['rc']}); bounds {state.bounds}",
+                  file=sys.stderr, flush=True)
+        if state.done is not None:
+            break
+        oom = proc["rc"] == 3 or any(m in proc["stderr"] for m in _OOM_MARKERS)
+        if not oom:
+            state.error = (proc["stderr"] or proc["stdout"] or f"exit code {proc['rc']}")[-3000:]
+            break
+        if tried:  # a try died with its process: that batch did not fit
+            t = next(iter(tried.values()))
+            state._bound(t["phase"], t["batch"], False)
+        elif state.config is None:
+            state.error = "out of memory while building the model and its engine (before any step)"
+        elif _searches_done(state, workload):
+            state.timing_failures += 1  # the timing run at the largest batch ran out of memory
+            if state.timing_failures >= 2:  # twice, in a fresh process too: search again below it
+                b = state.bounds["train"][0]
+                state.bounds["train"] = [0, b]
+    return state
+
+
+def _searches_done(state: RowState, workload: Workload) -> bool:
+    from zerofit.bench.search import BatchSearch
+
+    lo, hi = state.bounds["train"]
+    return lo > 0 and BatchSearch(max_batch=10**9, fits=lo, fails=hi).next() is None
+
+
+def _launch(workload: Workload, method: str, opts: dict[str, Any], state: RowState, *, nproc: int,
+            timeout: float) -> dict[str, Any]:
+    args = ["--table", workload.key, "--method", method, "--device", opts["device"], "--precision", opts["precision"],
+            "--clip", str(opts["clip"]), "--steps", str(opts["steps"]), "--eval-steps", str(opts["eval_steps"]),
+            "--max-batch", str(opts["max_batch"])]
+    for flag in ("gpu_memory_gib", "equal_batch", "simulate_oom_above"):
+        if opts.get(flag) is not None:
+            args += [f"--{flag.replace('_', '-')}", str(opts[flag])]
+    if opts.get("tiny"):
+        args.append("--tiny")
+    if state.equal is not None:
+        args.append("--skip-equal")
+    for phase, (lo, hi) in state.bounds.items():
+        args += [f"--{phase}-fits", str(lo)] + ([f"--{phase}-fails", str(hi)] if hi is not None else [])
+    events = tempfile.mkdtemp(prefix="zerofit-bench-")
+    args += ["--events", events]
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    if nproc > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
+               "127.0.0.1", "--master_port", env["MASTER_PORT"], "-m", "zerofit.bench.worker", *args]
+    else:
+        cmd = [sys.executable, "-m", "zerofit.bench.worker", *args]
+        env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        out = {"rc": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr}
+    except subprocess.TimeoutExpired as e:
+        text = [x.decode() if isinstance(x, bytes) else (x or "") for x in (e.stdout, e.stderr)]
+        out = {"rc": -9, "stdout": text[0], "stderr": text[1] + f"\ntimed out after {timeout:.0f} s"}
+    out["events"] = read_events(events)
+    shutil.rmtree(events, ignore_errors=True)
+    return out
+
+
+def read_events(directory: str) -> list[dict[str, Any]]:
+    """Every rank's events, rank 0 first; a line cut off by a dying process is dropped."""
+    events = []
+    for name in sorted(os.listdir(directory), key=lambda n: int(n[4:].split(".")[0])):
+        with open(os.path.join(directory, name)) as f:
+            for line in f:
+                try:
+                    events.append(json.loads(line))
+                except json.JSONDecodeError:
+                    pass
+    return events
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,200 @@
+"""One row of a table in one process (or in each process of a torchrun job): `python -m zerofit.bench.worker`.
+
+Phases, each skipped when the parent already has its result (a relaunch after an out-of-memory that
+left the process unusable continues where the last one stopped):
+1. equal: fixed steps at the workload's equal batch, from the seeded initial weights (first loss,
+   train and eval seconds per step);
+2. train search: the largest training batch (`zerofit.bench.search`), one step per try;
+3. eval search (where the table reports it): the largest forward-only batch;
+4. timing: fixed steps at the largest batches, GPU peak memory.
+
+Each event is one JSON line in `--events DIR/rank<R>.jsonl`, written before the next phase starts,
+so the parent knows every result even if the process dies. On one process an out-of-memory is recovered in place
+(`Runner.recover`); with several processes the failing rank exits (the others would wait in a
+collective) and the parent relaunches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+import traceback
+from typing import Any
+
+import torch
+
+from zerofit.bench.methods import Runner, build_runner, repeated_blocks
+from zerofit.bench.search import BatchSearch
+from zerofit.bench.workloads import WORKLOADS, Workload
+
+
+class SimulatedOutOfMemory(torch.OutOfMemoryError):
+    """`--simulate-oom-above N`: the harness's out-of-memory path, tested on CPU."""
+
+
+_EVENTS: list[Any] = []  # the open events file of this process
+
+
+def emit(**event: Any) -> None:
+    """One result, written and flushed at once (it must survive this process dying next)."""
+    event["rank"] = int(os.environ.get("RANK", "0"))
+    _EVENTS[0].write(json.dumps(event) + "\n")
+    _EVENTS[0].flush()
+
+
+class Row:
+    def __init__(self, args: argparse.Namespace, workload: Workload):
+        self.args, self.w = args, workload
+        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.rank = int(os.environ.get("RANK", "0"))
+        cuda = args.device == "cuda"
+        self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
+        if cuda:
+            torch.cuda.set_device(self.device)
+            if args.gpu_memory_gib:
+                total = torch.cuda.get_device_properties(self.device).total_memory / 2**30
+                torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_memory_gib / total), self.device)
+        self.index = 0
+        self.runner: Runner = build_runner(args.method, workload, tiny=args.tiny, device=self.device,
+                                           bf16=args.precision == "bf16", clip=args.clip, world=self.world,
+                                           micro_batch=args.equal_batch or workload.equal_batch)
+        if args.simulate_oom_above:
+            block = repeated_blocks(self.runner.model)[-1]
+            block.register_forward_pre_hook(self._simulated_oom)
+        emit(event="config", config=self.runner.config(), world=self.world)
+
+    def _simulated_oom(self, _module, args, kwargs=None):
+        x = args[0] if args else None
+        if isinstance(x, torch.Tensor) and x.shape[0] > self.args.simulate_oom_above:
+            raise SimulatedOutOfMemory(f"simulated: batch {x.shape[0]} > {self.args.simulate_oom_above}")
+
+    # --- one try -----------------------------------------------------------------------------
+    def batch(self, size: int) -> dict[str, torch.Tensor]:
+        b = self.w.batch(size, self.index * self.world + self.rank, self.args.tiny, self.device)
+        self.index += 1
+        return b
+
+    def timed(self, size: int, steps: int, *, train: bool) -> tuple[list[float], list[float]]:
+        """Seconds and losses of `steps` steps after one warm-up step."""
+        times, losses = [], []
+        for i in range(steps + 1):
+            batch = self.batch(size)
+            self._sync()
+            t0 = time.perf_counter()
+            loss = self.runner.train(batch) if train else self.runner.evaluate(batch)
+            self._sync()
+            if i > 0 or steps == 0:
+                times.append(time.perf_counter() - t0)
+            losses.append(float(loss))
+        return times, losses
+
+    def fits(self, size: int, *, train: bool) -> bool | None:
+        """One step at `size`; False on out-of-memory (recovered on one process); None: process must go."""
+        try:
+            self.timed(size, 0, train=train)
+            return True
+        except torch.OutOfMemoryError as e:
+            traceback.clear_frames(e.__traceback__)
+            del e
+            if self.world > 1:
+                return None
+            self.runner.recover()
+            return False
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    # --- phases ------------------------------------------------------------------------------
+    def equal(self) -> None:
+        size = self.args.equal_batch or self.w.equal_batch
+        try:
+            train_s, losses = self.timed(size, self.args.steps, train=True)
+            eval_s, _ = self.timed(size, self.args.eval_steps, train=False)
+        except torch.OutOfMemoryError as e:
+            traceback.clear_frames(e.__traceback__)
+            del e
+            emit(event="equal", batch=size, fits=False)
+            if self.world > 1:
+                leave_out_of_memory(size)
+            self.runner.recover()
+            return
+        emit(event="equal", batch=size, fits=True, train_s=statistics.median(train_s), train_times=train_s,
+             eval_s=statistics.median(eval_s), losses=losses)
+
+    def search(self, phase: str, search: BatchSearch) -> int:
+        while (size := search.next()) is not None:
+            emit(event="try", phase=phase, batch=size)
+            ok = self.fits(size, train=phase == "train")
+            emit(event="tried", phase=phase, batch=size, fits=bool(ok))
+            if ok is None:
+                leave_out_of_memory(size)
+            search.record(size, ok)
+        return search.fits
+
+    def timing(self, train_batch: int, eval_batch: int) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        train_s, losses = self.timed(train_batch, self.args.steps, train=True)
+        eval_s, _ = self.timed(eval_batch, self.args.eval_steps, train=False)
+        peak = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else None
+        emit(event="timing", train_batch=train_batch, eval_batch=eval_batch, train_s=statistics.median(train_s),
+             train_times=train_s, eval_s=statistics.median(eval_s), losses=losses, gpu_peak_gib=peak,
+             host_rss_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
+
+
+
+def leave_out_of_memory(size: int) -> None:
+    """Several processes: the others wait in a collective, so end this one; the parent relaunches."""
+    print(f"zerofit bench: rank {os.environ.get('RANK', '0')}: out of memory at batch {size}", file=sys.stderr,
+          flush=True)
+    os._exit(3)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="one row of `zerofit bench` (started by `zerofit bench`)")
+    p.add_argument("--events", required=True, help="directory for each rank's events file")
+    p.add_argument("--table", required=True, choices=sorted(WORKLOADS))
+    p.add_argument("--method", required=True)
+    p.add_argument("--tiny", action="store_true")
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--precision", choices=["bf16", "no"], default="bf16")
+    p.add_argument("--clip", type=float, default=1.0)
+    p.add_argument("--gpu-memory-gib", type=float, default=None)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--eval-steps", type=int, default=3)
+    p.add_argument("--max-batch", type=int, default=1024)
+    p.add_argument("--equal-batch", type=int, default=None)
+    p.add_argument("--skip-equal", action="store_true")
+    for phase in ("train", "eval"):
+        p.add_argument(f"--{phase}-fits", type=int, default=0)
+        p.add_argument(f"--{phase}-fails", type=int, default=None)
+    p.add_argument("--simulate-oom-above", type=int, default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    _EVENTS.append(open(os.path.join(args.events, f"rank{os.environ.get('RANK', '0')}.jsonl"), "a"))
+    workload = WORKLOADS[args.table]
+    row = Row(args, workload)
+    equal = args.equal_batch or workload.equal_batch
+    if not args.skip_equal:
+        row.equal()
+    train = BatchSearch(max_batch=args.max_batch, fits=args.train_fits, fails=args.train_fails, start=equal)
+    if row.search("train", train) == 0:
+        emit(event="done", train_batch=0)
+        return 0
+    eval_batch = train.fits
+    if workload.search_eval_batch:
+        evals = BatchSearch(max_batch=4 * args.max_batch, fits=max(args.eval_fits, train.fits),
+                            fails=args.eval_fails, start=train.fits)
+        eval_batch = row.search("eval", evals)
+    row.timing(train.fits, eval_batch)
+    emit(event="done", train_batch=train.fits, eval_batch=eval_batch, capped=train.capped)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

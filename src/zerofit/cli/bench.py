@@ -1,0 +1,118 @@
+"""`zerofit bench`: the seed's three tables - largest batch, epoch times - for DDP, zerofit, DeepSpeed and FSDP2.
+
+Every method of every table runs in processes of its own (see `zerofit.bench`): an equal-batch run
+from the same weights, the largest batch by doubling and bisection with out-of-memory caught, then
+fixed steps at that batch. Writes tables.md, results.json (configs, versions, hardware) and one PNG
+per table (with matplotlib: `pip install zerofit[bench]`) under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+_TABLES = ("cls", "seq2seq", "clm")
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "bench", allow_abbrev=False, help="the seed's benchmark tables: DDP vs zerofit vs DeepSpeed vs FSDP2",
+        description=__doc__.splitlines()[0],
+        epilog="examples:\n  zerofit bench --gpu-memory-gib 24 --out bench/results/seed_tables\n"
+               "  zerofit bench --tables cls --methods ddp zerofit-s2 deepspeed-s2 --steps 3\n"
+               "  zerofit bench --tiny --cpu --out /tmp/bench        # the harness on toy models, on CPU\n"
+               "  zerofit bench --report bench/results/seed_tables   # tables and plots again from results.json",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tables", nargs="+", default=list(_TABLES),
+                   help="which tables: cls (1, DeBERTa-v2-xlarge), seq2seq (2, BlenderBot-400M), clm (3, GPT-2 XL)")
+    p.add_argument("--methods", nargs="+", default=None,
+                   help="rows (default: each table's own list): ddp, zerofit-sN[-offload], deepspeed-sN[-offload], "
+                        "fsdp2[-offload]")
+    p.add_argument("--nproc", type=int, default=1, help="processes (GPUs) per row; >1 runs each row under torchrun")
+    p.add_argument("--gpu-memory-gib", type=float, default=None,
+                   help="cap each process's GPU memory (24 stands in for the seed's 24 GB cards)")
+    p.add_argument("--steps", type=int, default=5, help="timed training steps per measurement (default 5)")
+    p.add_argument("--eval-steps", type=int, default=3, help="timed eval steps per measurement (default 3)")
+    p.add_argument("--max-batch", type=int, default=None, help="stop the search here (default 1024; --tiny 16)")
+    p.add_argument("--equal-batch", type=int, default=None, help="the equal-batch column's batch (default: per table)")
+    p.add_argument("--precision", choices=("bf16", "no"), default=None, help="default bf16 on GPU, no (fp32) on CPU")
+    p.add_argument("--clip", type=float, default=1.0, help="gradient clipping for every row (0: none)")
+    p.add_argument("--tiny", action="store_true", help="toy sizes of the same architectures (tests the harness)")
+    p.add_argument("--cpu", action="store_true", help="run on CPU (gloo) even where CUDA is present")
+    p.add_argument("--timeout", type=float, default=900, help="seconds per process before it is stopped")
+    p.add_argument("--out", default=None, help="directory for tables.md, results.json and the plots")
+    p.add_argument("--report", metavar="DIR", default=None,
+                   help="only render tables.md and plots again from DIR/results.json")
+    p.add_argument("--simulate-oom-above", type=int, default=None, help=argparse.SUPPRESS)  # tests: fake OOMs
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import json
+    import os
+
+    from zerofit.bench import report
+
+    if args.report:
+        with open(os.path.join(args.report, "results.json")) as f:
+            record = json.load(f)
+        for path in report.write(record, args.report):
+            print(path)
+        return 0
+    import torch
+
+    from zerofit.bench.methods import parse
+    from zerofit.bench.run import run_row
+    from zerofit.bench.workloads import TINY_METHODS, resolve_tables
+
+    try:
+        tables = resolve_tables(args.tables)
+        for m in args.methods or ():
+            parse(m)
+    except ValueError as e:
+        print(f"zerofit bench: error: {e}", file=sys.stderr)
+        return 2
+    cuda = torch.cuda.is_available() and not args.cpu
+    if args.nproc > 1 and cuda and torch.cuda.device_count() < args.nproc:
+        print(f"zerofit bench: error: --nproc {args.nproc} needs {args.nproc} GPUs, this machine has "
+              f"{torch.cuda.device_count()}: lower --nproc or add --cpu", file=sys.stderr)
+        return 2
+    opts = {"device": "cuda" if cuda else "cpu", "precision": args.precision or ("bf16" if cuda else "no"),
+            "clip": args.clip, "steps": args.steps, "eval_steps": args.eval_steps,
+            "max_batch": args.max_batch or (16 if args.tiny else 1024), "gpu_memory_gib": args.gpu_memory_gib,
+            "equal_batch": args.equal_batch or (2 if args.tiny else None), "tiny": args.tiny,
+            "simulate_oom_above": args.simulate_oom_above, "nproc": args.nproc}
+    record = {"command": "zerofit bench " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else None,
+              "options": opts, "environment": report.environment(), "tables": []}
+    started = time.time()
+    for w in tables:
+        methods = args.methods or (TINY_METHODS if args.tiny else w.methods)
+        print(f"table {w.table} ({w.key}): {', '.join(methods)}", file=sys.stderr, flush=True)
+        table = table_record(w, args.tiny, opts["equal_batch"]) | {"rows": []}
+        record["tables"].append(table)
+        for m in methods:
+            table["rows"].append(run_row(w, m, opts, nproc=args.nproc, timeout=args.timeout).as_record())
+            record["seconds"] = round(time.time() - started, 1)
+            if args.out:  # after every row: a run stopped half-way keeps what it measured
+                written = report.write(record, args.out)
+    print("\n".join(report.markdown(record)))
+    if args.out:
+        print("\n".join(written), file=sys.stderr)
+    failed = [f"{t['key']}/{r['method']}" for t in record["tables"] for r in t["rows"] if r["error"]]
+    if failed:
+        print(f"zerofit bench: {len(failed)} row(s) failed: {', '.join(failed)} (errors in results.json)",
+              file=sys.stderr)
+    return 1 if failed else 0
+
+
+def table_record(w, tiny: bool, equal_batch: int | None) -> dict:
+    """The workload's description for the record (and the parameter count, from a model on meta)."""
+    import torch
+
+    model = w.build_model(tiny, "meta")
+    fields = {k: getattr(w, k) for k in ("key", "table", "title", "task", "train_examples", "eval_examples",
+                                         "epoch_note", "equal_batch", "search_eval_batch", "seed_result")}
+    return fields | {"equal_batch": equal_batch or w.equal_batch, "seq": w.sequence_length(tiny), "tokens_per_sample": w.tokens_per_sample(tiny), "tiny": tiny,
+                     "params": sum(p.numel() for p in model.parameters()),
+                     "model_config": w.build_config(tiny).to_dict(), "torch_default_dtype": str(torch.get_default_dtype())}
