@@ -13,5 +13,5 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONPATH="$PWD/src:${PYTHONPATH:-}" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 # DeepSpeed's JIT op builder cannot parse arch names like "9.0a": give it the plain compute capability.
-export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-$(python3 -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability())')}"
+export TORCH_CUDA_ARCH_LIST="$(python3 -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability())')"
 python3 -m zerofit.cli.main bench --gpu-memory-gib 24 --tables "${tables[@]}" --out "$out" "$@"

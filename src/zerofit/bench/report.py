@@ -21,13 +21,13 @@ PEERS = {"zerofit-s2": ("deepspeed-s2",), "zerofit-s2-offload": ("deepspeed-s2-o
 
 def derive(row: dict[str, Any], table: dict[str, Any], world: int) -> dict[str, Any]:
     """The table's numbers for one row (None where the row has no such measurement)."""
-    t = row.get("timing")
+    t, e = row.get("timing"), row.get("evaluation")
     out: dict[str, Any] = {"status": status(row)}
-    if t:
+    if t and e:
         steps = math.ceil(table["train_examples"] / (t["train_batch"] * world))
-        eval_steps = math.ceil(table["eval_examples"] / (t["eval_batch"] * world))
-        out.update(train_batch=t["train_batch"], eval_batch=t["eval_batch"], train_epoch_s=t["train_s"] * steps,
-                   eval_epoch_s=t["eval_s"] * eval_steps,
+        eval_steps = math.ceil(table["eval_examples"] / (e["eval_batch"] * world))
+        out.update(train_batch=t["train_batch"], eval_batch=e["eval_batch"], train_epoch_s=t["train_s"] * steps,
+                   eval_epoch_s=e["eval_s"] * eval_steps,
                    tokens_per_s=t["train_batch"] * world * table["tokens_per_sample"] / t["train_s"],
                    gpu_peak_gib=t.get("gpu_peak_gib"), host_rss_gib=t.get("host_rss_gib"),
                    capped=bool(row.get("done", {}).get("capped")))
@@ -45,7 +45,7 @@ def status(row: dict[str, Any]) -> str:
         return "failed"
     if row.get("done") and row["done"].get("train_batch") == 0:
         return "out of memory at batch 1"
-    return "ok" if row.get("timing") else "incomplete"
+    return "ok" if row.get("evaluation") else "incomplete"
 
 
 def markdown(record: dict[str, Any]) -> list[str]:

@@ -36,6 +36,7 @@ class RowState:
     bounds: dict[str, list[int | None]] = dataclasses.field(
         default_factory=lambda: {"train": [0, None], "eval": [0, None]})
     timing: dict[str, Any] | None = None
+    evaluation: dict[str, Any] | None = None
     config: dict[str, Any] | None = None
     done: dict[str, Any] | None = None
     launches: int = 0
@@ -55,6 +56,8 @@ class RowState:
             self._bound(event["phase"], event["batch"], event["fits"])
         elif kind == "timing":
             self.timing = event
+        elif kind == "evaluation":
+            self.evaluation = event
         elif kind == "done":
             self.done = event
 
@@ -88,43 +91,38 @@ def run_row(workload: Workload, method: str, opts: dict[str, Any], *, nproc: int
             state.error = f"gave up after {MAX_LAUNCHES} launches"
             break
         state.launches += 1
-        tried: dict[int, dict[str, Any]] = {}
         proc = _launch(workload, method, opts, state, nproc=nproc, timeout=timeout)
         for event in proc["events"]:
-            if event.get("rank", 0) == 0 or event["event"] == "tried" and not event["fits"]:
+            if event["rank"] == 0 or event["event"] == "tried" and not event["fits"]:
                 state.record(event)
-            if event["event"] == "try":
-                tried[event["rank"]] = event
-            elif event["event"] == "tried":
-                tried.pop(event["rank"], None)
         state.log += [ln for ln in (proc["stdout"] + proc["stderr"]).splitlines() if ln.strip()][-200:]
         if echo:
             print(f"  {method}: launch {state.launches} ended (rc {proc['rc']}); bounds {state.bounds}",
                   file=sys.stderr, flush=True)
-        if state.done is not None:
-            break
-        oom = proc["rc"] == 3 or any(m in proc["stderr"] for m in _OOM_MARKERS)
-        if not oom:
-            state.error = (proc["stderr"] or proc["stdout"] or f"exit code {proc['rc']}")[-3000:]
-            break
-        if tried:  # a try died with its process: that batch did not fit
-            t = next(iter(tried.values()))
-            state._bound(t["phase"], t["batch"], False)
-        elif state.config is None:
-            state.error = "out of memory while building the model and its engine (before any step)"
-        elif _searches_done(state, workload):
-            state.timing_failures += 1  # the timing run at the largest batch ran out of memory
-            if state.timing_failures >= 2:  # twice, in a fresh process too: search again below it
-                b = state.bounds["train"][0]
-                state.bounds["train"] = [0, b]
+        if state.done is None:
+            _after_early_end(state, proc)
     return state
 
 
-def _searches_done(state: RowState, workload: Workload) -> bool:
-    from zerofit.bench.search import BatchSearch
-
-    lo, hi = state.bounds["train"]
-    return lo > 0 and BatchSearch(max_batch=10**9, fits=lo, fails=hi).next() is None
+def _after_early_end(state: RowState, proc: dict[str, Any]) -> None:
+    """A launch ended before its row was done: learn what its end says, or give the row its error."""
+    events = proc["events"]
+    last = events[-1] if events else {"event": None}
+    oom = proc["rc"] == 3 or any(m in proc["stderr"] for m in _OOM_MARKERS)
+    recovered = any(e["event"] == "recovered" for e in events)
+    if not oom and not recovered:  # a genuine failure (a crash after an in-process recovery gets a fresh process)
+        state.error = (proc["stderr"] or proc["stdout"] or f"exit code {proc['rc']}")[-3000:]
+    elif last["event"] == "try":  # the try died with its process: that batch did not fit
+        state._bound(last["phase"], last["batch"], False)
+    elif state.config is None:
+        state.error = "out of memory while building the model and its engine (before any step)"
+    elif last["event"] == "timing_start":  # the timed steps at the largest batch ran out of memory
+        state.timing_failures += 1
+        if state.timing_failures >= 2:  # in a fresh process too: search again below that batch
+            state.bounds["train"] = [0, last["batch"]]
+    elif last["event"] == "evaluation_start":  # eval at the train batch did not fit: search below it
+        state.bounds["eval"] = [0, last["batch"]]
+    return state
 
 
 def _launch(workload: Workload, method: str, opts: dict[str, Any], state: RowState, *, nproc: int,
@@ -139,6 +137,8 @@ def _launch(workload: Workload, method: str, opts: dict[str, Any], state: RowSta
         args.append("--tiny")
     if state.equal is not None:
         args.append("--skip-equal")
+    if state.timing is not None:
+        args.append("--train-timed")
     for phase, (lo, hi) in state.bounds.items():
         args += [f"--{phase}-fits", str(lo)] + ([f"--{phase}-fails", str(hi)] if hi is not None else [])
     events = tempfile.mkdtemp(prefix="zerofit-bench-")

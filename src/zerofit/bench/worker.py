@@ -5,8 +5,8 @@ left the process unusable continues where the last one stopped):
 1. equal: fixed steps at the workload's equal batch, from the seeded initial weights (first loss,
    train and eval seconds per step);
 2. train search: the largest training batch (`zerofit.bench.search`), one step per try;
-3. eval search (where the table reports it): the largest forward-only batch;
-4. timing: fixed steps at the largest batches, GPU peak memory.
+3. timing: fixed steps at the largest batch (GPU peak memory), then - where the table reports it -
+   the largest eval batch searched in the memory state training leaves, and eval steps at it.
 
 Each event is one JSON line in `--events DIR/rank<R>.jsonl`, written before the next phase starts,
 so the parent knows every result even if the process dies. On one process an out-of-memory is recovered in place
@@ -37,12 +37,14 @@ class SimulatedOutOfMemory(torch.OutOfMemoryError):
     """`--simulate-oom-above N`: the harness's out-of-memory path, tested on CPU."""
 
 
+_STARTED = time.perf_counter()
 _EVENTS: list[Any] = []  # the open events file of this process
 
 
 def emit(**event: Any) -> None:
     """One result, written and flushed at once (it must survive this process dying next)."""
     event["rank"] = int(os.environ.get("RANK", "0"))
+    event["t"] = round(time.perf_counter() - _STARTED, 2)
     _EVENTS[0].write(json.dumps(event) + "\n")
     _EVENTS[0].flush()
 
@@ -104,6 +106,7 @@ class Row:
             if self.world > 1:
                 return None
             self.runner.recover()
+            emit(event="recovered", batch=size)
             return False
 
     def _sync(self) -> None:
@@ -123,6 +126,7 @@ class Row:
             if self.world > 1:
                 leave_out_of_memory(size)
             self.runner.recover()
+            emit(event="recovered", batch=size)
             return
         emit(event="equal", batch=size, fits=True, train_s=statistics.median(train_s), train_times=train_s,
              eval_s=statistics.median(eval_s), losses=losses)
@@ -137,16 +141,19 @@ class Row:
             search.record(size, ok)
         return search.fits
 
-    def timing(self, train_batch: int, eval_batch: int) -> None:
+    def train_timing(self, size: int) -> None:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        train_s, losses = self.timed(train_batch, self.args.steps, train=True)
-        eval_s, _ = self.timed(eval_batch, self.args.eval_steps, train=False)
+        emit(event="timing_start", batch=size)
+        train_s, losses = self.timed(size, self.args.steps, train=True)
         peak = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else None
-        emit(event="timing", train_batch=train_batch, eval_batch=eval_batch, train_s=statistics.median(train_s),
-             train_times=train_s, eval_s=statistics.median(eval_s), losses=losses, gpu_peak_gib=peak,
-             host_rss_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
+        emit(event="timing", train_batch=size, train_s=statistics.median(train_s), train_times=train_s,
+             losses=losses, gpu_peak_gib=peak, host_rss_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
 
+    def eval_timing(self, size: int) -> None:
+        emit(event="evaluation_start", batch=size)
+        eval_s, _ = self.timed(size, self.args.eval_steps, train=False)
+        emit(event="evaluation", eval_batch=size, eval_s=statistics.median(eval_s), eval_times=eval_s)
 
 
 def leave_out_of_memory(size: int) -> None:
@@ -171,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-batch", type=int, default=1024)
     p.add_argument("--equal-batch", type=int, default=None)
     p.add_argument("--skip-equal", action="store_true")
+    p.add_argument("--train-timed", action="store_true")
     for phase in ("train", "eval"):
         p.add_argument(f"--{phase}-fits", type=int, default=0)
         p.add_argument(f"--{phase}-fails", type=int, default=None)
@@ -186,12 +194,16 @@ def main(argv: list[str] | None = None) -> int:
     if row.search("train", train) == 0:
         emit(event="done", train_batch=0)
         return 0
+    if args.train_timed:  # a relaunch: one step first, so evaluation meets the memory training leaves behind
+        row.timed(train.fits, 0, train=True)
+    else:
+        row.train_timing(train.fits)
     eval_batch = train.fits
-    if workload.search_eval_batch:
+    if workload.search_eval_batch or args.eval_fails is not None:
         evals = BatchSearch(max_batch=4 * args.max_batch, fits=max(args.eval_fits, train.fits),
                             fails=args.eval_fails, start=train.fits)
         eval_batch = row.search("eval", evals)
-    row.timing(train.fits, eval_batch)
+    row.eval_timing(eval_batch)
     emit(event="done", train_batch=train.fits, eval_batch=eval_batch, capped=train.capped)
     return 0
 
