@@ -57,6 +57,9 @@ def markdown(record: dict[str, Any]) -> list[str]:
              f"{hw.get('transformers')}, DeepSpeed {hw.get('deepspeed') or '-'}; precision "
              f"{record['options']['precision']}, AdamW, clipping {record['options']['clip']:g}; median of "
              f"{record['options']['steps']} steps after a warm-up step.", ""]
+    if len(record.get("sources", ())) > 1:
+        lines += [f"Merged from {len(record['sources'])} runs (`sources` in results.json; timed steps per run: "
+                  + ", ".join(str(src["options"]["steps"]) for src in record["sources"]) + ").", ""]
     for table in record["tables"]:
         lines += table_markdown(table, world) + [""]
     return lines
@@ -162,6 +165,27 @@ def environment() -> dict[str, Any]:
     except OSError:
         pass
     return env
+
+
+def merge(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """One record from several runs (tables run in pieces): rows join their table in run order, a later
+    run's row replaces an earlier one of the same method; each row keeps the index of its run in `sources`."""
+    out = {"options": records[0]["options"], "environment": records[0]["environment"], "tables": [],
+           "sources": [{k: r.get(k) for k in ("command", "options", "seconds", "note")} for r in records]}
+    tables: dict[str, dict[str, Any]] = {}
+    for i, record in enumerate(records):
+        if record["options"]["nproc"] != out["options"]["nproc"]:
+            raise ValueError(f"cannot merge runs with {out['options']['nproc']} and {record['options']['nproc']} "
+                             "processes per row into one table")
+        for table in record["tables"]:
+            if table["key"] not in tables:
+                tables[table["key"]] = table | {"rows": []}
+                out["tables"].append(tables[table["key"]])
+            rows = tables[table["key"]]["rows"]
+            for row in table["rows"]:
+                rows[:] = [r for r in rows if r["method"] != row["method"]] + [row | {"source": i}]
+    out["tables"].sort(key=lambda t: t["table"])
+    return out
 
 
 def write(record: dict[str, Any], out_dir: str) -> list[str]:

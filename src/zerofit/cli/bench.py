@@ -22,7 +22,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         epilog="examples:\n  zerofit bench --gpu-memory-gib 24 --out bench/results/seed_tables\n"
                "  zerofit bench --tables cls --methods ddp zerofit-s2 deepspeed-s2 --steps 3\n"
                "  zerofit bench --tiny --cpu --out /tmp/bench        # the harness on toy models, on CPU\n"
-               "  zerofit bench --report bench/results/seed_tables   # tables and plots again from results.json",
+               "  zerofit bench --report bench/results/seed_tables   # tables and plots again from results.json\n"
+               "  zerofit bench --merge run1 run2 --out joined       # tables run in pieces, as one",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tables", nargs="+", default=list(_TABLES),
                    help="which tables: cls (1, DeBERTa-v2-xlarge), seq2seq (2, BlenderBot-400M), clm (3, GPT-2 XL)")
@@ -44,6 +45,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default=None, help="directory for tables.md, results.json and the plots")
     p.add_argument("--report", metavar="DIR", default=None,
                    help="only render tables.md and plots again from DIR/results.json")
+    p.add_argument("--merge", nargs="+", metavar="DIR", default=None,
+                   help="join the results.json of several runs (tables run in pieces) into --out")
     p.add_argument("--simulate-oom-above", type=int, default=None, help=argparse.SUPPRESS)  # tests: fake OOMs
     p.set_defaults(func=run)
 
@@ -54,6 +57,17 @@ def run(args: argparse.Namespace) -> int:
 
     from zerofit.bench import report
 
+    if args.merge:
+        if not args.out:
+            print("zerofit bench: error: --merge needs --out DIR for the joined results", file=sys.stderr)
+            return 2
+        records = []
+        for d in args.merge:
+            with open(os.path.join(d, "results.json")) as f:
+                records.append(json.load(f))
+        for path in report.write(report.merge(records), args.out):
+            print(path)
+        return 0
     if args.report:
         with open(os.path.join(args.report, "results.json")) as f:
             record = json.load(f)

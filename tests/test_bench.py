@@ -1,0 +1,145 @@
+"""`zerofit bench`: the search, the report, and the harness end to end on toy models on CPU.
+
+Timings on CPU mean nothing here; what is tested is that every row runs its phases, that an
+out-of-memory (simulated: `--simulate-oom-above N` raises torch.OutOfMemoryError in the last block's
+forward for batches above N) is caught and the search lands on N, that several processes relaunch
+around it, that every method starts from the same weights and data, and what the files contain.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from zerofit.bench import report
+from zerofit.bench.methods import parse
+from zerofit.bench.search import BatchSearch
+from zerofit.bench.workloads import resolve_tables
+
+
+def _search(limit: int, **kw) -> tuple[BatchSearch, list[int]]:
+    s, tried = BatchSearch(**kw), []
+    while (b := s.next()) is not None:
+        tried.append(b)
+        s.record(b, b <= limit)
+    return s, tried
+
+
+@pytest.mark.parametrize("limit", [1, 2, 3, 7, 8, 9, 25, 40, 100, 333])
+def test_search_finds_the_limit_within_tolerance(limit):
+    s, tried = _search(limit, max_batch=1024, start=8)
+    assert s.fits <= limit < s.fails
+    assert s.fails - s.fits <= max(1, int(s.fits / 16))
+    assert len(tried) == len(set(tried)) and len(tried) <= 16
+
+
+def test_search_exact_below_sixteen_and_capped_and_none():
+    assert _search(13, max_batch=1024, start=8)[0].fits == 13
+    s, tried = _search(10**6, max_batch=64, start=8)
+    assert s.capped and s.fits == 64 and tried == [8, 16, 32, 64]
+    s, tried = _search(0, max_batch=64, start=8)
+    assert s.none_fit and tried == [8, 4, 2, 1]
+
+
+def test_search_resumes_from_known_bounds_and_rejects_non_monotonic():
+    s, tried = _search(50, max_batch=1024, fits=40, fails=64)
+    assert tried[0] == 52 and s.fits <= 50 < s.fails and s.fails - s.fits <= 3
+    s = BatchSearch(max_batch=64, fails=10)
+    with pytest.raises(ValueError, match="not monotonic"):
+        s.record(12, True)
+
+
+def test_method_and_table_names_are_checked():
+    assert parse("zerofit-s3-offload") == ("zerofit", 3, True)
+    assert parse("fsdp2") == ("fsdp2", 3, False)
+    with pytest.raises(ValueError, match="name the ZeRO stage"):
+        parse("deepspeed")
+    with pytest.raises(ValueError, match="optimizer offload needs stage 2 or 3"):
+        parse("zerofit-s1-offload")
+    with pytest.raises(ValueError, match="unknown table 'mlm'"):
+        resolve_tables(["mlm"])
+    assert [w.key for w in resolve_tables(["3", "cls"])] == ["clm", "cls"]
+
+
+def _bench(tmp_path, *args, timeout=600):
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONPATH=os.pathsep.join(sys.path))
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "zerofit.cli.main", "bench", "--tiny", "--cpu", "--steps", "1",
+                           "--eval-steps", "1", "--out", str(out), *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=tmp_path)
+    record = json.loads((out / "results.json").read_text()) if (out / "results.json").exists() else None
+    return proc, record, out
+
+
+def _rows(record, key):
+    return {r["method"]: r for t in record["tables"] if t["key"] == key for r in t["rows"]}
+
+
+@pytest.mark.slow
+def test_bench_one_process_finds_the_simulated_limit_and_writes_everything(tmp_path):
+    proc, record, out = _bench(tmp_path, "--tables", "cls", "seq2seq", "--methods", "ddp", "zerofit-s2", "zerofit-s3",
+                               "deepspeed-s2", "--simulate-oom-above", "5")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for key in ("cls", "seq2seq"):
+        rows = _rows(record, key)
+        table = next(t for t in record["tables"] if t["key"] == key)
+        for m in ("ddp", "zerofit-s2", "zerofit-s3"):
+            r = rows[m]
+            assert r["error"] is None and r["launches"] == 1  # recovered in place from each out-of-memory
+            assert r["timing"]["train_batch"] == 5 and r["evaluation"]["eval_batch"] == 5
+            assert r["bounds"]["train"] == [5, 6]
+            x = report.derive(r, table, world=1)
+            assert x["train_epoch_s"] == pytest.approx(r["timing"]["train_s"] * -(-table["train_examples"] // 5))
+        # same weights, same data: the first loss is the same computation in every row (fp32 on CPU)
+        first = {m: rows[m]["equal"]["losses"][0] for m in ("ddp", "zerofit-s2", "zerofit-s3")}
+        assert max(first.values()) - min(first.values()) < 1e-5, first
+        if rows["deepspeed-s2"]["skipped"] is None:  # installed here: it ran like the others
+            assert rows["deepspeed-s2"]["timing"]["train_batch"] == 5
+    md = (out / "tables.md").read_text()
+    assert "### Table 1: toy sizes of the DeBERTa-v2-xlarge" in md and "### Table 2:" in md
+    assert "| zerofit-s2 | 5 | 5 |" in md  # Table 2 has the eval-batch column
+    assert record["environment"]["torch"] and record["options"]["max_batch"] == 16
+    assert rows["zerofit-s2"]["config"]["deepspeed_json"]["zero_optimization"]["stage"] == 2
+    pytest.importorskip("matplotlib")
+    assert (out / "table1_cls.png").stat().st_size > 1000 and (out / "table2_seq2seq.png").exists()
+
+
+@pytest.mark.slow
+def test_bench_two_processes_relaunch_around_out_of_memory(tmp_path):
+    proc, record, _ = _bench(tmp_path, "--tables", "clm", "--methods", "zerofit-s2", "--nproc", "2",
+                             "--max-batch", "8", "--simulate-oom-above", "3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = _rows(record, "clm")["zerofit-s2"]
+    assert r["timing"]["train_batch"] == 3 and r["bounds"]["train"] == [3, 4]
+    assert r["launches"] >= 2  # each out-of-memory ends a multi-process launch; the next starts from the bounds
+
+
+def test_report_merges_runs_and_marks_failures():
+    def row(method, batch=None, error=None):
+        r = {"method": method, "error": error, "skipped": None, "equal": None, "done": {"capped": False},
+             "timing": None, "evaluation": None}
+        if batch:
+            r["timing"] = {"train_batch": batch, "train_s": 0.5, "gpu_peak_gib": 1.0, "host_rss_gib": 2.0}
+            r["evaluation"] = {"eval_batch": batch, "eval_s": 0.1}
+        return r
+
+    table = {"key": "cls", "table": 1, "title": "t", "train_examples": 100, "eval_examples": 10, "equal_batch": 8,
+             "search_eval_batch": False, "epoch_note": "e", "seed_result": "s", "params": 10**9, "tokens_per_sample": 4}
+    opts = {"nproc": 1, "steps": 2, "precision": "bf16", "clip": 1.0, "gpu_memory_gib": 24}
+    a = {"options": opts, "environment": {"gpu": "G"}, "tables": [table | {"rows": [row("ddp", 10),
+                                                                                     row("zerofit-s2", error="boom")]}]}
+    b = {"options": opts, "environment": {"gpu": "G"}, "tables": [table | {"rows": [row("zerofit-s2", 20),
+                                                                                     row("deepspeed-s2", 10)]}]}
+    merged = report.merge([a, b])
+    rows = merged["tables"][0]["rows"]
+    assert [r["method"] for r in rows] == ["ddp", "zerofit-s2", "deepspeed-s2"]
+    assert rows[1]["source"] == 1 and rows[1]["error"] is None
+    md = "\n".join(report.markdown(merged))
+    assert "| zerofit-s2 | 20 | 2.5 |" in md and "1.00x deepspeed-s2" not in md and "2.00x" in md
+    assert "Merged from 2 runs" in md and "capped at 24 GiB" in md
+    with pytest.raises(ValueError, match="processes per row"):
+        report.merge([a, b | {"options": opts | {"nproc": 2}}])
