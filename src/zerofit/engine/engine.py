@@ -51,8 +51,9 @@ from zerofit.engine.units import plan_units
 from zerofit.errors import EngineError
 
 _DTYPES = {"no": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-_ALIGN = 16  # shard sizes are a multiple of 16 elements: aligned collectives and kernels
-_MAX_INFLIGHT = 2  # reductions in flight before backward waits: bounds transient gradient memory
+# Public: the memory model (zerofit.plan) replays these rules, so it must read the same numbers.
+SHARD_ALIGN = 16  # shard sizes are a multiple of 16 elements: aligned collectives and kernels
+MAX_INFLIGHT_REDUCTIONS = 2  # reductions in flight before backward waits: bounds transient gradient memory
 
 
 def default_device() -> torch.device:
@@ -218,7 +219,7 @@ class ZeroEngine:
                 groups.append(FlatGroup(
                     spec.name, [n for n, _ in members], [p for _, p in members],
                     [group_of[id(p)] if trainable else 0 for _, p in members], trainable=trainable,
-                    placement=placement, compute_dtype=self.compute_dtype, device=self.device, align=_ALIGN))
+                    placement=placement, compute_dtype=self.compute_dtype, device=self.device, align=SHARD_ALIGN))
             units.append(Unit(spec.name, spec.module, groups, self.comm))
         if meta is not None:
             meta.finish()
@@ -310,7 +311,7 @@ class ZeroEngine:
 
     def _launch(self, pendings: list[Pending]) -> None:
         self._inflight.extend(pendings)
-        while len(self._inflight) > _MAX_INFLIGHT:
+        while len(self._inflight) > MAX_INFLIGHT_REDUCTIONS:
             self._inflight.popleft().wait()
 
     # [Note: host steps during backward]

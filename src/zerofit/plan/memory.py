@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from zerofit.engine.engine import _ALIGN
+from zerofit.engine.engine import SHARD_ALIGN
 from zerofit.engine.layout import plan_layout
 from zerofit.engine.policy import StagePolicy
 from zerofit.engine.units import UnitSpec, plan_units
@@ -154,7 +154,7 @@ def estimate(counts: ModelCounts, setting: Setting, work: Workload, trace: Activ
             if numel == 0:
                 continue
             pl = policy.placement(trainable=is_trainable, unit_numel=unit_numel, offload_state=offload)
-            lay = plan_layout([numel], pl.shard_world, align=_ALIGN)
+            lay = plan_layout([numel], pl.shard_world, align=SHARD_ALIGN)
             n, s = lay.padded_numel, lay.shard_numel
             if pl.shard_params:
                 (host if pl.offload_params else gpu)["params"] += s * c
