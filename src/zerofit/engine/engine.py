@@ -43,7 +43,7 @@ from zerofit.engine.optim import (
     sub_optimizer,
     sync_hyperparams,
 )
-from zerofit.engine.policy import StagePolicy
+from zerofit.engine.policy import StagePolicy, offloaded_units
 from zerofit.engine.stage3 import Stage3Hooks
 from zerofit.engine.timing import StepTimes
 from zerofit.engine.unit import Unit
@@ -226,19 +226,11 @@ class ZeroEngine:
         return units
 
     def _offloaded_units(self, specs) -> set[int]:
-        """Modules of the units whose optimizer runs on the host: a `ratio` share of the parameters,
-        taken from the last units first (their gradients arrive first, leaving the host the most time)."""
+        """Modules of the units whose optimizer runs on the host (see `offloaded_units`)."""
         off = self.zero.offload_optimizer
         if not off.enabled:
             return set()
-        total = sum(s.numel for s in specs)
-        chosen, taken = set(), 0
-        for spec in reversed(specs):
-            if taken >= off.ratio * total - 1e-9:
-                break
-            chosen.add(id(spec.module))
-            taken += spec.numel
-        return chosen
+        return {id(specs[i].module) for i in offloaded_units([s.numel for s in specs], off.ratio)}
 
     def _cast_inputs(self, _module, args, kwargs):
         def cast(x):

@@ -45,8 +45,9 @@ def needs_planning(config: RunConfig) -> bool:
 def candidates(config: RunConfig, world: int, checkpointing: bool) -> list[Setting]:
     """The settings the config leaves open (a written stage or device is kept)."""
     z = config.zero
+    ratio = offload_ratio(config)
     out = []
-    for s in all_settings(max(world, 2), checkpointing=(checkpointing,)):
+    for s in all_settings(max(world, 2), checkpointing=(checkpointing,), offload_ratio=ratio):
         if not is_auto(z.stage) and s.stage != z.stage:
             continue
         for kind, value in (("offload_optimizer", z.offload_optimizer.device), ("offload_param", z.offload_param.device)):
@@ -56,9 +57,16 @@ def candidates(config: RunConfig, world: int, checkpointing: bool) -> list[Setti
             out.append(s)
     if not out:  # a written offload the list does not hold (nvme): keep what was written
         stage = 3 if is_auto(z.stage) else z.stage
-        out.append(Setting(stage=stage, offload_optimizer=_written(z.offload_optimizer.device, stage),
-                           offload_param=_written(z.offload_param.device, stage), checkpointing=checkpointing))
+        opt = _written(z.offload_optimizer.device, stage)
+        out.append(Setting(stage=stage, offload_optimizer=opt, offload_param=_written(z.offload_param.device, stage),
+                           checkpointing=checkpointing, offload_ratio=ratio if opt != "none" else 1.0))
     return out
+
+
+def offload_ratio(config: RunConfig) -> float:
+    """`offload_optimizer.ratio` as the memory model takes it (1.0 where it is not a number)."""
+    ratio = config.zero.offload_optimizer.ratio
+    return float(ratio) if isinstance(ratio, (int, float)) and not isinstance(ratio, bool) else 1.0
 
 
 def _written(value: Any, stage: int) -> str:
