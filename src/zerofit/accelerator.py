@@ -48,6 +48,7 @@ from zerofit.script_config import (
     apply_script_arguments,
     early_accumulation,
     hidden_size_of,
+    require_micro_batch,
     resolve,
     scheduler_total_steps,
 )
@@ -374,6 +375,8 @@ class Accelerator(PersistenceMixin):
         """Backpropagate `loss`: divided by the accumulation steps, loss-scaled under fp16, reduced per stage."""
         engine = self._trained_engine()
         sync = self.sync_gradients and self._no_sync_depth == 0
+        if self._batch_waiting:  # still no DataLoader: a written micro-batch "auto" cannot be filled now
+            require_micro_batch(self.config)
         self._backoff.before_backward()  # several ranks: agree that no rank ran out of memory in forward
         if engine is None:
             (loss / self.gradient_accumulation_steps).backward(**kwargs)
