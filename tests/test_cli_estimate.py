@@ -41,6 +41,7 @@ def test_json_parses_and_sums(capsys, tmp_path):
     (["--gpu_memory", "-1"], "--gpu_memory"),
     (["--num_gpus", "2", "--gpus_per_host", "3"], "--gpus_per_host"),
     (["--headroom", "1.5"], "--headroom"),
+    (["--offload_ratio", "0"], "--offload_ratio"),
 ])
 def test_bad_arguments_name_the_flag(capsys, args, flag):
     assert main(["estimate", "--model", TINY, *args]) == 2
@@ -51,3 +52,16 @@ def test_unreachable_name_is_a_clear_error(capsys, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert main(["estimate", "--model", "no-such-org/no-such-model"]) == 2
     assert "works offline" in capsys.readouterr().err
+
+
+def test_offload_ratio_moves_part_of_the_state_back_to_the_gpu(capsys):
+    rows = {}
+    for ratio in ("1", "0.5"):
+        assert main(["estimate", "--model", TINY, "--checkpointing", "off", "--gpu_memory", "8", "--host_memory", "16",
+                     "--offload_ratio", ratio, "--json"]) == 0
+        data = json.loads(capsys.readouterr().out)
+        rows[ratio] = {s["setting"]: s for s in data["settings"]}
+    full, half = rows["1"]["ZeRO-2 + opt cpu"], rows["0.5"]["ZeRO-2 + opt cpu 50%"]
+    assert half["offload_ratio"] == 0.5 and full["gpu_bytes"]["optimizer"] == 0
+    assert 0 < half["gpu_bytes"]["optimizer"] and half["host_bytes"]["total"] < full["host_bytes"]["total"]
+    assert rows["0.5"]["DDP (stage 0)"] == rows["1"]["DDP (stage 0)"] | {"offload_ratio": 1.0}

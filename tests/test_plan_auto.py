@@ -12,7 +12,7 @@ from zerofit import Accelerator
 from zerofit.config import load_config
 from zerofit.config.schema import AUTO, OffloadConfig, RunConfig, ZeroConfig
 from zerofit.errors import ConfigError
-from zerofit.plan.auto import choose
+from zerofit.plan.auto import candidates, choose
 from zerofit.plan.choose import HOST_BASELINE_BYTES
 from zerofit.testing.distributed import run_distributed
 
@@ -76,6 +76,14 @@ def _loader():
 
 AUTO_ZERO = ZeroConfig(stage=AUTO, offload_optimizer=OffloadConfig(device=AUTO),
                        offload_param=OffloadConfig(device=AUTO))
+
+
+def test_candidates_carry_the_written_offload_ratio():
+    zero = ZeroConfig(stage=AUTO, offload_optimizer=OffloadConfig(device=AUTO, ratio=0.25),
+                      offload_param=OffloadConfig(device="none"))
+    settings = candidates(RunConfig(zero=zero), 2, False)
+    assert {s.offload_ratio for s in settings if s.offload_optimizer == "cpu"} == {0.25}
+    assert {s.offload_ratio for s in settings if s.offload_optimizer == "none"} == {1.0}
 
 
 def test_auto_resolves_on_cpu_and_draws_no_random_numbers(monkeypatch, capsys):

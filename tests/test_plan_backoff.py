@@ -14,8 +14,9 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from zerofit import Accelerator
-from zerofit.config.schema import OffloadConfig, RunConfig, ZeroConfig
-from zerofit.errors import EngineError
+from zerofit.config import load_config
+from zerofit.config.schema import BatchConfig, OffloadConfig, RunConfig, ZeroConfig
+from zerofit.errors import ConfigError, EngineError
 from zerofit.plan.backoff import split_batch
 from zerofit.testing.distributed import run_distributed
 
@@ -59,14 +60,17 @@ class OomAbove:
 
 
 def train(rank: int, world: int, stage: int, oom: tuple[int, int] | None, oom_rank: int = 0,
-          offload: bool = False, after_backward: bool = False):
+          offload: bool = False, after_backward: bool = False, backoff: bool = True):
     torch.manual_seed(0)
     zero = ZeroConfig(stage=stage, offload_optimizer=OffloadConfig(device="cpu" if offload else "none"))
-    acc = Accelerator(gradient_accumulation_steps=GAS, config=RunConfig(zero=zero))
+    acc = Accelerator(gradient_accumulation_steps=GAS,
+                      config=RunConfig(zero=zero, batch=BatchConfig(oom_backoff=backoff)))
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
     model, opt, dl, sched = acc.prepare(model, opt, DataLoader(Samples(), batch_size=MICRO), sched)
+    agreements, agree = [], acc._backoff._agree
+    acc._backoff._agree = lambda failed: agreements.append(failed) or agree(failed)  # counts the all-reduces
     if oom is not None and oom_rank in (rank, -1):
         hook = OomAbove(*oom)
         if after_backward:
@@ -89,7 +93,8 @@ def train(rank: int, world: int, stage: int, oom: tuple[int, int] | None, oom_ra
                 pending = []
                 steps.append(sched.get_last_lr()[0])
     params = acc._trained_engine().named_full_tensors("master")
-    return {"params": params, "committed": committed, "lrs": steps, "accum": acc.gradient_accumulation_steps}
+    return {"params": params, "committed": committed, "lrs": steps, "accum": acc.gradient_accumulation_steps,
+            "agreements": len(agreements)}
 
 
 def _close(a, b):
@@ -159,3 +164,28 @@ def test_two_ranks_refuse_where_forward_communicates():
     for rank, message in enumerate(run_distributed(_offload_forward_oom, 2, timeout=120)):
         assert message is not None and f"rank {rank}: CUDA out of memory in forward" in message
         assert "parameter gathers between the ranks run in forward" in message
+
+
+def _with_and_without_backoff(rank: int, world: int):
+    return train(rank, world, 2, None), train(rank, world, 2, None, backoff=False)
+
+
+def test_opting_out_removes_the_per_micro_step_agreement():
+    for on, off in run_distributed(_with_and_without_backoff, 2, timeout=120):
+        assert on["agreements"] == N // (MICRO * 2)  # one blocking all-reduce per micro-step of each rank
+        assert off["agreements"] == 0
+        _close(off, on)  # and the same training otherwise
+
+
+def test_opted_out_an_oom_is_the_oom():
+    with pytest.raises(torch.OutOfMemoryError, match="simulated by the test"):
+        train(0, 1, 0, (MICRO // 2, 1), backoff=False)
+
+
+def test_the_key_is_read_from_zerofit_yaml_and_checked(tmp_path):
+    path = tmp_path / "z.yaml"
+    path.write_text("batch:\n  oom_backoff: false\n")
+    assert load_config(str(path)).batch.oom_backoff is False
+    path.write_text("batch:\n  oom_backoff: sometimes\n")
+    with pytest.raises(ConfigError, match=r"batch\.oom_backoff .*sometimes"):
+        load_config(str(path))

@@ -41,12 +41,14 @@ from zerofit.optimizers import AcceleratedOptimizer, build_optimizer
 from zerofit.persistence import PersistenceMixin
 from zerofit.plan.auto import needs_planning, plan_for
 from zerofit.plan.backoff import OomBackoff
+from zerofit.plan.probe import StepProbe
 from zerofit.schedulers import AcceleratedScheduler, build_scheduler
 from zerofit.script_config import (
     Facts,
     apply_script_arguments,
     early_accumulation,
     hidden_size_of,
+    require_micro_batch,
     resolve,
     scheduler_total_steps,
 )
@@ -123,6 +125,7 @@ class Accelerator(PersistenceMixin):
         self.step = 0
         self.state = AcceleratorState(self)
         self._backoff = OomBackoff(self)  # out-of-memory back-off inside accumulate()
+        self._probe: StepProbe | None = None  # checks an "auto" choice on the first step (zerofit.plan.probe)
 
     # --- who and where --------------------------------------------------------------------------
     @property
@@ -291,13 +294,17 @@ class Accelerator(PersistenceMixin):
         if id(model) in self._engines:
             raise ValueError(f"this {type(model).__name__} was prepared already: prepare each model once, "
                              "together with its optimizer")
+        probe = None
         if needs_planning(self.config):  # stage / offload "auto": the planner picks (zerofit.plan.auto)
-            self.config = plan_for(self, model)
+            self.config, probe = plan_for(self, model)
         cfg = self.config
         engine = ZeroEngine(model, optimizer, zero=cfg.zero, precision=cfg.precision,
                             gradient_accumulation_steps=cfg.batch.gradient_accumulation_steps,
                             gradient_clipping=cfg.gradient_clipping, device=self.device)
         self._engines[id(model)] = engine
+        if probe is not None:
+            self._probe = probe
+            probe.start(engine)
         if any(u.sharded for u in engine.units) and self.num_processes > 1:
             # [Note: synced generation] Under stage 3 every rank must run the same number of forward
             # passes, or the parameter all-gathers hang when one rank's `generate()` stops early.
@@ -317,6 +324,8 @@ class Accelerator(PersistenceMixin):
             raise ValueError(f"the optimizer {type(real).__name__} was prepared without its model: pass the model "
                              "and its optimizer to the same prepare() call")
         wrapped = AcceleratedOptimizer(real, engine, self.gradient_state)
+        if self._probe is not None and self._probe.engine is engine:
+            wrapped.after_step = self._probe.check
         self._built[id(opt)] = wrapped
         self._built[id(real)] = wrapped
         self._optimizers.append(wrapped)
@@ -366,6 +375,8 @@ class Accelerator(PersistenceMixin):
         """Backpropagate `loss`: divided by the accumulation steps, loss-scaled under fp16, reduced per stage."""
         engine = self._trained_engine()
         sync = self.sync_gradients and self._no_sync_depth == 0
+        if self._batch_waiting:  # still no DataLoader: a written micro-batch "auto" cannot be filled now
+            require_micro_batch(self.config)
         self._backoff.before_backward()  # several ranks: agree that no rank ran out of memory in forward
         if engine is None:
             (loss / self.gradient_accumulation_steps).backward(**kwargs)

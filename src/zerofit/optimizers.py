@@ -43,6 +43,8 @@ class AcceleratedOptimizer:
         """True once a backward has run in an accumulation window that has not been stepped yet."""
         self.steps_taken = 0
         """Optimizer steps taken (accumulation windows closed, skipped fp16 steps included); checkpointed."""
+        self.after_step: Callable[[], None] | None = None
+        """Called once, after the next step that is not skipped (the planner's probe, `zerofit.plan.probe`)."""
 
     # --- the calls a training loop makes --------------------------------------------------------
     def step(self, closure: Callable[[], Any] | None = None) -> None:
@@ -54,6 +56,9 @@ class AcceleratedOptimizer:
         self.step_was_skipped = not self.engine.step()
         self.window_open = False
         self.steps_taken += 1
+        if self.after_step is not None and not self.step_was_skipped:  # a skipped step allocated no state
+            hook, self.after_step = self.after_step, None  # once: later steps only test this attribute
+            hook()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if not self.gradient_state.sync_gradients or self.window_open:

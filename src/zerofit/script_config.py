@@ -12,6 +12,20 @@
 Resolution happens in pieces, when the facts exist: the base config when the first model is
 prepared (the batch triple waits for a DataLoader if the config leaves it to one), the `optimizer`
 and `scheduler` sections when `DummyOptim` / `DummyScheduler` are prepared.
+
+[Note: a micro-batch "auto" with no DataLoader]
+`train_micro_batch_size_per_gpu: "auto"` means "the batch size of my DataLoader". A DataLoader
+prepared with `batch_size=None` still has one where it has a `BatchSampler`, and `prepare()` refuses
+one it cannot shard (a custom batch sampler, unbatched samples), so the value is missing only when
+the script prepares no DataLoader at all and makes its own batches. zerofit then cannot fill it, and
+neither can the planner: a micro-batch it picked would change nothing, because the script's own
+loader decides what each step sees (and without data the sequence length, which sets the activation
+memory, is unknown too). So the first `backward()` raises a ConfigError naming the key, the value
+and the two fixes (prepare the DataLoader, or write the number), as Accelerate does at prepare().
+It waits for the first backward because a DataLoader may be prepared after the model; a run that
+never trains (evaluation) is not stopped. Where the file did not write the key - an Accelerate YAML
+without a DeepSpeed file holds "auto" only as Accelerate's default - or wrote a train_batch_size to
+derive it from, the value is simply left unset.
 """
 
 from __future__ import annotations
@@ -25,6 +39,7 @@ from typing import Any
 from zerofit.config import ScriptFacts, resolve_auto
 from zerofit.config.naming import key_name
 from zerofit.config.schema import RunConfig, is_auto
+from zerofit.errors import ConfigError
 
 
 def _name(config: RunConfig, key: str) -> str:
@@ -141,3 +156,18 @@ def resolve(config: RunConfig, facts: Facts, world: int, *, optimizer: bool, sch
                                 scheduler=held["scheduler"] or resolved.scheduler)
     return resolved, waiting
 
+
+
+def require_micro_batch(config: RunConfig) -> None:
+    """Raise when training starts with a written micro-batch "auto" nothing filled (see the module note)."""
+    b = config.batch
+    if not is_auto(b.train_micro_batch_size_per_gpu) or config.source_format == "accelerate":
+        return
+    if isinstance(b.train_batch_size, int) and not is_auto(b.train_batch_size):
+        return
+    key = _name(config, "batch.train_micro_batch_size_per_gpu")
+    raise ConfigError(
+        f'{key} is "auto", but training started and no DataLoader with a batch size was passed to '
+        "accelerator.prepare(), so zerofit has no value to fill it with: prepare the training DataLoader "
+        f"(built with batch_size=...) before the first backward, or write the per-GPU micro-batch size "
+        f"instead of \"auto\" (for example {key}: 8)", config.source)

@@ -37,6 +37,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="fp32 state tensors per parameter: 2 for Adam/AdamW (default), 1 SGD+momentum, 0 SGD")
     p.add_argument("--checkpointing", default="both", choices=("both", "on", "off"),
                    help="activation checkpointing rows to show (default both)")
+    p.add_argument("--offload_ratio", type=float, default=1.0,
+                   help="share of the optimizer state the offloading rows put on the host, whole units from the "
+                        "last one backwards (zero_optimization.offload_optimizer.ratio; default 1.0)")
     p.add_argument("--nvme", action="store_true", help="also list ZeRO-3 with the optimizer state on NVMe")
     p.add_argument("--headroom", type=float, default=0.10, help="fraction of memory kept free (default 0.10)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -61,6 +64,9 @@ def _check(args: argparse.Namespace) -> None:
                          f"{args.gpus_per_host})")
     if args.optimizer_states < 0:
         raise UsageError(f"--optimizer_states must be 0 or more (got {args.optimizer_states})")
+    if not 0 < args.offload_ratio <= 1:
+        raise UsageError(f"--offload_ratio must be in (0, 1] (got {args.offload_ratio}): 1.0 offloads all of the "
+                         "optimizer state")
     if not 0 <= args.headroom < 1:
         raise UsageError(f"--headroom must be in [0, 1) (got {args.headroom})")
 
@@ -87,7 +93,8 @@ def run(args: argparse.Namespace) -> int:
         raise ModelSpecError(f"--model {args.model!r} does not support activation checkpointing: use "
                              "--checkpointing off")
     result = plan(counts, work, budget, traces,
-                  settings=all_settings(work.world, checkpointing=tuple(traces), nvme=args.nvme))
+                  settings=all_settings(work.world, checkpointing=tuple(traces), nvme=args.nvme,
+                                        offload_ratio=args.offload_ratio))
     if args.json:
         print(json.dumps(_as_json(args, counts, work, budget, result), indent=1))
     else:
@@ -97,7 +104,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _row(e, budget) -> dict:
     return {"setting": e.setting.label, "stage": e.setting.stage, "offload_optimizer": e.setting.offload_optimizer,
-            "offload_param": e.setting.offload_param, "checkpointing": e.setting.checkpointing,
+            "offload_param": e.setting.offload_param, "offload_ratio": e.setting.offload_ratio,
+            "checkpointing": e.setting.checkpointing,
             "gpu_bytes": {"params": e.params, "grads": e.grads, "optimizer": e.optimizer,
                           "activations": e.activations, "buffers": e.buffers, "total": e.gpu_total},
             "host_bytes": {"params": e.host_params, "grads": e.host_grads, "optimizer": e.host_optimizer,

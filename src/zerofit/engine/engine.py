@@ -43,7 +43,7 @@ from zerofit.engine.optim import (
     sub_optimizer,
     sync_hyperparams,
 )
-from zerofit.engine.policy import StagePolicy
+from zerofit.engine.policy import StagePolicy, offloaded_units
 from zerofit.engine.stage3 import Stage3Hooks
 from zerofit.engine.timing import StepTimes
 from zerofit.engine.unit import Unit
@@ -51,8 +51,9 @@ from zerofit.engine.units import plan_units
 from zerofit.errors import EngineError
 
 _DTYPES = {"no": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-_ALIGN = 16  # shard sizes are a multiple of 16 elements: aligned collectives and kernels
-_MAX_INFLIGHT = 2  # reductions in flight before backward waits: bounds transient gradient memory
+# Public: the memory model (zerofit.plan) replays these rules, so it must read the same numbers.
+SHARD_ALIGN = 16  # shard sizes are a multiple of 16 elements: aligned collectives and kernels
+MAX_INFLIGHT_REDUCTIONS = 2  # reductions in flight before backward waits: bounds transient gradient memory
 
 
 def default_device() -> torch.device:
@@ -218,26 +219,18 @@ class ZeroEngine:
                 groups.append(FlatGroup(
                     spec.name, [n for n, _ in members], [p for _, p in members],
                     [group_of[id(p)] if trainable else 0 for _, p in members], trainable=trainable,
-                    placement=placement, compute_dtype=self.compute_dtype, device=self.device, align=_ALIGN))
+                    placement=placement, compute_dtype=self.compute_dtype, device=self.device, align=SHARD_ALIGN))
             units.append(Unit(spec.name, spec.module, groups, self.comm))
         if meta is not None:
             meta.finish()
         return units
 
     def _offloaded_units(self, specs) -> set[int]:
-        """Modules of the units whose optimizer runs on the host: a `ratio` share of the parameters,
-        taken from the last units first (their gradients arrive first, leaving the host the most time)."""
+        """Modules of the units whose optimizer runs on the host (see `offloaded_units`)."""
         off = self.zero.offload_optimizer
         if not off.enabled:
             return set()
-        total = sum(s.numel for s in specs)
-        chosen, taken = set(), 0
-        for spec in reversed(specs):
-            if taken >= off.ratio * total - 1e-9:
-                break
-            chosen.add(id(spec.module))
-            taken += spec.numel
-        return chosen
+        return {id(specs[i].module) for i in offloaded_units([s.numel for s in specs], off.ratio)}
 
     def _cast_inputs(self, _module, args, kwargs):
         def cast(x):
@@ -310,7 +303,7 @@ class ZeroEngine:
 
     def _launch(self, pendings: list[Pending]) -> None:
         self._inflight.extend(pendings)
-        while len(self._inflight) > _MAX_INFLIGHT:
+        while len(self._inflight) > MAX_INFLIGHT_REDUCTIONS:
             self._inflight.popleft().wait()
 
     # [Note: host steps during backward]

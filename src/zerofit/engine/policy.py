@@ -9,10 +9,14 @@ replicas, gradients all-reduced once per optimizer step. Each higher stage shard
 | 1     | sharded                  | reduce-scattered at the step       | replicated           |
 | 2     | sharded                  | reduce-scattered every micro-step  | replicated           |
 | 3     | sharded                  | reduce-scattered every micro-step  | sharded between uses |
+
+With optimizer offload, `offloaded_units` picks which units' state lives on the host (all of them,
+or a share under `offload_optimizer.ratio`); the planner's memory model calls it too.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from zerofit.engine.flat_group import GroupPlacement
@@ -56,3 +60,21 @@ class StagePolicy:
                               keep_full_grads=trainable and not self.reduces_every_micro_step and not offload_state,
                               offload_state=offload_state,
                               offload_params=shard_params and self.offload_param)
+
+
+def offloaded_units(unit_numels: Sequence[int], ratio: float) -> frozenset[int]:
+    """Indices of the units whose optimizer state goes to the host under `offload_optimizer.ratio`.
+
+    Whole units are taken from the last one backwards (their gradients arrive first, leaving the host
+    step the most time) until they hold at least `ratio` of all elements; the rest stay on the
+    device. So ratio 1.0 takes every unit, and any ratio above 0 takes at least one.
+    """
+    total = sum(unit_numels)
+    chosen: set[int] = set()
+    taken = 0
+    for index in reversed(range(len(unit_numels))):
+        if taken >= ratio * total - 1e-9:
+            break
+        chosen.add(index)
+        taken += unit_numels[index]
+    return frozenset(chosen)

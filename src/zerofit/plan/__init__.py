@@ -5,6 +5,7 @@
 - `memory`: the bytes of every engine buffer per setting, from the engine's own layout functions;
 - `choose`: every setting's estimate and the fastest that fits a memory budget;
 - `auto`: `stage: auto` / offload `auto` resolved at `prepare()`;
+- `probe`: the first optimizer step of a planned run, its measured peak against the estimate;
 - `backoff`: a CUDA out-of-memory error in a step halves the micro-batch and doubles accumulation;
 - `advice`: the estimate for the running model, for the error when nothing more can be done.
 """

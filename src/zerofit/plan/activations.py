@@ -24,7 +24,8 @@ Where the engine holds a unit's full fp32 gradient only while it is reduced (sta
 ranks, and optimizer offload), that buffer's lifetime depends on when backward reaches the unit.
 The trace records, next to the running total, when each unit's first gradient arrives and when its
 last one does; `ActivationTrace.peak` replays the engine's rule (allocated at the first gradient,
-handed to a reduction at the last, at most `_MAX_INFLIGHT` reductions in flight) on that timeline.
+handed to a reduction at the last, at most `MAX_INFLIGHT_REDUCTIONS` reductions in flight) on that
+timeline.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from zerofit.engine.engine import _MAX_INFLIGHT
+from zerofit.engine.engine import MAX_INFLIGHT_REDUCTIONS
 from zerofit.engine.units import plan_units
 from zerofit.plan.sources import ATTENTION_DROPOUT_KEYS, FakeModel
 
@@ -74,7 +75,7 @@ class ActivationTrace:
                 extra += unit_grad_bytes[unit]
             elif event == _LAST:
                 inflight.append(unit)
-                while len(inflight) > _MAX_INFLIGHT:
+                while len(inflight) > MAX_INFLIGHT_REDUCTIONS:
                     extra -= unit_grad_bytes[inflight.popleft()]
             best = max(best, live + extra)
         return best

@@ -10,7 +10,9 @@ from zerofit.plan.memory import GIB, ModelCounts, Setting, Workload, estimate
 def _setting_of(config: Any) -> Setting | None:
     z = config.zero
     try:
-        return Setting(stage=z.stage, offload_optimizer=z.offload_optimizer.device, offload_param=z.offload_param.device)
+        ratio = z.offload_optimizer.ratio if z.offload_optimizer.device != "none" else 1.0
+        return Setting(stage=z.stage, offload_optimizer=z.offload_optimizer.device, offload_param=z.offload_param.device,
+                       offload_ratio=ratio)
     except (ValueError, TypeError):
         return None
 

@@ -13,7 +13,8 @@ sizes, the first batch's shape, the activation trace), so every rank computes th
 Activations are traced on a data-free replica of a transformers model at the first batch's shape
 (collated from the dataset's first samples, which draws nothing from any random generator), with
 activation checkpointing as the model has it. For other modules, or without a DataLoader, only the
-model states are planned, and the reason printed says so. Without CUDA the "GPU" is host memory: a
+model states are planned, and the reason printed says so. On CUDA the first optimizer step then
+checks the choice against the measured peak (`zerofit.plan.probe`). Without CUDA the "GPU" is host memory: a
 setting fits when its device and host bytes together fit the host (`Budget.unified`).
 """
 
@@ -32,6 +33,7 @@ from zerofit.config.schema import RunConfig, is_auto
 from zerofit.plan.activations import trace_step
 from zerofit.plan.choose import Budget, Plan, machine_budget, plan
 from zerofit.plan.memory import DTYPE_BYTES, ModelCounts, Setting, Workload, all_settings
+from zerofit.plan.probe import StepProbe
 from zerofit.plan.sources import replica_of
 
 _DTYPES = {"no": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -45,8 +47,9 @@ def needs_planning(config: RunConfig) -> bool:
 def candidates(config: RunConfig, world: int, checkpointing: bool) -> list[Setting]:
     """The settings the config leaves open (a written stage or device is kept)."""
     z = config.zero
+    ratio = offload_ratio(config)
     out = []
-    for s in all_settings(max(world, 2), checkpointing=(checkpointing,)):
+    for s in all_settings(max(world, 2), checkpointing=(checkpointing,), offload_ratio=ratio):
         if not is_auto(z.stage) and s.stage != z.stage:
             continue
         for kind, value in (("offload_optimizer", z.offload_optimizer.device), ("offload_param", z.offload_param.device)):
@@ -56,9 +59,16 @@ def candidates(config: RunConfig, world: int, checkpointing: bool) -> list[Setti
             out.append(s)
     if not out:  # a written offload the list does not hold (nvme): keep what was written
         stage = 3 if is_auto(z.stage) else z.stage
-        out.append(Setting(stage=stage, offload_optimizer=_written(z.offload_optimizer.device, stage),
-                           offload_param=_written(z.offload_param.device, stage), checkpointing=checkpointing))
+        opt = _written(z.offload_optimizer.device, stage)
+        out.append(Setting(stage=stage, offload_optimizer=opt, offload_param=_written(z.offload_param.device, stage),
+                           checkpointing=checkpointing, offload_ratio=ratio if opt != "none" else 1.0))
     return out
+
+
+def offload_ratio(config: RunConfig) -> float:
+    """`offload_optimizer.ratio` as the memory model takes it (1.0 where it is not a number)."""
+    ratio = config.zero.offload_optimizer.ratio
+    return float(ratio) if isinstance(ratio, (int, float)) and not isinstance(ratio, bool) else 1.0
 
 
 def _written(value: Any, stage: int) -> str:
@@ -115,8 +125,10 @@ def first_batch_shape(loader: Any, micro_batch: int | None) -> tuple[int, int] |
 
 
 def choose(config: RunConfig, model: nn.Module, *, world: int, device: torch.device,
-           shape: tuple[int, int] | None) -> tuple[RunConfig, Plan]:
-    """`config` with the open stage / offload devices filled by the planner, and the plan behind it."""
+           shape: tuple[int, int] | None, budget: Budget | None = None) -> tuple[RunConfig, Plan]:
+    """`config` with the open stage / offload devices filled by the planner, and the plan behind it.
+
+    `budget` defaults to this machine's (`budget_for`)."""
     precision = config.precision.mixed_precision
     checkpointing = any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
     threshold = config.zero.param_persistence_threshold
@@ -135,7 +147,7 @@ def choose(config: RunConfig, model: nn.Module, *, world: int, device: torch.dev
             except Exception:  # noqa: BLE001 - the states are still planned, and the reason says so
                 trace = None
     counts = ModelCounts.of(model, unit_size_threshold=work.unit_size_threshold)
-    result = plan(counts, work, budget_for(device, world), {checkpointing: trace},
+    result = plan(counts, work, budget or budget_for(device, world), {checkpointing: trace},
                   settings=candidates(config, world, checkpointing))
     chosen = result.choice or result.smallest
     s = chosen.setting
@@ -151,14 +163,19 @@ def _int(value: Any, default: int) -> int:
     return value if isinstance(value, int) and not is_auto(value) else default
 
 
-def plan_for(accelerator: Any, model: nn.Module) -> RunConfig:
-    """The Accelerator's config with its "auto" stage / offload resolved for `model`; prints the choice."""
+def plan_for(accelerator: Any, model: nn.Module) -> tuple[RunConfig, StepProbe]:
+    """The Accelerator's config with its "auto" stage / offload resolved for `model` (the choice is
+    printed), and the probe that checks the choice on the first optimizer step (`zerofit.plan.probe`)."""
     loaders = accelerator._dataloaders
     shape = first_batch_shape(loaders[0], accelerator._facts.micro_batch_size) if loaders else None
-    config, result = choose(accelerator.config, model, world=accelerator.num_processes, device=accelerator.device,
-                            shape=shape)
+    world, device = accelerator.num_processes, accelerator.device
+    budget = budget_for(device, world)
+    config, result = choose(accelerator.config, model, world=world, device=device, shape=shape, budget=budget)
     accelerator.print(describe(accelerator.config, result))
-    return config
+    fmt = accelerator.config.source_format
+    probe = StepProbe(result, budget, device=device, world=world, is_main=accelerator.is_main_process,
+                      spell=lambda key: key_name(fmt, key))
+    return config, probe
 
 
 def describe(config: RunConfig, result: Plan) -> str:

@@ -31,7 +31,12 @@ That is safe only while nothing collective ran between the start of the micro-st
   (reductions are mid-sequence), OOM in forward under stage 3 or optimizer offload on several ranks
   (parameter gathers run in forward), and OOM in the optimizer step anywhere (masters may be half
   updated).
-The agreement costs one tiny all-reduce per micro-step, only with several ranks and a silent forward.
+The agreement costs one tiny all-reduce per micro-step, only with several ranks and a silent forward,
+and it is blocking: the host waits for forward to finish on the device before it launches backward.
+A run that would rather end on an out-of-memory error than pay that sets `batch.oom_backoff: false`
+(zerofit YAML): `guard` then only yields, no window is kept, and no micro-step agrees on anything.
+Nothing is less safe than a run without back-off: the failing rank raises the OOM and its peers stop
+at their next collective's timeout (`launch.process_group_timeout`), as under plain DDP.
 """
 
 from __future__ import annotations
@@ -173,6 +178,9 @@ class OomBackoff:
     @contextlib.contextmanager
     def guard(self) -> Iterator[None]:
         """Around one `accumulate()` block: back off on an OOM, else close the loader's window on sync."""
+        if not self.acc.config.batch.oom_backoff:  # opted out: no window, and `phase` stays idle (no agreement)
+            yield
+            return
         self.phase = "forward"
         loader = self._loader()
         if loader is not None:

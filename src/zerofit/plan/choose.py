@@ -55,6 +55,18 @@ class Budget:
         per_rank = e.host_total + HOST_BASELINE_BYTES + (e.gpu_total if self.unified else 0)
         return self.ranks_per_host * per_rank <= (1 - self.headroom) * self.host_bytes
 
+    def gpu_allowance(self, e: Estimate) -> int | None:
+        """The device bytes `e`'s setting may reach and still fit with headroom (None: unknown).
+
+        The same rule as `gpu_fits` (or `host_fits` without a GPU) solved for the device total, so a
+        measured peak can be held against it (`zerofit.plan.probe`)."""
+        if not self.unified:
+            return None if self.gpu_bytes is None else int((1 - self.headroom) * self.gpu_bytes) - GPU_RESERVE_BYTES
+        if self.host_bytes is None:
+            return None
+        per_rank = (1 - self.headroom) * self.host_bytes / self.ranks_per_host
+        return int(per_rank) - HOST_BASELINE_BYTES - e.host_total
+
     def need(self, e: Estimate) -> int:
         """The bytes that decide the smallest setting: GPU bytes, or device and host together without a GPU."""
         return e.gpu_total + e.host_total if self.unified else e.gpu_total

@@ -17,6 +17,10 @@ c bytes per compute element (4 fp32, 2 bf16/fp16) and k optimizer state tensors 
 | offload staging | S*4 pinned per group, when accumulating over several micro-steps | host |
 | activations | measured by `zerofit.plan.activations` at the planned batch | GPU |
 
+With `offload_optimizer.ratio` below 1 only the units the engine's `offloaded_units` picks (whole
+units, the last ones first) have their "with the optimizer state" terms, transient gradients and
+staging as offloaded; the other units are counted as without offload, on the GPU.
+
 The GPU total is the persistent terms plus the activation peak with the transient gradients and
 gathered parameters on top; `fits` adds a fixed reserve for the CUDA context and allocator.
 """
@@ -27,9 +31,9 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from zerofit.engine.engine import _ALIGN
+from zerofit.engine.engine import SHARD_ALIGN
 from zerofit.engine.layout import plan_layout
-from zerofit.engine.policy import StagePolicy
+from zerofit.engine.policy import StagePolicy, offloaded_units
 from zerofit.engine.units import UnitSpec, plan_units
 from zerofit.plan.activations import ActivationTrace
 
@@ -47,6 +51,9 @@ class Setting:
     offload_param: str = "none"
     """none or cpu (stage 3 only)."""
     checkpointing: bool = False
+    offload_ratio: float = 1.0
+    """Share of the parameters whose optimizer state is offloaded (`offload_optimizer.ratio`), whole
+    units from the last one backwards, as the engine picks them (`zerofit.engine.policy.offloaded_units`)."""
 
     def __post_init__(self) -> None:
         if self.stage not in (0, 1, 2, 3):
@@ -59,12 +66,18 @@ class Setting:
             raise ValueError("offload_optimizer needs stage 1 or higher")
         if (self.offload_param != "none" or self.offload_optimizer == "nvme") and self.stage != 3:
             raise ValueError("offload_param and NVMe optimizer offload need stage 3")
+        if not 0 < self.offload_ratio <= 1:
+            raise ValueError(f"offload_ratio must be in (0, 1] (got {self.offload_ratio})")
+        if self.offload_ratio < 1 and self.offload_optimizer == "none":
+            raise ValueError(f"offload_ratio {self.offload_ratio} needs offload_optimizer cpu or nvme")
 
     @property
     def label(self) -> str:
         name = "DDP (stage 0)" if self.stage == 0 else f"ZeRO-{self.stage}"
         if self.offload_optimizer != "none":
             name += f" + opt {self.offload_optimizer}"
+            if self.offload_ratio < 1:
+                name += f" {self.offload_ratio:.0%}"
         if self.offload_param != "none":
             name += f" + param {self.offload_param}"
         return name + (" + ckpt" if self.checkpointing else "")
@@ -139,7 +152,9 @@ def estimate(counts: ModelCounts, setting: Setting, work: Workload, trace: Activ
     policy = StagePolicy(stage=setting.stage, world=work.world, rank=0,
                          persistence_threshold=work.persistence_threshold,
                          offload_param=setting.offload_param != "none")
-    offload = setting.offload_optimizer != "none"
+    offloaded = frozenset()
+    if setting.offload_optimizer != "none":
+        offloaded = offloaded_units([t + f for _, t, f in counts.units], setting.offload_ratio)
     gpu = dict(params=0, grads=0, optimizer=0, buffers=counts.buffer_bytes)
     host = dict(params=0, grads=0, optimizer=0, buffers=0)
     nvme = 0
@@ -153,8 +168,8 @@ def estimate(counts: ModelCounts, setting: Setting, work: Workload, trace: Activ
         for numel, is_trainable in ((trainable, True), (frozen, False)):
             if numel == 0:
                 continue
-            pl = policy.placement(trainable=is_trainable, unit_numel=unit_numel, offload_state=offload)
-            lay = plan_layout([numel], pl.shard_world, align=_ALIGN)
+            pl = policy.placement(trainable=is_trainable, unit_numel=unit_numel, offload_state=u in offloaded)
+            lay = plan_layout([numel], pl.shard_world, align=SHARD_ALIGN)
             n, s = lay.padded_numel, lay.shard_numel
             if pl.shard_params:
                 (host if pl.offload_params else gpu)["params"] += s * c
@@ -170,7 +185,7 @@ def estimate(counts: ModelCounts, setting: Setting, work: Workload, trace: Activ
             if c != 4 or pl.offload_state:
                 state["optimizer"] += s * 4  # the fp32 master
             state["grads"] += s * 4
-            if setting.offload_optimizer == "nvme":
+            if pl.offload_state and setting.offload_optimizer == "nvme":
                 nvme += (1 + k) * s * 4
                 largest_state = max(largest_state, (1 + k) * s * 4)
                 state["optimizer"] -= s * 4
@@ -195,8 +210,9 @@ def estimate(counts: ModelCounts, setting: Setting, work: Workload, trace: Activ
 
 
 def all_settings(world: int, *, checkpointing: tuple[bool, ...] = (False, True),
-                 nvme: bool = False) -> list[Setting]:
-    """Every setting worth listing, fastest first (see `zerofit.plan.choose` for the order)."""
+                 nvme: bool = False, offload_ratio: float = 1.0) -> list[Setting]:
+    """Every setting worth listing, fastest first (see `zerofit.plan.choose` for the order); those that
+    offload the optimizer state offload `offload_ratio` of it."""
     base = [Setting(stage=0), Setting(stage=1), Setting(stage=2), Setting(stage=3),
             Setting(stage=2, offload_optimizer="cpu"), Setting(stage=3, offload_optimizer="cpu"),
             Setting(stage=3, offload_optimizer="cpu", offload_param="cpu")]
@@ -206,4 +222,5 @@ def all_settings(world: int, *, checkpointing: tuple[bool, ...] = (False, True),
         base = [s for s in base if s.stage == 0 or (s.offload_optimizer != "none" and (s.stage == 2) == (
             s.offload_param == "none"))]
     return [Setting(stage=s.stage, offload_optimizer=s.offload_optimizer, offload_param=s.offload_param,
-                    checkpointing=ck) for ck in checkpointing for s in base]
+                    checkpointing=ck, offload_ratio=offload_ratio if s.offload_optimizer != "none" else 1.0)
+            for ck in checkpointing for s in base]
