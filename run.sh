@@ -3,7 +3,7 @@
 #   ./run.sh demo [ARGS...]    the main job: a tiny model trained by 2 CPU processes on shipped text
 #   ./run.sh test [ARGS...]    the test suite (CPU only): python -m pytest -x -q
 # On first use it creates a virtual environment ($ZEROFIT_VENV, default .venv) with torch, zerofit
-# (editable, with its dev and examples extras); later runs reuse it.
+# (editable, with its dev, examples and bench extras); later runs reuse it.
 set -euo pipefail
 cd "$(dirname "$0")"
 VENV="${ZEROFIT_VENV:-.venv}"
@@ -14,7 +14,7 @@ if [ ! -x "$VENV/bin/zerofit" ]; then
   pip=("$VENV/bin/python" -m pip --disable-pip-version-check --no-input -q)
   # torch first and pinned, so the range in pyproject (torch>=2.4) pulls no other build.
   "$VENV/bin/python" -c "import torch" 2>/dev/null || "${pip[@]}" install torch==2.13.0
-  "${pip[@]}" install -e '.[dev,examples]'  # examples: transformers, datasets, sacrebleu, scikit-learn
+  "${pip[@]}" install -e '.[dev,examples,bench]'  # examples: transformers, datasets, sacrebleu, scikit-learn; bench: matplotlib
 fi
 
 # Nothing reaches for the model hub: tests and recipes build tiny models from configs.
