@@ -65,6 +65,18 @@ def test_method_and_table_names_are_checked():
     assert [w.key for w in resolve_tables(["3", "cls"])] == ["clm", "cls"]
 
 
+def test_bench_flag_set_is_frozen():
+    """A change here is a change of the public CLI: update the README's reference with it."""
+    from zerofit.cli.main import build_parser
+
+    sub = next(a for a in build_parser()._actions if a.dest == "command").choices["bench"]
+    flags = {s for a in sub._actions for s in a.option_strings if a.help != "==SUPPRESS=="}
+    assert flags == {"-h", "--help", "--tables", "--methods", "--nproc", "--gpu-memory-gib", "--gpu_memory_gib",
+                     "--steps", "--eval-steps", "--eval_steps", "--max-batch", "--max_batch", "--equal-batch",
+                     "--equal_batch", "--precision", "--clip", "--tiny", "--cpu", "--timeout", "--out", "--report",
+                     "--merge"}
+
+
 def _bench(tmp_path, *args, timeout=600):
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONPATH=os.pathsep.join(sys.path))
     out = tmp_path / "out"

@@ -128,7 +128,7 @@ def _subparser(name: str):
 
 def test_subcommands_are_frozen():
     sub = next(a for a in build_parser()._actions if a.dest == "command")
-    assert set(sub.choices) == {"launch", "env", "config", "demo", "merge", "estimate"}
+    assert set(sub.choices) == {"launch", "env", "config", "demo", "merge", "estimate", "bench"}
 
 
 def test_launch_flag_set_is_frozen():

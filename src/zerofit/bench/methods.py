@@ -15,6 +15,7 @@ Every set-up builds the workload's model on the compute device under the same se
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -87,29 +88,28 @@ class Runner:
         return {}
 
     def _autocast(self):
-        return torch.autocast("cuda", dtype=torch.bfloat16, enabled=False)
+        return contextlib.nullcontext()
 
 
-class PlainRunner(Runner):
-    def __init__(self, model: nn.Module, device: torch.device, *, bf16: bool, clip: float, world: int):
-        self.raw = model
-        self.bf16, self.clip, self.device = bf16, clip, device
-        if world > 1:
-            from torch.nn.parallel import DistributedDataParallel
+class TorchLoopRunner(Runner):
+    """The loop a plain PyTorch script runs: backward, clip, step (set up by the subclasses)."""
 
-            model = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
-        self.model = model
-        self.optimizer = torch.optim.AdamW(self.raw.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
+    optimizer: torch.optim.Optimizer
+    clip: float
+    autocast: torch.device | None = None
+    """Where forward runs under bf16 autocast (plain PyTorch); None where the wrapper casts (FSDP2)."""
 
     def _autocast(self):
-        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16)
+        if self.autocast is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.autocast.type, dtype=torch.bfloat16)
 
     def train(self, batch):
         with self._autocast():
             loss = self.model(**batch).loss
         loss.backward()
         if self.clip:
-            torch.nn.utils.clip_grad_norm_(self.raw.parameters(), self.clip)
+            torch.nn.utils.clip_grad_norm_([p for g in self.optimizer.param_groups for p in g["params"]], self.clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss.detach()
@@ -118,8 +118,19 @@ class PlainRunner(Runner):
         self.optimizer.zero_grad(set_to_none=True)
         _free()
 
+
+class PlainRunner(TorchLoopRunner):
+    def __init__(self, model: nn.Module, device: torch.device, *, bf16: bool, clip: float, world: int):
+        self.clip, self.autocast = clip, device if bf16 else None
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
+        if world > 1:
+            from torch.nn.parallel import DistributedDataParallel
+
+            model = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
+        self.model = model
+
     def config(self):
-        return {"optimizer": "torch.optim.AdamW(fused=True)", "autocast": "bf16" if self.bf16 else None,
+        return {"optimizer": "torch.optim.AdamW(fused=True)", "autocast": "bf16" if self.autocast else None,
                 "gradient_clipping": self.clip}
 
 
@@ -177,7 +188,7 @@ class DeepSpeedRunner(Runner):
         return {"deepspeed_json": self.ds_config, "deepspeed": deepspeed.__version__}
 
 
-class Fsdp2Runner(Runner):
+class Fsdp2Runner(TorchLoopRunner):
     def __init__(self, model: nn.Module, *, bf16: bool, offload: bool, clip: float):
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
@@ -192,19 +203,6 @@ class Fsdp2Runner(Runner):
         fully_shard(model, mp_policy=mp, offload_policy=policy)
         self.model = model
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
-
-    def train(self, batch):
-        loss = self.model(**batch).loss
-        loss.backward()
-        if self.clip:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
-
-    def recover(self):
-        self.optimizer.zero_grad(set_to_none=True)
-        _free()
 
     def config(self):
         return {"fully_shard": "each repeated block + root", "param_dtype": "bf16" if self.bf16 else "fp32",

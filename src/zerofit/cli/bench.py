@@ -31,12 +31,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="rows (default: each table's own list): ddp, zerofit-sN[-offload], deepspeed-sN[-offload], "
                         "fsdp2[-offload]")
     p.add_argument("--nproc", type=int, default=1, help="processes (GPUs) per row; >1 runs each row under torchrun")
-    p.add_argument("--gpu-memory-gib", type=float, default=None,
+    p.add_argument("--gpu-memory-gib", "--gpu_memory_gib", type=float, default=None,
                    help="cap each process's GPU memory (24 stands in for the seed's 24 GB cards)")
     p.add_argument("--steps", type=int, default=5, help="timed training steps per measurement (default 5)")
-    p.add_argument("--eval-steps", type=int, default=3, help="timed eval steps per measurement (default 3)")
-    p.add_argument("--max-batch", type=int, default=None, help="stop the search here (default 1024; --tiny 16)")
-    p.add_argument("--equal-batch", type=int, default=None, help="the equal-batch column's batch (default: per table)")
+    p.add_argument("--eval-steps", "--eval_steps", type=int, default=3, help="timed eval steps per measurement (default 3)")
+    p.add_argument("--max-batch", "--max_batch", type=int, default=None, help="stop the search here (default 1024; --tiny 16)")
+    p.add_argument("--equal-batch", "--equal_batch", type=int, default=None, help="the equal-batch column's batch (default: per table)")
     p.add_argument("--precision", choices=("bf16", "no"), default=None, help="default bf16 on GPU, no (fp32) on CPU")
     p.add_argument("--clip", type=float, default=1.0, help="gradient clipping for every row (0: none)")
     p.add_argument("--tiny", action="store_true", help="toy sizes of the same architectures (tests the harness)")
