@@ -65,3 +65,12 @@ def test_offload_ratio_moves_part_of_the_state_back_to_the_gpu(capsys):
     assert half["offload_ratio"] == 0.5 and full["gpu_bytes"]["optimizer"] == 0
     assert 0 < half["gpu_bytes"]["optimizer"] and half["host_bytes"]["total"] < full["host_bytes"]["total"]
     assert rows["0.5"]["DDP (stage 0)"] == rows["1"]["DDP (stage 0)"] | {"offload_ratio": 1.0}
+
+
+def test_deberta_classification_traces_its_activations(capsys):
+    """DeBERTa-v2's head picks labeled rows with nonzero() unless the loss is named: the trace names it."""
+    model = "DebertaV2Config:hidden_size=32,num_hidden_layers=2,num_attention_heads=2,intermediate_size=64,vocab_size=96"
+    assert main(["estimate", "--model", model, "--task", "classification", "--micro_batch", "4", "--seq", "16",
+                 "--checkpointing", "off", "--gpu_memory", "8", "--host_memory", "16", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert all(s["gpu_bytes"]["activations"] > 0 for s in data["settings"])

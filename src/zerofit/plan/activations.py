@@ -155,7 +155,14 @@ def _loss_of(out) -> torch.Tensor:
 
 
 def _prepare(model: nn.Module, checkpointing: bool) -> None:
-    """Attention dropout off (see [Note: trace vs GPU]) and activation checkpointing as asked."""
+    """Attention dropout off (see [Note: trace vs GPU]), activation checkpointing as asked, and the
+    loss of integer class labels named outright: some heads (DeBERTa-v2) otherwise pick the labeled
+    rows with `nonzero()`, a data-dependent shape fake tensors cannot have. The config is the
+    replica's own copy (`zerofit.plan.sources`); the loss and its memory are the same."""
+    config = getattr(model, "config", None)
+    if config is not None and getattr(config, "problem_type", "") is None and getattr(config, "num_labels", 1) > 1 \
+            and "ForSequenceClassification" in type(model).__name__:
+        config.problem_type = "single_label_classification"
     for m in model.modules():  # modules copy the config's rate at construction
         for key in ATTENTION_DROPOUT_KEYS:
             value = getattr(m, key, None)
