@@ -54,16 +54,10 @@ def deepspeed_step(method: str, args, ids):
 
     _single_rank_env()
     deepspeed.init_distributed()
-    stage = 3 if "s3" in method else 2
-    zero = {"stage": stage, "overlap_comm": True, "contiguous_gradients": True}
-    if "offload" in method:
-        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
-        if stage == 3:
-            zero["offload_param"] = {"device": "cpu", "pin_memory": True}
-    config = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
-              "gradient_clipping": args.clip, "bf16": {"enabled": True}, "zero_optimization": zero,
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},
-              "steps_per_print": 10**9, "wall_clock_breakdown": False}
+    from zerofit.bench.methods import deepspeed_json
+
+    config = deepspeed_json(3 if "s3" in method else 2, "offload" in method, bf16=True, clip=args.clip,
+                            micro_batch=args.batch)
     model = build_model(args)
     engine, _, _, _ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
 

@@ -72,8 +72,8 @@ def test_bench_flag_set_is_frozen():
     sub = next(a for a in build_parser()._actions if a.dest == "command").choices["bench"]
     flags = {s for a in sub._actions for s in a.option_strings if a.help != "==SUPPRESS=="}
     assert flags == {"-h", "--help", "--tables", "--methods", "--nproc", "--gpu-memory-gib", "--gpu_memory_gib",
-                     "--steps", "--eval-steps", "--eval_steps", "--max-batch", "--max_batch", "--equal-batch",
-                     "--equal_batch", "--precision", "--clip", "--tiny", "--cpu", "--timeout", "--out", "--report",
+                     "--steps", "--eval-steps", "--eval_steps", "--warmup", "--max-batch", "--max_batch",
+                     "--equal-batch", "--equal_batch", "--precision", "--clip", "--tiny", "--cpu", "--timeout", "--out", "--report",
                      "--merge"}
 
 
@@ -81,7 +81,7 @@ def _bench(tmp_path, *args, timeout=600):
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONPATH=os.pathsep.join(sys.path))
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, "-m", "zerofit.cli.main", "bench", "--tiny", "--cpu", "--steps", "1",
-                           "--eval-steps", "1", "--out", str(out), *args], capture_output=True, text=True,
+                           "--warmup", "1", "--eval-steps", "1", "--out", str(out), *args], capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=tmp_path)
     record = json.loads((out / "results.json").read_text()) if (out / "results.json").exists() else None
     return proc, record, out

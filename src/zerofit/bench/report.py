@@ -56,7 +56,7 @@ def markdown(record: dict[str, Any]) -> list[str]:
     lines = [f"Hardware: {where}; {hw.get('cpus')} CPU cores; torch {hw.get('torch')}, transformers "
              f"{hw.get('transformers')}, DeepSpeed {hw.get('deepspeed') or '-'}; precision "
              f"{record['options']['precision']}, AdamW, clipping {record['options']['clip']:g}; median of "
-             f"{record['options']['steps']} steps after a warm-up step.", ""]
+             f"{record['options']['steps']} steps after {record['options'].get('warmup', 1)} warm-up step(s).", ""]
     if len(record.get("sources", ())) > 1:
         lines += [f"Merged from {len(record['sources'])} runs (`sources` in results.json; timed steps per run: "
                   + ", ".join(str(src["options"]["steps"]) for src in record["sources"]) + ").", ""]

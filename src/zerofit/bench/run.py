@@ -128,7 +128,7 @@ def _after_early_end(state: RowState, proc: dict[str, Any]) -> None:
 def _launch(workload: Workload, method: str, opts: dict[str, Any], state: RowState, *, nproc: int,
             timeout: float) -> dict[str, Any]:
     args = ["--table", workload.key, "--method", method, "--device", opts["device"], "--precision", opts["precision"],
-            "--clip", str(opts["clip"]), "--steps", str(opts["steps"]), "--eval-steps", str(opts["eval_steps"]),
+            "--clip", str(opts["clip"]), "--steps", str(opts["steps"]), "--eval-steps", str(opts["eval_steps"]), "--warmup", str(opts["warmup"]),
             "--max-batch", str(opts["max_batch"])]
     for flag in ("gpu_memory_gib", "equal_batch", "simulate_oom_above"):
         if opts.get(flag) is not None:

@@ -82,15 +82,16 @@ class Row:
         return b
 
     def timed(self, size: int, steps: int, *, train: bool) -> tuple[list[float], list[float]]:
-        """Seconds and losses of `steps` steps after one warm-up step."""
+        """Seconds of `steps` steps after `--warmup` warm-up steps (0 steps: one untimed step), and every loss."""
+        warmup = self.args.warmup if steps else 1
         times, losses = [], []
-        for i in range(steps + 1):
+        for i in range(steps + warmup):
             batch = self.batch(size)
             self._sync()
             t0 = time.perf_counter()
             loss = self.runner.train(batch) if train else self.runner.evaluate(batch)
             self._sync()
-            if i > 0 or steps == 0:
+            if i >= warmup:
                 times.append(time.perf_counter() - t0)
             losses.append(float(loss))
         return times, losses
@@ -175,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpu-memory-gib", type=float, default=None)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--eval-steps", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--max-batch", type=int, default=1024)
     p.add_argument("--equal-batch", type=int, default=None)
     p.add_argument("--skip-equal", action="store_true")

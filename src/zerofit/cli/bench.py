@@ -35,6 +35,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="cap each process's GPU memory (24 stands in for the seed's 24 GB cards)")
     p.add_argument("--steps", type=int, default=5, help="timed training steps per measurement (default 5)")
     p.add_argument("--eval-steps", "--eval_steps", type=int, default=3, help="timed eval steps per measurement (default 3)")
+    p.add_argument("--warmup", type=int, default=2,
+                   help="untimed steps before each timed run (default 2: offload rows settle on the second)")
     p.add_argument("--max-batch", "--max_batch", type=int, default=None, help="stop the search here (default 1024; --tiny 16)")
     p.add_argument("--equal-batch", "--equal_batch", type=int, default=None, help="the equal-batch column's batch (default: per table)")
     p.add_argument("--precision", choices=("bf16", "no"), default=None, help="default bf16 on GPU, no (fp32) on CPU")
@@ -93,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
               f"{torch.cuda.device_count()}: lower --nproc or add --cpu", file=sys.stderr)
         return 2
     opts = {"device": "cuda" if cuda else "cpu", "precision": args.precision or ("bf16" if cuda else "no"),
-            "clip": args.clip, "steps": args.steps, "eval_steps": args.eval_steps,
+            "clip": args.clip, "steps": args.steps, "eval_steps": args.eval_steps, "warmup": args.warmup,
             "max_batch": args.max_batch or (16 if args.tiny else 1024), "gpu_memory_gib": args.gpu_memory_gib,
             "equal_batch": args.equal_batch or (2 if args.tiny else None), "tiny": args.tiny,
             "simulate_oom_above": args.simulate_oom_above, "nproc": args.nproc}
