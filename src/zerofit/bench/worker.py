@@ -97,9 +97,12 @@ class Row:
         return times, losses
 
     def fits(self, size: int, *, train: bool) -> bool | None:
-        """One step at `size`; False on out-of-memory (recovered on one process); None: process must go."""
+        """Two training steps (or one forward) at `size`; False on out-of-memory (recovered on one process);
+        None: the process must go. Two, because a second step can hold more than the first (zerofit's
+        ZeRO-2 offload on the H200: batch 34 passed one step and failed the timed steps)."""
         try:
-            self.timed(size, 0, train=train)
+            for _ in range(2 if train else 1):
+                self.timed(size, 0, train=train)
             return True
         except torch.OutOfMemoryError as e:
             traceback.clear_frames(e.__traceback__)
