@@ -124,11 +124,9 @@ def run(args: argparse.Namespace) -> int:
 
 def table_record(w, tiny: bool, equal_batch: int | None) -> dict:
     """The workload's description for the record (and the parameter count, from a model on meta)."""
-    import torch
-
     model = w.build_model(tiny, "meta")
     fields = {k: getattr(w, k) for k in ("key", "table", "title", "task", "train_examples", "eval_examples",
                                          "epoch_note", "equal_batch", "search_eval_batch", "seed_result")}
     return fields | {"equal_batch": equal_batch or w.equal_batch, "seq": w.sequence_length(tiny), "tokens_per_sample": w.tokens_per_sample(tiny), "tiny": tiny,
                      "params": sum(p.numel() for p in model.parameters()),
-                     "model_config": w.build_config(tiny).to_dict(), "torch_default_dtype": str(torch.get_default_dtype())}
+                     "model_config": w.build_config(tiny).to_dict()}
