@@ -130,6 +130,19 @@ def test_bench_two_processes_relaunch_around_out_of_memory(tmp_path):
     assert r["launches"] >= 2  # each out-of-memory ends a multi-process launch; the next starts from the bounds
 
 
+def test_a_try_fits_only_if_every_rank_fitted():
+    from zerofit.bench.run import RowState, _row_events
+
+    events = [{"event": "tried", "phase": "train", "batch": 4, "fits": True, "rank": 0},
+              {"event": "tried", "phase": "train", "batch": 8, "fits": True, "rank": 0},
+              {"event": "tried", "phase": "train", "batch": 4, "fits": True, "rank": 1},
+              {"event": "tried", "phase": "train", "batch": 8, "fits": False, "rank": 1}]
+    state = RowState(method="zerofit-s2", table="cls")
+    for e in _row_events(events):
+        state.record(e)
+    assert state.bounds["train"] == [4, 8]
+
+
 def test_report_merges_runs_and_marks_failures():
     def row(method, batch=None, error=None):
         r = {"method": method, "error": error, "skipped": None, "equal": None, "done": {"capped": False},

@@ -143,9 +143,11 @@ class ZerofitRunner(Runner):
         fd, self.path = tempfile.mkstemp(prefix="zerofit-bench-", suffix=".json")
         with os.fdopen(fd, "w") as f:
             json.dump(ds_config, f)
-        self.accelerator = Accelerator(config=self.path)
-        self.model, self.optimizer = self.accelerator.prepare(model, DummyOptim(model.parameters()))
-        os.unlink(self.path)
+        try:
+            self.accelerator = Accelerator(config=self.path)
+            self.model, self.optimizer = self.accelerator.prepare(model, DummyOptim(model.parameters()))
+        finally:
+            os.unlink(self.path)
 
     def train(self, batch):
         loss = self.model(**batch).loss

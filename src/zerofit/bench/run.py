@@ -22,9 +22,11 @@ import tempfile
 from typing import Any
 
 from zerofit.bench.methods import parse
+from zerofit.bench.search import BatchSearch
 from zerofit.bench.workloads import Workload
 
 MAX_LAUNCHES = 6
+_UNBOUNDED = 2**31  # the parent only records what the workers tried; the workers apply --max-batch
 _OOM_MARKERS = ("OutOfMemoryError", "out of memory", "SimulatedOutOfMemory")
 
 
@@ -33,8 +35,9 @@ class RowState:
     method: str
     table: str
     equal: dict[str, Any] | None = None
-    bounds: dict[str, list[int | None]] = dataclasses.field(
-        default_factory=lambda: {"train": [0, None], "eval": [0, None]})
+    searches: dict[str, BatchSearch] = dataclasses.field(
+        default_factory=lambda: {phase: BatchSearch(max_batch=_UNBOUNDED) for phase in ("train", "eval")})
+    """What every launch of this row found so far: the largest batch that fit, the smallest that did not."""
     timing: dict[str, Any] | None = None
     evaluation: dict[str, Any] | None = None
     config: dict[str, Any] | None = None
@@ -51,9 +54,9 @@ class RowState:
             self.config = event["config"]
         elif kind == "equal":
             self.equal = event
-            self._bound("train", event["batch"], event["fits"])
+            self.searches["train"].record(event["batch"], event["fits"])
         elif kind == "tried":
-            self._bound(event["phase"], event["batch"], event["fits"])
+            self.searches[event["phase"]].record(event["batch"], event["fits"])
         elif kind == "timing":
             self.timing = event
         elif kind == "evaluation":
@@ -61,15 +64,17 @@ class RowState:
         elif kind == "done":
             self.done = event
 
-    def _bound(self, phase: str, batch: int, fits: bool) -> None:
-        lo, hi = self.bounds[phase]
-        if fits:
-            self.bounds[phase][0] = max(lo, batch)
-        else:
-            self.bounds[phase][1] = batch if hi is None else min(hi, batch)
+    def below(self, phase: str, batch: int) -> None:
+        """Search `phase` again from scratch under `batch`, which failed where a smaller try had passed."""
+        self.searches[phase] = BatchSearch(max_batch=_UNBOUNDED, fails=batch)
+
+    @property
+    def bounds(self) -> dict[str, list[int | None]]:
+        return {phase: [s.fits, s.fails] for phase, s in self.searches.items()}
 
     def as_record(self) -> dict[str, Any]:
-        out = {k: v for k, v in dataclasses.asdict(self).items() if k != "log"}
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("log", "searches")}
+        out["bounds"] = self.bounds
         out["log_tail"] = self.log[-40:]
         return out
 
@@ -92,9 +97,8 @@ def run_row(workload: Workload, method: str, opts: dict[str, Any], *, nproc: int
             break
         state.launches += 1
         proc = _launch(workload, method, opts, state, nproc=nproc, timeout=timeout)
-        for event in proc["events"]:
-            if event["rank"] == 0 or event["event"] == "tried" and not event["fits"]:
-                state.record(event)
+        for event in _row_events(proc["events"]):
+            state.record(event)
         state.log += [ln for ln in (proc["stdout"] + proc["stderr"]).splitlines() if ln.strip()][-200:]
         if echo:
             print(f"  {method}: launch {state.launches} ended (rc {proc['rc']}); bounds {state.bounds}",
@@ -102,6 +106,18 @@ def run_row(workload: Workload, method: str, opts: dict[str, Any], *, nproc: int
         if state.done is None:
             _after_early_end(state, proc)
     return state
+
+
+def _row_events(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rank 0's events, where a try fits only if it fitted on every rank (any rank's failure counts)."""
+    failed = {(e["phase"], e["batch"]) for e in events if e["event"] == "tried" and not e["fits"]}
+    out = []
+    for e in events:
+        if e["event"] == "tried" and e["fits"] and (e["phase"], e["batch"]) in failed:
+            continue
+        if e["rank"] == 0 or e["event"] == "tried" and not e["fits"]:
+            out.append(e)
+    return out
 
 
 def _after_early_end(state: RowState, proc: dict[str, Any]) -> None:
@@ -113,23 +129,22 @@ def _after_early_end(state: RowState, proc: dict[str, Any]) -> None:
     if not oom and not recovered:  # a genuine failure (a crash after an in-process recovery gets a fresh process)
         state.error = (proc["stderr"] or proc["stdout"] or f"exit code {proc['rc']}")[-3000:]
     elif last["event"] == "try":  # the try died with its process: that batch did not fit
-        state._bound(last["phase"], last["batch"], False)
+        state.searches[last["phase"]].record(last["batch"], False)
     elif state.config is None:
         state.error = "out of memory while building the model and its engine (before any step)"
     elif last["event"] == "timing_start":  # the timed steps at the largest batch ran out of memory
         state.timing_failures += 1
         if state.timing_failures >= 2:  # in a fresh process too: search again below that batch
-            state.bounds["train"] = [0, last["batch"]]
+            state.below("train", last["batch"])
     elif last["event"] == "evaluation_start":  # eval at the train batch did not fit: search below it
-        state.bounds["eval"] = [0, last["batch"]]
-    return state
+        state.below("eval", last["batch"])
 
 
 def _launch(workload: Workload, method: str, opts: dict[str, Any], state: RowState, *, nproc: int,
             timeout: float) -> dict[str, Any]:
     args = ["--table", workload.key, "--method", method, "--device", opts["device"], "--precision", opts["precision"],
-            "--clip", str(opts["clip"]), "--steps", str(opts["steps"]), "--eval-steps", str(opts["eval_steps"]), "--warmup", str(opts["warmup"]),
-            "--max-batch", str(opts["max_batch"])]
+            "--clip", str(opts["clip"]), "--steps", str(opts["steps"]), "--eval-steps", str(opts["eval_steps"]),
+            "--warmup", str(opts["warmup"]), "--max-batch", str(opts["max_batch"])]
     for flag in ("gpu_memory_gib", "equal_batch", "simulate_oom_above"):
         if opts.get(flag) is not None:
             args += [f"--{flag.replace('_', '-')}", str(opts[flag])]
