@@ -96,22 +96,25 @@ class Row:
             losses.append(float(loss))
         return times, losses
 
-    def fits(self, size: int, *, train: bool) -> bool | None:
-        """Two training steps (or one forward) at `size`; False on out-of-memory (recovered on one process);
-        None: the process must go. Two, because a second step can hold more than the first (zerofit's
-        ZeRO-2 offload on the H200: batch 34 passed one step and failed the timed steps)."""
+    def fits(self, size: int, *, train: bool) -> bool:
+        """Two training steps (or one forward) at `size`; False on out-of-memory (then `after_oom`). Two,
+        because a second step can hold more than the first (zerofit's ZeRO-2 offload on the H200: batch 34
+        passed one step and failed the timed steps)."""
         try:
             for _ in range(2 if train else 1):
                 self.timed(size, 0, train=train)
             return True
         except torch.OutOfMemoryError as e:
-            traceback.clear_frames(e.__traceback__)
-            del e
-            if self.world > 1:
-                return None
-            self.runner.recover()
-            emit(event="recovered", batch=size)
+            traceback.clear_frames(e.__traceback__)  # the failed step's frames hold its activations
             return False
+
+    def after_oom(self, size: int) -> None:
+        """Once the out-of-memory at `size` is reported: recover in place, or - several processes, whose
+        peers wait in a collective - end this one and let the parent relaunch."""
+        if self.world > 1:
+            leave_out_of_memory(size)
+        self.runner.recover()
+        emit(event="recovered", batch=size)
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -125,12 +128,8 @@ class Row:
             eval_s, _ = self.timed(size, self.args.eval_steps, train=False)
         except torch.OutOfMemoryError as e:
             traceback.clear_frames(e.__traceback__)
-            del e
             emit(event="equal", batch=size, fits=False)
-            if self.world > 1:
-                leave_out_of_memory(size)
-            self.runner.recover()
-            emit(event="recovered", batch=size)
+            self.after_oom(size)
             return
         emit(event="equal", batch=size, fits=True, train_s=statistics.median(train_s), train_times=train_s,
              eval_s=statistics.median(eval_s), losses=losses)
@@ -139,9 +138,9 @@ class Row:
         while (size := search.next()) is not None:
             emit(event="try", phase=phase, batch=size)
             ok = self.fits(size, train=phase == "train")
-            emit(event="tried", phase=phase, batch=size, fits=bool(ok))
-            if ok is None:
-                leave_out_of_memory(size)
+            emit(event="tried", phase=phase, batch=size, fits=ok)
+            if not ok:
+                self.after_oom(size)
             search.record(size, ok)
         return search.fits
 
