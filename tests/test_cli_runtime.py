@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -45,3 +47,21 @@ def test_gpu_selection_follows_the_local_rank(monkeypatch):
     with pytest.raises(ConfigError, match=r"local rank 2 has no GPU \(this machine has 2\)"):
         runtime.device(cfg)
     assert runtime.backend(load_config(None, overrides={"launch.use_cpu": True})) == "gloo"
+
+
+def test_worker_error_record_appears_whole(tmp_path, monkeypatch):
+    """[Note: the error file appears whole or not at all] in zerofit.cli.worker."""
+    import json as _json
+
+    from zerofit.cli.worker import _WholeFileErrorHandler
+
+    path = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+    try:
+        raise ValueError("the user's bug")
+    except ValueError as e:
+        _WholeFileErrorHandler().record_exception(e)
+    record = _json.loads(path.read_text())
+    assert "the user's bug" in _json.dumps(record)
+    assert [p.name for p in tmp_path.iterdir()] == ["error.json"]
+    assert os.environ["TORCHELASTIC_ERROR_FILE"] == str(path)

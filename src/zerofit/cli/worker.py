@@ -3,6 +3,13 @@
 It exists so that an exception in the user's code is recorded in torchelastic's error file; the
 launcher's failure summary then shows the failing rank's Python traceback instead of only an exit
 code, without the user decorating anything.
+
+[Note: the error file appears whole or not at all]
+torchelastic writes the error file in place (open, then write). When one rank dies, its peers fail
+in their next collective and write theirs while the agent is stopping the group: a peer stopped
+between the open and the write leaves an empty file, and the agent then fails to parse it and
+crashes instead of restarting the job (seen once in ~20 runs of tests/test_faults.py). So the record
+is written to a file beside it and renamed over it: the agent sees the whole record or none.
 """
 
 from __future__ import annotations
@@ -12,7 +19,7 @@ import runpy
 import sys
 from types import TracebackType
 
-from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
 _BOOTSTRAP_FILES = (os.path.abspath(__file__), runpy.__file__, "<frozen runpy>")
 
@@ -37,13 +44,33 @@ def _run_target(argv: list[str]) -> None:
         runpy.run_path(argv[0], run_name="__main__")
 
 
-@record
-def main(argv: list[str]) -> None:
+class _WholeFileErrorHandler(ErrorHandler):
+    """torchelastic's error record, written beside the error file and renamed over it (see the note)."""
+
+    def record_exception(self, e: BaseException) -> None:
+        path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+        if not path:
+            super().record_exception(e)
+            return
+        partial = f"{path}.{os.getpid()}.partial"
+        os.environ["TORCHELASTIC_ERROR_FILE"] = partial
+        try:
+            super().record_exception(e)
+        finally:
+            os.environ["TORCHELASTIC_ERROR_FILE"] = path
+        if os.path.exists(partial):
+            os.replace(partial, path)
+
+
+def _main(argv: list[str]) -> None:
     try:
         _run_target(argv)
     except Exception as e:
         e.__traceback__ = _user_frames(e.__traceback__)  # re-raised below from the user's first frame
         raise
+
+
+main = record(_main, error_handler=_WholeFileErrorHandler())
 
 
 if __name__ == "__main__":
