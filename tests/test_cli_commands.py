@@ -46,6 +46,14 @@ def test_dry_run_reads_a_deepspeed_config_and_flags_override_it(capsys, tmp_path
     assert resolved["zero"]["stage"] == 3 and resolved["zero"]["offload_optimizer"]["device"] == "cpu"
     assert resolved["precision"]["mixed_precision"] == "no"  # the flag wins over the file
     assert resolved["launch"]["num_processes"] == 2
+    assert resolved["batch"]["oom_backoff"] is True  # on unless asked otherwise
+
+
+def test_the_oom_backoff_flag_reaches_a_deepspeed_run(capsys, tmp_path):
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 2}, "bf16": {"enabled": True}}))
+    assert main(["launch", "--dry-run", "--config_file", str(ds), "--oom_backoff", "off", str(CHECK)]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["batch"]["oom_backoff"] is False
 
 
 def test_missing_script_is_one_clear_error(capsys, tmp_path):

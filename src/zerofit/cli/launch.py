@@ -52,6 +52,7 @@ FLAG_TO_KEY = {
     "max_restarts": "launch.max_restarts",
     "process_group_timeout": "launch.process_group_timeout",
     "resume": "checkpoint.resume",
+    "oom_backoff": "batch.oom_backoff",
 }
 
 
@@ -79,6 +80,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="when prepare() loads the latest complete checkpoint (default: restart, on restarted attempts)")
     p.add_argument("--process_group_timeout", "--process-group-timeout", type=float, metavar="SECONDS",
                    help="how long a collective waits for a peer before it raises (default: 1800)")
+    p.add_argument("--oom_backoff", "--oom-backoff", choices=("on", "off"), type=str.lower,
+                   help="on a CUDA out-of-memory error in a step, halve the micro-batch and double accumulation "
+                        "(default: on; the flag reaches DeepSpeed JSON and Accelerate YAML runs too)")
     p.add_argument("--dry-run", "--dry_run", dest="dry_run", action="store_true",
                    help="validate, print the resolved config and the launch plan, start nothing")
     add_target_arguments(p)
@@ -93,7 +97,10 @@ def add_target_arguments(p: argparse.ArgumentParser) -> None:
 
 def overrides_from_args(args: argparse.Namespace) -> dict[str, object]:
     """The dotted config overrides for the flags the user actually gave."""
-    return {key: getattr(args, flag) for flag, key in FLAG_TO_KEY.items() if getattr(args, flag) is not None}
+    out = {key: getattr(args, flag) for flag, key in FLAG_TO_KEY.items() if getattr(args, flag) is not None}
+    if "batch.oom_backoff" in out:
+        out["batch.oom_backoff"] = out["batch.oom_backoff"] == "on"
+    return out
 
 
 @dataclass(frozen=True)
