@@ -74,7 +74,7 @@ def test_bench_flag_set_is_frozen():
     assert flags == {"-h", "--help", "--tables", "--methods", "--nproc", "--gpu-memory-gib", "--gpu_memory_gib",
                      "--steps", "--eval-steps", "--eval_steps", "--warmup", "--max-batch", "--max_batch",
                      "--equal-batch", "--equal_batch", "--precision", "--clip", "--tiny", "--cpu", "--timeout", "--out", "--report",
-                     "--merge"}
+                     "--merge", "--equal-only", "--equal_only"}
 
 
 def _bench(tmp_path, *args, timeout=600):
@@ -128,6 +128,29 @@ def test_bench_two_processes_relaunch_around_out_of_memory(tmp_path):
     r = _rows(record, "clm")["zerofit-s2"]
     assert r["timing"]["train_batch"] == 3 and r["bounds"]["train"] == [3, 4]
     assert r["launches"] >= 2  # each out-of-memory ends a multi-process launch; the next starts from the bounds
+
+
+@pytest.mark.slow
+def test_equal_only_on_two_processes_is_a_parity_check_against_ddp(tmp_path):
+    """#9's parity table on gloo: stages 1-3 and DDP from the same weights on the same data, fp32, no warm-up."""
+    proc, record, out = _bench(tmp_path, "--tables", "llama7b", "--methods", "ddp", "zerofit-s1", "zerofit-s3",
+                               "--nproc", "2", "--equal-only", "--warmup", "0", "--steps", "4", "--clip", "0")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = _rows(record, "llama7b")
+    table = record["tables"][0]
+    ddp = report.derive(rows["ddp"], table, world=2)
+    assert len(ddp["losses"]) == 4 and ddp["status"] == "ok"
+    for m in ("zerofit-s1", "zerofit-s3"):
+        x = report.derive(rows[m], table, world=2)
+        assert x["status"] == "ok" and rows[m]["timing"] is None  # no search, no timing phase
+        assert report.loss_gap(x, ddp) < 1e-6, (x["losses"], ddp["losses"])
+    md = (out / "tables.md").read_text()
+    assert "2 rank(s) at batch 2 each" in md and "max \\|loss - DDP\\| over 4 steps" in md
+
+
+def test_the_loss_gap_is_the_largest_step_difference():
+    assert report.loss_gap({"losses": [1.0, 2.0, 3.0]}, {"losses": [1.0, 2.5, 2.9]}) == pytest.approx(0.5)
+    assert report.loss_gap({"losses": None}, {"losses": [1.0]}) is None
 
 
 def test_a_try_fits_only_if_every_rank_fitted():

@@ -4,6 +4,8 @@ Per row, from the worker's measurements: the largest batch, the train and eval t
 projected from the median step time over the table's epoch size (`Workload.train_examples`), tokens
 per second, peak GPU memory; the speed-up over DDP (epoch time) and over the matching peers; and the
 equal-batch columns (every method at the same batch from the same weights: step time and first loss).
+A `--equal-only` run (scaling and parity) has only those: step time, tokens per second and GPU peak at
+the one batch, the speed against DDP and the peers, and how far each row's losses stray from DDP's.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import platform
 from typing import Any
 
 # zerofit row -> the peers running the same setting
-PEERS = {"zerofit-s2": ("deepspeed-s2",), "zerofit-s2-offload": ("deepspeed-s2-offload",),
+PEERS = {"zerofit-s1": ("deepspeed-s1",), "zerofit-s2": ("deepspeed-s2",), "zerofit-s2-offload": ("deepspeed-s2-offload",),
          "zerofit-s3": ("deepspeed-s3", "fsdp2"), "zerofit-s3-offload": ("deepspeed-s3-offload", "fsdp2-offload")}
 
 
@@ -34,7 +36,9 @@ def derive(row: dict[str, Any], table: dict[str, Any], world: int) -> dict[str, 
     eq = row.get("equal")
     out["equal_fits"] = None if eq is None else bool(eq["fits"])
     if out["equal_fits"]:
-        out.update(equal_s=eq["train_s"], first_loss=eq["losses"][0])
+        out.update(equal_s=eq["train_s"], first_loss=eq["losses"][0], losses=eq["losses"],
+                   equal_tokens_per_s=eq["batch"] * world * table["tokens_per_sample"] / eq["train_s"],
+                   equal_peak_gib=eq.get("gpu_peak_gib"))
     return out
 
 
@@ -45,6 +49,8 @@ def status(row: dict[str, Any]) -> str:
         return "failed"
     if row.get("done") and row["done"].get("train_batch") == 0:
         return "out of memory at batch 1"
+    if row.get("done") and row["done"].get("equal_only") and row.get("equal"):
+        return "ok" if row["equal"]["fits"] else f"out of memory at batch {row['equal']['batch']}"
     return "ok" if row.get("evaluation") else "incomplete"
 
 
@@ -61,11 +67,13 @@ def markdown(record: dict[str, Any]) -> list[str]:
         lines += [f"Merged from {len(record['sources'])} runs (`sources` in results.json; timed steps per run: "
                   + ", ".join(str(src["options"]["steps"]) for src in record["sources"]) + ").", ""]
     for table in record["tables"]:
-        lines += table_markdown(table, world) + [""]
+        lines += table_markdown(table, world, equal_only=bool(record["options"].get("equal_only"))) + [""]
     return lines
 
 
-def table_markdown(table: dict[str, Any], world: int) -> list[str]:
+def table_markdown(table: dict[str, Any], world: int, *, equal_only: bool = False) -> list[str]:
+    if equal_only:
+        return equal_markdown(table, world)
     rows = {r["method"]: r for r in table["rows"]}
     d = {m: derive(r, table, world) for m, r in rows.items()}
     base = d.get("ddp", {})
@@ -93,6 +101,38 @@ def table_markdown(table: dict[str, Any], world: int) -> list[str]:
     return out
 
 
+def loss_gap(x: dict[str, Any], base: dict[str, Any]) -> float | None:
+    """Largest |loss - DDP's loss| over the steps both rows ran (None without both)."""
+    if not x.get("losses") or not base.get("losses"):
+        return None
+    return max(abs(a - b) for a, b in zip(x["losses"], base["losses"]))
+
+
+def equal_markdown(table: dict[str, Any], world: int) -> list[str]:
+    """Every method at one batch: speed, memory and the loss gap to DDP (scaling and parity runs)."""
+    d = {r["method"]: derive(r, table, world) for r in table["rows"]}
+    base = d.get("ddp", {})
+    steps = len(base.get("losses") or next((x["losses"] for x in d.values() if x.get("losses")), []))
+    batch = table["equal_batch"]
+    head = ["method", f"s / step at batch {batch} per rank", "tokens / s", "GPU peak GiB", "step vs DDP",
+            "zerofit vs peers", "first loss", f"max \\|loss - DDP\\| over {steps} steps"]
+    size = "toy sizes of the " if table.get("tiny") else ""
+    out = [f"### Table {table['table']}: {size}{table['title']} ({_millions(table['params'])} parameters), "
+           f"{world} rank(s) at batch {batch} each", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for m, x in d.items():
+        if not x.get("equal_fits"):
+            out.append("| " + " | ".join([m, x["status"]] + [""] * (len(head) - 2)) + " |")
+            continue
+        vs_ddp = f"{base['equal_s'] / x['equal_s']:.2f}x" if "equal_s" in base else "-"
+        peers = ", ".join(f"{d[p]['equal_s'] / x['equal_s']:.2f}x {p}" for p in PEERS.get(m, ())
+                          if "equal_s" in d.get(p, {}))
+        gap = loss_gap(x, base)
+        out.append("| " + " | ".join([m, f"{x['equal_s']:.3f}", f"{x['equal_tokens_per_s']:,.0f}",
+                                      _num(x["equal_peak_gib"]), vs_ddp, peers or "-", f"{x['first_loss']:.4f}",
+                                      "-" if gap is None else f"{gap:.2e}"]) + " |")
+    return out
+
+
 def _equal_cells(x: dict[str, Any]) -> list[str]:
     if not x["equal_fits"]:
         return ["out of memory" if x["equal_fits"] is False else "", ""]
@@ -117,13 +157,16 @@ def plots(record: dict[str, Any], out_dir: str) -> list[str]:
     except ImportError:
         return []
     world = record["options"]["nproc"]
+    panels = (("train_epoch_s", "train seconds per epoch (lower is better)"),
+              ("train_batch", "largest train batch (higher is better)"))
+    if record["options"].get("equal_only"):
+        panels = (("equal_s", "seconds per step (lower is better)"), ("equal_tokens_per_s", "tokens per second"))
     written = []
     for table in record["tables"]:
         d = {r["method"]: derive(r, table, world) for r in table["rows"]}
         methods = list(d)
         fig, (a, b) = plt.subplots(1, 2, figsize=(11, 0.5 * len(methods) + 1.8))
-        for ax, key, label in ((a, "train_epoch_s", "train seconds per epoch (lower is better)"),
-                               (b, "train_batch", "largest train batch (higher is better)")):
+        for ax, (key, label) in zip((a, b), panels):
             values = [d[m].get(key) or 0 for m in methods]
             ax.barh(methods, values, color=["#c44" if m.startswith("zerofit") else "#888" for m in methods])
             ax.invert_yaxis()

@@ -148,8 +148,9 @@ def _launch(workload: Workload, method: str, opts: dict[str, Any], state: RowSta
     for flag in ("gpu_memory_gib", "equal_batch", "simulate_oom_above"):
         if opts.get(flag) is not None:
             args += [f"--{flag.replace('_', '-')}", str(opts[flag])]
-    if opts.get("tiny"):
-        args.append("--tiny")
+    for flag in ("tiny", "equal_only"):
+        if opts.get(flag):
+            args.append(f"--{flag.replace('_', '-')}")
     if state.equal is not None:
         args.append("--skip-equal")
     if state.timing is not None:

@@ -7,6 +7,7 @@ left the process unusable continues where the last one stopped):
 2. train search: the largest training batch (`zerofit.bench.search`), one step per try;
 3. timing: fixed steps at the largest batch (GPU peak memory), then - where the table reports it -
    the largest eval batch searched in the memory state training leaves, and eval steps at it.
+`--equal-only` stops after phase 1 (scaling and parity runs: every method at one batch).
 
 Each event is one JSON line in `--events DIR/rank<R>.jsonl`, written before the next phase starts,
 so the parent knows every result even if the process dies. On one process an out-of-memory is recovered in place
@@ -123,6 +124,8 @@ class Row:
     # --- phases ------------------------------------------------------------------------------
     def equal(self) -> None:
         size = self.args.equal_batch or self.w.equal_batch
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
         try:
             train_s, losses = self.timed(size, self.args.steps, train=True)
             eval_s, _ = self.timed(size, self.args.eval_steps, train=False)
@@ -131,8 +134,9 @@ class Row:
             emit(event="equal", batch=size, fits=False)
             self.after_oom(size)
             return
+        peak = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else None
         emit(event="equal", batch=size, fits=True, train_s=statistics.median(train_s), train_times=train_s,
-             eval_s=statistics.median(eval_s), losses=losses)
+             eval_s=statistics.median(eval_s), losses=losses, gpu_peak_gib=peak)
 
     def search(self, phase: str, search: BatchSearch) -> int:
         while (size := search.next()) is not None:
@@ -182,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-batch", type=int, default=1024)
     p.add_argument("--equal-batch", type=int, default=None)
     p.add_argument("--skip-equal", action="store_true")
+    p.add_argument("--equal-only", action="store_true")
     p.add_argument("--train-timed", action="store_true")
     for phase in ("train", "eval"):
         p.add_argument(f"--{phase}-fits", type=int, default=0)
@@ -194,6 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     equal = args.equal_batch or workload.equal_batch
     if not args.skip_equal:
         row.equal()
+    if args.equal_only:
+        emit(event="done", equal_only=True)
+        return 0
     train = BatchSearch(max_batch=args.max_batch, fits=args.train_fits, fails=args.train_fails, start=equal)
     if row.search("train", train) == 0:
         emit(event="done", train_batch=0)

@@ -52,7 +52,7 @@ class Workload:
         config = self.build_config(tiny)
         torch.manual_seed(SEED)
         with torch.device(device):
-            return _model_class(self.task)(config)
+            return _model_class(self.task, config)(config)
 
     def batch(self, size: int, index: int, tiny: bool, device: torch.device | str) -> dict[str, torch.Tensor]:
         """Synthetic batch number `index` of `size` samples (the same in every process and method)."""
@@ -78,9 +78,11 @@ class Workload:
         return self.sequence_length(tiny) * (2 if self.task == "seq2seq" else 1)
 
 
-def _model_class(task: str) -> type[nn.Module]:
+def _model_class(task: str, config: Any) -> type[nn.Module]:
     import transformers
 
+    if task == "clm" and isinstance(config, transformers.LlamaConfig):
+        return transformers.LlamaForCausalLM
     return {"cls": transformers.DebertaV2ForSequenceClassification,
             "seq2seq": transformers.BlenderbotForConditionalGeneration,
             "clm": transformers.GPT2LMHeadModel}[task]
@@ -123,6 +125,18 @@ def _gpt2_xl(tiny: bool) -> Any:
                       bos_token_id=end, eos_token_id=end)
 
 
+def _llama_7b(tiny: bool) -> Any:
+    from transformers import LlamaConfig
+
+    # meta-llama/Llama-2-7b's architecture (about 6.7 B parameters)
+    sizes = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=2, vocab_size=512) if tiny else \
+        dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+             num_key_value_heads=32, vocab_size=32000)
+    return LlamaConfig(**sizes, max_position_embeddings=4096, attention_dropout=0.0, use_cache=False,
+                       tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+
+
 WORKLOADS: dict[str, Workload] = {w.key: w for w in (
     Workload(key="cls", table=1, title="DeBERTa-v2-xlarge architecture, sequence classification, 128 tokens",
              task="cls", seq=128, train_examples=3668, eval_examples=408,
@@ -142,6 +156,12 @@ WORKLOADS: dict[str, Workload] = {w.key: w for w in (
              methods=("ddp", "zerofit-s2-offload", "zerofit-s3-offload", "deepspeed-s3-offload", "fsdp2-offload"),
              seed_result="seed, 2 x 24 GB: DDP out of memory at batch 1; ZeRO-3 + CPU offload batch 16, 6,608 s/epoch",
              build_config=_gpt2_xl),
+    Workload(key="llama7b", table=4, title="Llama-2-7B architecture, causal LM, 512 tokens", task="clm", seq=512,
+             train_examples=10000, eval_examples=1000,
+             epoch_note="epoch = a nominal 10,000 train / 1,000 eval samples", equal_batch=4, search_eval_batch=False,
+             methods=("ddp", "zerofit-s1", "zerofit-s2", "zerofit-s3", "deepspeed-s2", "deepspeed-s3", "fsdp2"),
+             seed_result="not one of the seed's tables: the several-GPU scaling workload (`--equal-only`)",
+             build_config=_llama_7b),
 )}
 
 TINY_METHODS = ("ddp", "zerofit-s1", "zerofit-s2", "zerofit-s3", "deepspeed-s2", "fsdp2")

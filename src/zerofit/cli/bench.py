@@ -13,6 +13,7 @@ import sys
 import time
 
 _TABLES = ("cls", "seq2seq", "clm")
+"""The default tables: the seed's three (`llama7b` is the several-GPU scaling workload, asked for by name)."""
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -22,11 +23,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         epilog="examples:\n  zerofit bench --gpu-memory-gib 24 --out bench/results/seed_tables\n"
                "  zerofit bench --tables cls --methods ddp zerofit-s2 deepspeed-s2 --steps 3\n"
                "  zerofit bench --tiny --cpu --out /tmp/bench        # the harness on toy models, on CPU\n"
+               "  zerofit bench --nproc 8 --tables clm llama7b --equal-only --equal-batch 8   # step rate, 8 GPUs\n"
                "  zerofit bench --report bench/results/seed_tables   # tables and plots again from results.json\n"
                "  zerofit bench --merge run1 run2 --out joined       # tables run in pieces, as one",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tables", nargs="+", default=list(_TABLES),
-                   help="which tables: cls (1, DeBERTa-v2-xlarge), seq2seq (2, BlenderBot-400M), clm (3, GPT-2 XL)")
+                   help="which tables: cls (1, DeBERTa-v2-xlarge), seq2seq (2, BlenderBot-400M), clm (3, GPT-2 XL); "
+                        "llama7b (4, Llama-2-7B architecture: scaling runs, not in the default list)")
     p.add_argument("--methods", nargs="+", default=None,
                    help="rows (default: each table's own list): ddp, zerofit-sN[-offload], deepspeed-sN[-offload], "
                         "fsdp2[-offload]")
@@ -39,6 +42,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="untimed steps before each timed run (default 2: offload rows settle on the second)")
     p.add_argument("--max-batch", "--max_batch", type=int, default=None, help="stop the search here (default 1024; --tiny 16)")
     p.add_argument("--equal-batch", "--equal_batch", type=int, default=None, help="the equal-batch column's batch (default: per table)")
+    p.add_argument("--equal-only", "--equal_only", action="store_true",
+                   help="only the equal-batch run: every method at --equal-batch for --warmup + --steps steps from the "
+                        "same weights; reports step time, tokens/s, GPU peak and each row's largest loss gap to DDP "
+                        "(scaling and parity: --precision no --warmup 0 --steps 20)")
     p.add_argument("--precision", choices=("bf16", "no"), default=None, help="default bf16 on GPU, no (fp32) on CPU")
     p.add_argument("--clip", type=float, default=1.0, help="gradient clipping for every row (0: none)")
     p.add_argument("--tiny", action="store_true", help="toy sizes of the same architectures (tests the harness)")
@@ -98,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
             "clip": args.clip, "steps": args.steps, "eval_steps": args.eval_steps, "warmup": args.warmup,
             "max_batch": args.max_batch or (16 if args.tiny else 1024), "gpu_memory_gib": args.gpu_memory_gib,
             "equal_batch": args.equal_batch or (2 if args.tiny else None), "tiny": args.tiny,
-            "simulate_oom_above": args.simulate_oom_above, "nproc": args.nproc}
+            "simulate_oom_above": args.simulate_oom_above, "nproc": args.nproc, "equal_only": args.equal_only}
     record = {"command": "zerofit bench " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else None,
               "options": opts, "environment": report.environment(), "tables": []}
     started = time.time()
