@@ -140,6 +140,7 @@ def test_launch_flag_set_is_frozen():
         "--main_process_ip", "--main-process-ip", "--main_process_port", "--main-process-port",
         "--mixed_precision", "--mixed-precision", "--cpu", "--max_restarts", "--max-restarts",
         "--resume", "--process_group_timeout", "--process-group-timeout", "--dry-run", "--dry_run", "-m", "--module",
+        "--oom_backoff", "--oom-backoff",
     }
 
 

@@ -104,6 +104,48 @@ def test_trace_replays_gradient_buffers():
     assert trace.peak(None) == trace.peak_bytes
 
 
+class Wide(nn.Module):
+    """nn.Linear's forward transposes its weight: a view of the parameter, which autograd saves for the
+    gradient of the layer's input."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(5, 1000)
+        self.proj = nn.Linear(1000, 10, bias=False)
+
+    def forward(self, input_ids, labels=None):
+        return self.proj(self.emb(input_ids)).sum()
+
+
+def test_views_of_parameters_are_not_activations():
+    mode = fake_mode()
+    with mode:
+        model = Wide()
+    trace = trace_step(FakeModel(model=model, mode=mode, vocab_size=5, num_labels=None, description="wide"),
+                       batch=1, seq=1)
+    # the embedding's output (4,000 B) is saved; the weight's transpose (40,000 B) is the parameter itself
+    assert trace.forward_end_bytes < 10_000, trace.forward_end_bytes
+
+
+def test_gathered_parameters_follow_the_stage3_schedule():
+    from zerofit.plan.activations import ActivationTrace
+
+    # units 1 and 2 run forward, the loss peaks at 50 with neither gathered, backward visits 2 then 1
+    F, E, B, LAST = 3, 4, 5, 2
+    timeline = ((10, F, 1), (20, 0, -1), (20, E, 1), (20, F, 2), (30, 0, -1), (30, E, 2), (50, 0, -1),
+                (40, B, 2), (40, LAST, 2), (20, B, 1), (20, LAST, 1), (0, 0, -1))
+    trace = ActivationTrace(forward_end_bytes=30, peak_bytes=50, timeline=timeline, units=3)
+    assert trace.peak_parts(None, None) == (50, 0)
+    # unit 1 starts gathered (prefetched at the step's start) and prefetches 2: 20 + 200 in its forward;
+    # backward reaching unit 2 gathers it and prefetches 1: 40 + 200, the peak
+    assert trace.peak_parts(None, [0, 100, 100]) == (240, 200)
+    assert trace.peak_parts(None, [0, 100, 0]) == (140, 100)  # only unit 1 sharded: 40 + 100 at unit 2's backward
+    # small units: the loss is the peak, with nothing gathered
+    assert trace.peak_parts(None, [0, 5, 5]) == (50, 0)
+    with pytest.raises(ValueError, match="same unit_size_threshold"):
+        trace.peak_parts(None, [1, 2])
+
+
 @pytest.fixture(scope="module")
 def tiny_gpt2():
     return build_fake_model("GPT2Config:n_layer=2,n_embd=32,n_head=2,vocab_size=96,n_positions=64",

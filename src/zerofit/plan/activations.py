@@ -6,8 +6,11 @@ tensor an operator creates. Each storage is counted from its creation until its 
 (a weak reference per tensor), so the running total is what the CUDA caching allocator would hold
 for activations, autograd's saved tensors, the logits and their fp32 copy for the loss, and the
 gradients flowing backward - and its maximum is the activation peak. Parameters and their
-gradients are not counted here: gradients are dropped as they arrive, as the engine does after
-copying them into its flat buffers, and the buffers themselves are `zerofit.plan.memory`'s.
+gradients are not counted here: storages that exist before the step (parameters, buffers, the
+inputs) are never counted, however an operator reaches them (`nn.Linear` saves its weight's
+transpose, a view of the parameter, for backward: counting it charged Llama and BERT their weights
+a second time, 7-17% over the measured peak); gradients are dropped as they arrive, as the engine
+does after copying them into its flat buffers, and the buffers themselves are `zerofit.plan.memory`'s.
 
 [Note: trace vs GPU]
 The trace runs CPU kernels on fake tensors, so two things are made to match what the GPU runs:
@@ -26,6 +29,16 @@ The trace records, next to the running total, when each unit's first gradient ar
 last one does; `ActivationTrace.peak` replays the engine's rule (allocated at the first gradient,
 handed to a reduction at the last, at most `MAX_INFLIGHT_REDUCTIONS` reductions in flight) on that
 timeline.
+
+[Note: gathered parameters on the timeline]
+Under stage 3 a sharded unit's parameters are whole on the GPU only around its use. The trace also
+records when each unit's forward starts and ends and when backward reaches its outputs, and `peak`
+replays the engine's gather rule (`zerofit.engine.stage3`) on them: gathered at its forward, with the
+next unit of the forward order prefetched (the first unit already when the step starts); released when
+its forward ends; gathered again, with the previous unit prefetched, when backward reaches it;
+released when its last gradient arrives. Recomputation under activation checkpointing gathers nothing
+new (the unit is already gathered for its backward). So an activation peak at the loss, where no
+layer is gathered, is not charged two layers' parameters.
 """
 
 from __future__ import annotations
@@ -36,14 +49,16 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from zerofit.engine.engine import MAX_INFLIGHT_REDUCTIONS
+from zerofit.engine.stage3 import tensors_in
 from zerofit.engine.units import plan_units
 from zerofit.plan.sources import ATTENTION_DROPOUT_KEYS, FakeModel
 
-_FIRST, _LAST = 1, 2
+_FIRST, _LAST, _FORWARD, _FORWARD_END, _BACKWARD = 1, 2, 3, 4, 5
 
 
 @dataclass(frozen=True)
@@ -55,30 +70,64 @@ class ActivationTrace:
     peak_bytes: int
     """Maximum of the running total (no engine gradient buffers)."""
     timeline: tuple[tuple[int, int, int], ...]
-    """(running bytes, event, unit): event 0 = a change of the total, 1 = unit's first gradient, 2 = its last."""
+    """(running bytes, event, unit): event 0 = a change of the total, 1 = unit's first gradient, 2 = its last,
+    3 = its forward starts, 4 = its forward ends, 5 = backward reaches its outputs."""
     units: int
 
     def peak(self, unit_grad_bytes: list[int] | None = None) -> int:
         """The peak with the engine's transient per-unit gradient buffers (`unit_grad_bytes[u]` each) added."""
-        if not unit_grad_bytes:
-            return self.peak_bytes
-        if len(unit_grad_bytes) != self.units:
-            raise ValueError(f"{len(unit_grad_bytes)} unit sizes for a trace of {self.units} units: plan both with "
-                             "the same unit_size_threshold")
-        extra, best, live = 0, 0, 0
+        return self.peak_parts(unit_grad_bytes)[0]
+
+    def peak_parts(self, unit_grad_bytes: list[int] | None = None,
+                   gathered_bytes: list[int] | None = None) -> tuple[int, int]:
+        """(peak, gathered parameter bytes at that peak): the running total with the transient gradient
+        buffers and, where `gathered_bytes[u]` is given (stage 3's sharded units), the gathered parameters
+        added on the engine's schedules (see the module notes)."""
+        for sizes in (unit_grad_bytes, gathered_bytes):
+            if sizes and len(sizes) != self.units:
+                raise ValueError(f"{len(sizes)} unit sizes for a trace of {self.units} units: plan both with "
+                                 "the same unit_size_threshold")
+        grads = unit_grad_bytes if unit_grad_bytes and any(unit_grad_bytes) else None
+        params = gathered_bytes if gathered_bytes and any(gathered_bytes) else None
+        if grads is None and params is None:
+            return self.peak_bytes, 0
+        order = list(dict.fromkeys(u for _, event, u in self.timeline if event == _FORWARD))
+        position = {u: i for i, u in enumerate(order)}
+        extra, best, best_gathered = 0, 0, 0
         held: set[int] = set()
         inflight: deque[int] = deque()
+        gathered: set[int] = set()
+
+        def gather(*units: int | None) -> None:
+            for u in units:
+                if u is not None and params and u not in gathered:
+                    gathered.add(u)
+
+        def neighbour(u: int, step: int) -> int | None:
+            i = position.get(u, -10) + step
+            return order[i] if 0 <= i < len(order) else None
+
+        gather(order[0] if order else None)
         for total, event, unit in self.timeline:
-            live = total
-            if event == _FIRST and unit not in held:
+            if grads and event == _FIRST and unit not in held:
                 held.add(unit)
-                extra += unit_grad_bytes[unit]
+                extra += grads[unit]
             elif event == _LAST:
-                inflight.append(unit)
-                while len(inflight) > MAX_INFLIGHT_REDUCTIONS:
-                    extra -= unit_grad_bytes[inflight.popleft()]
-            best = max(best, live + extra)
-        return best
+                if grads:
+                    inflight.append(unit)
+                    while len(inflight) > MAX_INFLIGHT_REDUCTIONS:
+                        extra -= grads[inflight.popleft()]
+                gathered.discard(unit)
+            elif event == _FORWARD:
+                gather(unit, neighbour(unit, +1))
+            elif event == _FORWARD_END:
+                gathered.discard(unit)
+            elif event == _BACKWARD:
+                gather(unit, neighbour(unit, -1))
+            in_params = sum(params[u] for u in gathered) if params else 0
+            if total + extra + in_params > best:
+                best, best_gathered = total + extra + in_params, in_params
+        return best, best_gathered
 
 
 class _LiveBytes(TorchDispatchMode):
@@ -92,6 +141,13 @@ class _LiveBytes(TorchDispatchMode):
         self.peak = 0
         self.timeline: list[tuple[int, int, int]] = []
         self.masks: set[int] = set()
+        self.outside: set[int] = set()
+        """Storages that existed before the step (parameters, buffers, inputs): never activations."""
+
+    def exclude(self, tensors) -> None:
+        """Storages not to count, however an operator reaches them (a weight's transpose for `mm` is a
+        view of the parameter's own storage, and autograd saves it: it is not a new tensor)."""
+        self.outside.update(t.untyped_storage()._cdata for t in tensors)
 
     def _release(self, key: int) -> None:
         self.refs[key] -= 1
@@ -103,6 +159,8 @@ class _LiveBytes(TorchDispatchMode):
     def _track(self, t: torch.Tensor) -> None:
         storage = t.untyped_storage()
         key = storage._cdata  # the storage itself, whichever view or wrapper reaches it
+        if key in self.outside:
+            return
         if key not in self.refs:
             self.refs[key] = 0
             self.sizes[key] = storage.nbytes()
@@ -200,6 +258,7 @@ def trace_step(fake: FakeModel, *, batch: int, seq: int, checkpointing: bool = F
     waiting = [len(spec.params) for spec in specs]
     inputs = _fake_inputs(fake, batch, seq)
     counter = _LiveBytes()
+    counter.exclude([*model.parameters(), *model.buffers(), *inputs.values()])
 
     def arrived(p: torch.Tensor) -> None:
         unit = unit_of.get(id(p))
@@ -212,11 +271,29 @@ def trace_step(fake: FakeModel, *, batch: int, seq: int, checkpointing: bool = F
         if waiting[unit] == 0:
             counter.event(_LAST, unit)
 
+    in_backward = False
+
+    def forward_starts(unit: int) -> None:
+        if not in_backward:  # recomputation under checkpointing: the unit is gathered for its backward
+            counter.event(_FORWARD, unit)
+
+    def forward_ends(unit: int, output) -> None:
+        if in_backward:
+            return
+        counter.event(_FORWARD_END, unit)
+        needs_grad = [t for t in tensors_in(output) if t.requires_grad]
+        if needs_grad:
+            register_multi_grad_hook(needs_grad, lambda _g, u=unit: counter.event(_BACKWARD, u), mode="any")
+
     handles = [p.register_post_accumulate_grad_hook(arrived) for p in model.parameters() if p.requires_grad]
+    for u, spec in enumerate(specs[1:], start=1):  # the root unit is gathered for the whole step
+        handles.append(spec.module.register_forward_pre_hook(lambda _m, _a, u=u: forward_starts(u)))
+        handles.append(spec.module.register_forward_hook(lambda _m, _a, out, u=u: forward_ends(u, out)))
     try:
         with fake.mode, counter:
             loss = _loss_of(model(**inputs))
             forward_end = counter.total
+            in_backward = True
             loss.backward()
             del loss
     finally:

@@ -9,7 +9,7 @@ c bytes per compute element (4 fp32, 2 bf16/fp16) and k optimizer state tensors 
 | term | bytes | where |
 |---|---|---|
 | parameters | N*c, or S*c for a group sharded between uses (stage 3) | GPU; host (pinned) with param offload |
-| gathered parameters | N*c of the root unit (if sharded) + the 2 largest sharded units (current + prefetched) | GPU, stage 3 only |
+| gathered parameters | N*c of the root unit (if sharded) + each sharded unit's N*c while gathered: on the activation timeline (see `zerofit.plan.activations`), else the 2 largest (current + prefetched) | GPU, stage 3 only |
 | fp32 master | S*4, none when compute is fp32 and the state is on the GPU (it is the parameter itself) | with the optimizer state |
 | gradients | S*4 shard; + N*4 full buffer when it persists (stage 1 on several ranks) | with the optimizer state |
 | optimizer states | k*S*4 | GPU; host with optimizer offload; files with NVMe (one group's worth in host slots) |
@@ -159,7 +159,7 @@ def estimate(counts: ModelCounts, setting: Setting, work: Workload, trace: Activ
     host = dict(params=0, grads=0, optimizer=0, buffers=0)
     nvme = 0
     transient: list[int] = []
-    gathered: list[int] = []
+    gathered = [0] * len(counts.units)
     root_gathered = 0
     largest_state = 0
     for u, (_, trainable, frozen) in enumerate(counts.units):
@@ -176,7 +176,7 @@ def estimate(counts: ModelCounts, setting: Setting, work: Workload, trace: Activ
                 if u == 0:
                     root_gathered += n * c
                 else:
-                    gathered.append(n * c)
+                    gathered[u] += n * c
             else:
                 gpu["params"] += n * c
             if not is_trainable:
@@ -199,10 +199,11 @@ def estimate(counts: ModelCounts, setting: Setting, work: Workload, trace: Activ
                 transient[u] += n * 4 + (s * 4 if pl.shard_world > 1 else 0)
     if setting.offload_optimizer == "nvme":
         host["optimizer"] += 2 * largest_state  # slots: the group being stepped and the next one read ahead
-    activations = 0
+    activations, in_use = 0, sum(sorted(gathered)[-2:])
     if trace is not None:
-        activations = trace.peak(transient if any(transient) else None)
-    gpu["buffers"] += root_gathered + sum(sorted(gathered)[-2:])
+        peak, in_use = trace.peak_parts(transient, gathered)
+        activations = peak - in_use
+    gpu["buffers"] += root_gathered + in_use
     return Estimate(setting=setting, params=gpu["params"], grads=gpu["grads"], optimizer=gpu["optimizer"],
                     activations=activations, buffers=gpu["buffers"], host_params=host["params"],
                     host_grads=host["grads"], host_optimizer=host["optimizer"], host_buffers=host["buffers"],
