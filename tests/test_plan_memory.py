@@ -35,7 +35,10 @@ def test_stage0_one_rank_bf16():
     # Padding to multiples of 16: 33 -> 48, 110 -> 112; flat total 48 + 3 * 112 = 384 elements.
     e = estimate(counts(), Setting(stage=0), Workload(mixed_precision="bf16"), None)
     assert e.params == 384 * 2
-    assert e.grads == 384 * 4  # fp32 gradient shard; the full gradient is the shard itself
+    assert e.grads == 384 * 2  # one rank, no accumulation: the gradient is kept in bf16 (compact)
+    accumulating = estimate(counts(), Setting(stage=0), Workload(mixed_precision="bf16", gradient_accumulation_steps=2),
+                            None)
+    assert accumulating.grads == 384 * 4  # fp32 where micro-steps add up
     assert e.optimizer == 384 * 4 + 2 * 384 * 4  # fp32 master + Adam's two states
     assert e.buffers == 0 and e.host_total == 0 and e.activations == 0
 

@@ -33,8 +33,11 @@ from zerofit.engine.loss_scale import LossScaler
 from zerofit.engine.materialize import Materializer, has_meta_tensors
 from zerofit.engine.nvme import NvmeSwapper
 from zerofit.engine.optim import (
+    CompactSteps,
+    bind_grads,
     folds_grad_scale,
     local_grad_sumsq,
+    mark_stepped,
     master_pieces,
     param_group_index,
     rebind_optimizer,
@@ -91,12 +94,21 @@ class ZeroEngine:
                                   persistence_threshold=int(self.zero.param_persistence_threshold),
                                   offload_param=self.zero.offload_param.enabled)
         self._move_buffers()
+        # [Note: compact gradients] in zerofit.engine.optim: exact on one rank without accumulation
+        self._compact = (optimizer is not None and self.comm.world == 1 and gradient_accumulation_steps == 1
+                         and self.compute_dtype != torch.float32)
         self.units = self._build_units(init_fn)
         self.groups = [g for u in self.units for g in u.groups]
         self._trainable = [g for g in self.groups if g.trainable]
         self._host_grads = [g for g in self._trainable if g.placement.offload_state]
         if optimizer is not None:
             rebind_optimizer(optimizer, self._trainable, self.comm.rank)
+        compact = [g for g in self._trainable if g.compact]
+        self._compact_steps = CompactSteps(optimizer, compact) if compact else None
+        self._grads_pending = False
+        """A backward ran since the last step or zero_grad (a second one widens compact gradients)."""
+        self._step_factor: torch.Tensor | float | None = None
+        """This step's whole unscale/clip factor, for the compact groups (which scale it on upcast)."""
         self._inflight: deque[Pending] = deque()
         self._micro_step = 0
         self._sync = True
@@ -219,7 +231,8 @@ class ZeroEngine:
                 groups.append(FlatGroup(
                     spec.name, [n for n, _ in members], [p for _, p in members],
                     [group_of[id(p)] if trainable else 0 for _, p in members], trainable=trainable,
-                    placement=placement, compute_dtype=self.compute_dtype, device=self.device, align=SHARD_ALIGN))
+                    placement=placement, compute_dtype=self.compute_dtype, device=self.device, align=SHARD_ALIGN,
+                    compact_grads=self._compact and trainable))
             units.append(Unit(spec.name, spec.module, groups, self.comm))
         if meta is not None:
             meta.finish()
@@ -253,6 +266,9 @@ class ZeroEngine:
         """
         if sync is None:
             sync = self._micro_step + 1 >= self.gradient_accumulation_steps
+        if self._grads_pending and self._compact_steps is not None:
+            self._widen_grads()
+        self._grads_pending = True
         self._sync = sync
         if self._early_groups:
             self._disable_early("backward ran again before step() applied the last window (zerofit had "
@@ -285,6 +301,14 @@ class ZeroEngine:
                     g.grads_for_step()
                 self._submit_early(rest, settle_grads=False)
         self._micro_step = 0 if sync else self._micro_step + 1
+
+    def _widen_grads(self) -> None:
+        """A second backward before step(): compact gradients become fp32 before anything is added to them."""
+        for g in self._trainable:
+            if g.compact:
+                g.widen()
+                bind_grads(self.optimizer, g, g.grad_shard)
+        self._compact_steps = None
 
     def _on_grad(self, unit: Unit, group: int, index: int, param: nn.Parameter) -> None:
         grad, param.grad = param.grad, None
@@ -380,6 +404,7 @@ class ZeroEngine:
         factor: torch.Tensor | float = inv_scale
         if max_norm > 0:
             factor = torch.clamp(max_norm / (norm + 1e-6), max=1.0) * inv_scale
+        self._step_factor = factor
         if folds_grad_scale(self.optimizer):
             self._grad_factor = factor  # applied inside the fused optimizer kernels, no pass here
         elif isinstance(factor, torch.Tensor) or factor != 1.0:
@@ -404,25 +429,27 @@ class ZeroEngine:
             overflow = not bool(torch.isfinite(norm))
             self.scaler.update(overflow)
             if overflow:
-                self._grad_factor = None
+                self._grad_factor = self._step_factor = None
                 self.zero_grad()
                 return False
         factor, self._grad_factor = self._grad_factor, None
         if self.stepper is not None:
-            sub, index = self._device_opt
-            if sub is not None:
-                sync_hyperparams(sub, index, self.optimizer)
-                step_with_factor(sub, factor)
+            self._step_on_device(factor, self._step_factor)
+            mark_stepped(self.optimizer)
             self._publish(host=False)
             self._unpublished = {id(g) for g in self._host_grads}
             if self.swapper is not None:
                 self.swapper.evict_materialized()  # inspected or loaded state goes back to its files
             # unit order = forward order: the units needed first are stepped first
             self.stepper.submit(self._host_grads, factor)
+        elif self._compact_steps is not None:
+            self._compact_steps.step(self._step_factor)
+            self._publish()
         else:
             if self.optimizer is not None:
                 step_with_factor(self.optimizer, factor)
             self._publish()
+        self._step_factor = None
         self.zero_grad()
         return True
 
@@ -433,13 +460,22 @@ class ZeroEngine:
                                 "step used the values they had when backward ended")
         self._grads_prepared = self._early_hyper = None
         self.last_grad_norm = None
-        sub, index = self._device_opt
-        if sub is not None:
-            sync_hyperparams(sub, index, self.optimizer)
-            step_with_factor(sub, None)
+        self._step_on_device(None, None)  # an early window's factor is exactly 1
+        mark_stepped(self.optimizer)
         self._publish(host=False)
         self._early_groups = set()
         self.zero_grad()
+
+    def _step_on_device(self, factor: torch.Tensor | float | None, whole: torch.Tensor | float | None) -> None:
+        """The step of the groups whose optimizer state is on the device, beside the host stepper's:
+        `factor` is what is left to apply to wide gradients, `whole` the step's factor (compact ones)."""
+        if self._compact_steps is not None:
+            self._compact_steps.step(whole)
+            return
+        sub, index = self._device_opt
+        if sub is not None:
+            sync_hyperparams(sub, index, self.optimizer)
+            step_with_factor(sub, factor)
 
     def refresh_params(self) -> None:
         """Rebuild the compute-dtype parameters from the fp32 masters (after a checkpoint wrote into them)."""
@@ -465,6 +501,7 @@ class ZeroEngine:
 
     def zero_grad(self) -> None:
         self._drain()
+        self._grads_pending = False
         for g in self._trainable:
             g.zero_grads()
         self._micro_step = 0
@@ -484,7 +521,8 @@ class ZeroEngine:
         for g in self.groups:
             if what != "param" and not g.trainable:
                 continue
-            local = {"master": g.master, "grad": g.grad_shard, "param": g.param_shard}[what].to(self.device)
+            local = {"master": g.master, "grad": g.grad_shard.float() if what == "grad" else None,
+                     "param": g.param_shard}[what].to(self.device)
             full = torch.empty(g.layout.padded_numel, dtype=local.dtype, device=local.device)
             if g.placement.shard_world > 1:
                 self.comm.all_gather(full, local.contiguous(), "inspect").wait()

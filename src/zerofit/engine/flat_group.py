@@ -9,7 +9,9 @@ Buffers alias each other whenever the math allows, so one rank and stage 0 cost 
 - `param_shard` is a view of `param_flat` unless parameters are sharded (stage 3);
 - `master` (fp32) is `param_shard` itself when compute runs in fp32;
 - `grad_flat` (where backward accumulates full gradients) is `grad_shard` when the optimizer is not
-  sharded (stage 0, or one rank), so reduction is in place or nothing at all.
+  sharded (stage 0, or one rank), so reduction is in place or nothing at all;
+- on one rank with no accumulation, that buffer is in the compute dtype ("compact", see
+  [Note: compact gradients] in zerofit.engine.optim).
 
 [Note: released parameters]
 Under stage 3 a released group keeps its `param_flat` tensor and the parameter views into it, but its
@@ -51,7 +53,8 @@ class FlatGroup:
 
     def __init__(self, unit_name: str, names: list[str], params: list[nn.Parameter], groups: list[int],
                  *, trainable: bool, placement: GroupPlacement, compute_dtype: torch.dtype,
-                 device: torch.device, align: int):
+                 device: torch.device, align: int, compact_grads: bool = False):
+        """`compact_grads`: keep the gradient in the compute dtype (the engine decides when that is exact)."""
         self.unit_name = unit_name
         self.names = names
         self.params = params
@@ -97,10 +100,12 @@ class FlatGroup:
             else:
                 self.master = _on(master_src, host, pin) if placement.offload_state else master_src
             state_device = host if placement.offload_state else device
+            compact = compact_grads and placement.shard_world == 1 and not placement.offload_state
             if pin and state_device.type == "cpu":
                 self.grad_shard = pinned_empty(self.layout.shard_numel, torch.float32).zero_()
             else:
-                self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=torch.float32, device=state_device)
+                self.grad_shard = torch.zeros(self.layout.shard_numel, device=state_device,
+                                              dtype=compute_dtype if compact else torch.float32)
             if placement.shard_world == 1 and not placement.offload_state:
                 self.grad_flat = self.grad_shard
             elif placement.keep_full_grads:
@@ -122,6 +127,19 @@ class FlatGroup:
     @property
     def numel(self) -> int:
         return self.layout.numel
+
+    @property
+    def compact(self) -> bool:
+        """The gradient is kept in the compute dtype (see [Note: aliasing])."""
+        return self.grad_shard is not None and self.grad_shard.dtype != torch.float32
+
+    def widen(self) -> None:
+        """Keep this group's gradient in fp32 from now on (its current contents carried over exactly)."""
+        if self.compact:
+            wide = self.grad_shard.float()
+            if self.grad_flat is self.grad_shard:
+                self.grad_flat = wide
+            self.grad_shard = wide
 
     # --- parameters -------------------------------------------------------------------------
     def alloc_full(self) -> None:

@@ -35,7 +35,8 @@ def param_group_index(optimizer: torch.optim.Optimizer | None) -> dict[int, int]
 
 
 def rebind_optimizer(optimizer: torch.optim.Optimizer, groups: list[FlatGroup], rank: int) -> None:
-    """Point `optimizer` at this rank's master pieces and give every piece its gradient view."""
+    """Point `optimizer` at this rank's master pieces and give every piece its gradient view (compact
+    groups get theirs at each step: see `CompactSteps`)."""
     pieces: list[list[torch.Tensor]] = [[] for _ in optimizer.param_groups]
     for fg in groups:
         if not fg.trainable:
@@ -43,7 +44,8 @@ def rebind_optimizer(optimizer: torch.optim.Optimizer, groups: list[FlatGroup], 
         for piece in fg.layout.pieces(fg.placement.rank):
             sl = slice(piece.shard_offset, piece.shard_offset + piece.length)
             master = fg.master[sl]
-            master.grad = fg.grad_shard[sl]
+            if not fg.compact:
+                master.grad = fg.grad_shard[sl]
             pieces[piece.group].append(master)
     use_fused = type(optimizer).__name__ in _FUSED_CAPABLE
     for group, tensors in zip(optimizer.param_groups, pieces):
@@ -99,6 +101,61 @@ def master_pieces(g: FlatGroup) -> list[torch.Tensor]:
     return [g.master[p.shard_offset:p.shard_offset + p.length] for p in g.layout.pieces(g.placement.rank)]
 
 
+def bind_grads(optimizer: torch.optim.Optimizer, g: FlatGroup, grad: torch.Tensor | None) -> None:
+    """Give `g`'s master pieces in `optimizer` their views of `grad` (a tensor shaped like `g.grad_shard`),
+    or none (`grad` None)."""
+    base = g.master.data_ptr()
+    for pg in optimizer.param_groups:
+        for t in pg["params"]:
+            off = (t.data_ptr() - base) // t.element_size()
+            if 0 <= off < g.master.numel():
+                t.grad = None if grad is None else grad[off:off + t.numel()]
+
+
+def mark_stepped(optimizer: torch.optim.Optimizer) -> None:
+    """Tell LR schedulers built on `optimizer` that it stepped, when the engine stepped its pieces through
+    smaller optimizers (torch's schedulers warn about a scheduler step before the first optimizer step
+    by reading this flag, which their wrapper of `optimizer.step` sets)."""
+    optimizer._opt_called = True  # type: ignore[attr-defined]
+
+
+class CompactSteps:
+    """The optimizer step of groups whose gradients are kept in the compute dtype.
+
+    [Note: compact gradients]
+    On one rank with no accumulation (and no offload), each parameter's gradient reaches the engine
+    once per step, already in the compute dtype (bf16/fp16): an fp32 buffer would only hold the same
+    values in twice the bytes. Such groups keep `grad_shard` in the compute dtype - 2 bytes per
+    parameter instead of 4, what DeepSpeed's ZeRO-2 keeps - and each is stepped alone: its gradient
+    upcast to a transient fp32 buffer (one group at a time), bound to its master pieces, stepped by
+    a small optimizer of the script's class sharing its state, unbound. Same update, bit for bit.
+    A second backward before `step()` (accumulation turned on later, e.g. by the out-of-memory
+    back-off) would round a sum in the compute dtype: the engine widens the groups to fp32 first
+    (`FlatGroup.widen`) and steps them as usual from then on.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, groups: list[FlatGroup]):
+        self.optimizer = optimizer
+        self._subs = [(g, *sub_optimizer(optimizer, master_pieces(g))) for g in groups]
+
+    def step(self, factor: torch.Tensor | float | None) -> None:
+        """Step every group, gradients times `factor` (folded into fused kernels, else applied to the upcast)."""
+        folded = folds_grad_scale(self.optimizer)
+        for g, sub, index in self._subs:
+            if sub is None:
+                continue
+            grad = g.grad_shard.float()
+            if factor is not None and not folded and not (not isinstance(factor, torch.Tensor) and factor == 1.0):
+                grad.mul_(factor.to(grad.device) if isinstance(factor, torch.Tensor) else factor)
+            sync_hyperparams(sub, index, self.optimizer)
+            bind_grads(sub, g, grad)
+            try:
+                step_with_factor(sub, factor if folded else None)
+            finally:
+                bind_grads(sub, g, None)
+        mark_stepped(self.optimizer)
+
+
 def local_grad_sumsq(groups: list[FlatGroup], device: torch.device) -> torch.Tensor:
     """Sum of squared gradient elements of this rank's shards (fp32, on `device`).
 
@@ -111,7 +168,12 @@ def local_grad_sumsq(groups: list[FlatGroup], device: torch.device) -> torch.Ten
         total += torch.stack(measured).sum()
     rest = [g for g in groups if g.device_sumsq is None]
     for shards in _by_device(rest).values():
-        total += torch.stack(torch._foreach_norm(shards, 2.0)).square().sum().to(device)
+        wide = [s for s in shards if s.dtype == torch.float32]
+        if wide:
+            total += torch.stack(torch._foreach_norm(wide, 2.0)).square().sum().to(device)
+        for s in shards:  # compact (compute-dtype) shards: the norm in fp32, never rounded to bf16
+            if s.dtype != torch.float32:
+                total += torch.linalg.vector_norm(s, dtype=torch.float32).square().to(device)
     return total
 
 
@@ -141,6 +203,7 @@ def step_with_factor(optimizer: torch.optim.Optimizer, factor: torch.Tensor | fl
 
 
 def scale_grads(groups: list[FlatGroup], factor: torch.Tensor | float) -> None:
-    for dev, shards in _by_device(groups).items():
+    """Multiply the gradient shards by `factor` in place (compact ones are scaled as they are upcast)."""
+    for dev, shards in _by_device([g for g in groups if not g.compact]).items():
         f = factor.to(dev) if isinstance(factor, torch.Tensor) else factor
         torch._foreach_mul_(shards, f)

@@ -11,7 +11,7 @@ c bytes per compute element (4 fp32, 2 bf16/fp16) and k optimizer state tensors 
 | parameters | N*c, or S*c for a group sharded between uses (stage 3) | GPU; host (pinned) with param offload |
 | gathered parameters | N*c of the root unit (if sharded) + each sharded unit's N*c while gathered: on the activation timeline (see `zerofit.plan.activations`), else the 2 largest (current + prefetched) | GPU, stage 3 only |
 | fp32 master | S*4, none when compute is fp32 and the state is on the GPU (it is the parameter itself) | with the optimizer state |
-| gradients | S*4 shard; + N*4 full buffer when it persists (stage 1 on several ranks) | with the optimizer state |
+| gradients | S*4 shard (S*c on one rank without accumulation or offload: "compact"); + N*4 full buffer when it persists (stage 1 on several ranks) | with the optimizer state |
 | optimizer states | k*S*4 | GPU; host with optimizer offload; files with NVMe (one group's worth in host slots) |
 | transient gradients | N*4 (+ S*4 reduce output) per unit while reduced, at most 2 reductions in flight | GPU, on the activation timeline |
 | offload staging | S*4 pinned per group, when accumulating over several micro-steps | host |
@@ -184,7 +184,9 @@ def estimate(counts: ModelCounts, setting: Setting, work: Workload, trace: Activ
             state = host if pl.offload_state else gpu
             if c != 4 or pl.offload_state:
                 state["optimizer"] += s * 4  # the fp32 master
-            state["grads"] += s * 4
+            # one rank, no accumulation: gradients stay in the compute dtype (see zerofit.engine.optim)
+            compact = work.world == 1 and work.gradient_accumulation_steps == 1 and c != 4 and not pl.offload_state
+            state["grads"] += s * (c if compact else 4)
             if pl.offload_state and setting.offload_optimizer == "nvme":
                 nvme += (1 + k) * s * 4
                 largest_state = max(largest_state, (1 + k) * s * 4)
