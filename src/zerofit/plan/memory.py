@@ -14,6 +14,7 @@ c bytes per compute element (4 fp32, 2 bf16/fp16) and k optimizer state tensors 
 | gradients | S*4 shard (S*c on one rank without accumulation or offload: "compact"); + N*4 full buffer when it persists (stage 1 on several ranks) | with the optimizer state |
 | optimizer states | k*S*4 | GPU; host with optimizer offload; files with NVMe (one group's worth in host slots) |
 | transient gradients | N*4 (+ S*4 reduce output) per unit while reduced, at most 2 reductions in flight | GPU, on the activation timeline |
+| step upcast | S*4 of the largest compact group, while it steps (after backward) | GPU, against the activation peak |
 | offload staging | S*4 pinned per group, when accumulating over several micro-steps | host |
 | activations | measured by `zerofit.plan.activations` at the planned batch | GPU |
 
@@ -162,6 +163,7 @@ def estimate(counts: ModelCounts, setting: Setting, work: Workload, trace: Activ
     gathered = [0] * len(counts.units)
     root_gathered = 0
     largest_state = 0
+    step_transient = 0
     for u, (_, trainable, frozen) in enumerate(counts.units):
         unit_numel = trainable + frozen
         transient.append(0)
@@ -187,6 +189,8 @@ def estimate(counts: ModelCounts, setting: Setting, work: Workload, trace: Activ
             # one rank, no accumulation: gradients stay in the compute dtype (see zerofit.engine.optim)
             compact = work.world == 1 and work.gradient_accumulation_steps == 1 and c != 4 and not pl.offload_state
             state["grads"] += s * (c if compact else 4)
+            if compact:  # stepped from a transient fp32 copy, one group at a time, after backward
+                step_transient = max(step_transient, s * 4)
             if pl.offload_state and setting.offload_optimizer == "nvme":
                 nvme += (1 + k) * s * 4
                 largest_state = max(largest_state, (1 + k) * s * 4)
@@ -205,6 +209,7 @@ def estimate(counts: ModelCounts, setting: Setting, work: Workload, trace: Activ
     if trace is not None:
         peak, in_use = trace.peak_parts(transient, gathered)
         activations = peak - in_use
+    activations = max(activations, step_transient)  # the step runs after backward freed its activations
     gpu["buffers"] += root_gathered + in_use
     return Estimate(setting=setting, params=gpu["params"], grads=gpu["grads"], optimizer=gpu["optimizer"],
                     activations=activations, buffers=gpu["buffers"], host_params=host["params"],
