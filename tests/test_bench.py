@@ -132,15 +132,15 @@ def test_bench_two_processes_relaunch_around_out_of_memory(tmp_path):
 
 @pytest.mark.slow
 def test_equal_only_on_two_processes_is_a_parity_check_against_ddp(tmp_path):
-    """#9's parity table on gloo: stages 1-3 and DDP from the same weights on the same data, fp32, no warm-up."""
-    proc, record, out = _bench(tmp_path, "--tables", "llama7b", "--methods", "ddp", "zerofit-s1", "zerofit-s3",
+    """#9's parity table on gloo: stage 3 and DDP from the same weights on the same data, fp32, no warm-up."""
+    proc, record, out = _bench(tmp_path, "--tables", "llama7b", "--methods", "ddp", "zerofit-s3",
                                "--nproc", "2", "--equal-only", "--warmup", "0", "--steps", "4", "--clip", "0")
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = _rows(record, "llama7b")
     table = record["tables"][0]
     ddp = report.derive(rows["ddp"], table, world=2)
     assert len(ddp["losses"]) == 4 and ddp["status"] == "ok"
-    for m in ("zerofit-s1", "zerofit-s3"):
+    for m in ("zerofit-s3",):  # the engine's own tests hold every stage to the reference; this, the harness
         x = report.derive(rows[m], table, world=2)
         assert x["status"] == "ok" and rows[m]["timing"] is None  # no search, no timing phase
         assert report.loss_gap(x, ddp) < 1e-6, (x["losses"], ddp["losses"])
