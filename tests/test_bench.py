@@ -189,5 +189,10 @@ def test_report_merges_runs_and_marks_failures():
     md = "\n".join(report.markdown(merged))
     assert "| zerofit-s2 | 20 | 2.5 |" in md and "1.00x deepspeed-s2" not in md and "2.00x" in md
     assert "Merged from 2 runs" in md and "capped at 24 GiB" in md
+    c = {"options": opts, "environment": {"gpu": "G"}, "tables": [table | {"rows": [row("ddp", 12)]}]}
+    again = report.merge([merged, c])  # a merged record keeps its runs: rows still point at theirs
+    assert len(again["sources"]) == 3
+    assert {r["method"]: r["source"] for r in again["tables"][0]["rows"]} == {"zerofit-s2": 1, "deepspeed-s2": 1,
+                                                                               "ddp": 2}
     with pytest.raises(ValueError, match="processes per row"):
         report.merge([a, b | {"options": opts | {"nproc": 2}}])

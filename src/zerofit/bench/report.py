@@ -212,11 +212,13 @@ def environment() -> dict[str, Any]:
 
 def merge(records: list[dict[str, Any]]) -> dict[str, Any]:
     """One record from several runs (tables run in pieces): rows join their table in run order, a later
-    run's row replaces an earlier one of the same method; each row keeps the index of its run in `sources`."""
-    out = {"options": records[0]["options"], "environment": records[0]["environment"], "tables": [],
-           "sources": [{k: r.get(k) for k in ("command", "options", "seconds", "note")} for r in records]}
+    run's row replaces an earlier one of the same method in its place; each row keeps the index of its run in `sources`
+    (a record that is itself merged contributes all its runs)."""
+    out = {"options": records[0]["options"], "environment": records[0]["environment"], "tables": [], "sources": []}
     tables: dict[str, dict[str, Any]] = {}
-    for i, record in enumerate(records):
+    for record in records:
+        first = len(out["sources"])  # a merged record brings its own sources along, rows keep pointing at theirs
+        out["sources"] += record.get("sources") or [{k: record.get(k) for k in ("command", "options", "seconds", "note")}]
         if record["options"]["nproc"] != out["options"]["nproc"]:
             raise ValueError(f"cannot merge runs with {out['options']['nproc']} and {record['options']['nproc']} "
                              "processes per row into one table")
@@ -226,7 +228,12 @@ def merge(records: list[dict[str, Any]]) -> dict[str, Any]:
                 out["tables"].append(tables[table["key"]])
             rows = tables[table["key"]]["rows"]
             for row in table["rows"]:
-                rows[:] = [r for r in rows if r["method"] != row["method"]] + [row | {"source": i}]
+                new = row | {"source": first + row.get("source", 0)}
+                at = next((i for i, r in enumerate(rows) if r["method"] == row["method"]), None)
+                if at is None:
+                    rows.append(new)
+                else:
+                    rows[at] = new  # a later run of a row replaces it in its place
     out["tables"].sort(key=lambda t: t["table"])
     return out
 
