@@ -117,6 +117,10 @@ class Row:
         self.runner.recover()
         emit(event="recovered", batch=size)
 
+    def _peak_gib(self) -> float | None:
+        """GPU memory peak since the last reset (None on CPU)."""
+        return torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else None
+
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -134,9 +138,8 @@ class Row:
             emit(event="equal", batch=size, fits=False)
             self.after_oom(size)
             return
-        peak = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else None
         emit(event="equal", batch=size, fits=True, train_s=statistics.median(train_s), train_times=train_s,
-             eval_s=statistics.median(eval_s), losses=losses, gpu_peak_gib=peak)
+             eval_s=statistics.median(eval_s), losses=losses, gpu_peak_gib=self._peak_gib())
 
     def search(self, phase: str, search: BatchSearch) -> int:
         while (size := search.next()) is not None:
@@ -153,7 +156,7 @@ class Row:
             torch.cuda.reset_peak_memory_stats(self.device)
         emit(event="timing_start", batch=size)
         train_s, losses = self.timed(size, self.args.steps, train=True)
-        peak = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else None
+        peak = self._peak_gib()
         emit(event="timing", train_batch=size, train_s=statistics.median(train_s), train_times=train_s,
              losses=losses, gpu_peak_gib=peak, host_rss_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
 

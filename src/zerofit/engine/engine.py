@@ -46,7 +46,7 @@ from zerofit.engine.optim import (
     sub_optimizer,
     sync_hyperparams,
 )
-from zerofit.engine.policy import StagePolicy, offloaded_units
+from zerofit.engine.policy import StagePolicy, keeps_compact_grads, offloaded_units
 from zerofit.engine.stage3 import Stage3Hooks
 from zerofit.engine.timing import StepTimes
 from zerofit.engine.unit import Unit
@@ -94,9 +94,6 @@ class ZeroEngine:
                                   persistence_threshold=int(self.zero.param_persistence_threshold),
                                   offload_param=self.zero.offload_param.enabled)
         self._move_buffers()
-        # [Note: compact gradients] in zerofit.engine.optim: exact on one rank without accumulation
-        self._compact = (optimizer is not None and self.comm.world == 1 and gradient_accumulation_steps == 1
-                         and self.compute_dtype != torch.float32)
         self.units = self._build_units(init_fn)
         self.groups = [g for u in self.units for g in u.groups]
         self._trainable = [g for g in self.groups if g.trainable]
@@ -232,7 +229,9 @@ class ZeroEngine:
                     spec.name, [n for n, _ in members], [p for _, p in members],
                     [group_of[id(p)] if trainable else 0 for _, p in members], trainable=trainable,
                     placement=placement, compute_dtype=self.compute_dtype, device=self.device, align=SHARD_ALIGN,
-                    compact_grads=self._compact and trainable))
+                    compact_grads=trainable and self.optimizer is not None and keeps_compact_grads(
+                        placement, world=self.comm.world, gradient_accumulation_steps=self.gradient_accumulation_steps,
+                        low_precision=self.compute_dtype != torch.float32)))
             units.append(Unit(spec.name, spec.module, groups, self.comm))
         if meta is not None:
             meta.finish()
@@ -521,8 +520,8 @@ class ZeroEngine:
         for g in self.groups:
             if what != "param" and not g.trainable:
                 continue
-            local = {"master": g.master, "grad": g.grad_shard.float() if what == "grad" else None,
-                     "param": g.param_shard}[what].to(self.device)
+            local = {"master": g.master, "grad": g.grad_shard, "param": g.param_shard}[what]
+            local = (local.float() if what == "grad" else local).to(self.device)  # compact gradients as fp32
             full = torch.empty(g.layout.padded_numel, dtype=local.dtype, device=local.device)
             if g.placement.shard_world > 1:
                 self.comm.all_gather(full, local.contiguous(), "inspect").wait()

@@ -54,7 +54,8 @@ class FlatGroup:
     def __init__(self, unit_name: str, names: list[str], params: list[nn.Parameter], groups: list[int],
                  *, trainable: bool, placement: GroupPlacement, compute_dtype: torch.dtype,
                  device: torch.device, align: int, compact_grads: bool = False):
-        """`compact_grads`: keep the gradient in the compute dtype (the engine decides when that is exact)."""
+        """`compact_grads`: keep the gradient in the compute dtype (the engine decides when that is exact:
+        `zerofit.engine.policy.keeps_compact_grads`)."""
         self.unit_name = unit_name
         self.names = names
         self.params = params
@@ -100,12 +101,11 @@ class FlatGroup:
             else:
                 self.master = _on(master_src, host, pin) if placement.offload_state else master_src
             state_device = host if placement.offload_state else device
-            compact = compact_grads and placement.shard_world == 1 and not placement.offload_state
             if pin and state_device.type == "cpu":
                 self.grad_shard = pinned_empty(self.layout.shard_numel, torch.float32).zero_()
             else:
                 self.grad_shard = torch.zeros(self.layout.shard_numel, device=state_device,
-                                              dtype=compute_dtype if compact else torch.float32)
+                                              dtype=compute_dtype if compact_grads else torch.float32)
             if placement.shard_world == 1 and not placement.offload_state:
                 self.grad_flat = self.grad_shard
             elif placement.keep_full_grads:

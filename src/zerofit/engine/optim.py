@@ -145,8 +145,10 @@ class CompactSteps:
             if sub is None:
                 continue
             grad = g.grad_shard.float()
-            if factor is not None and not folded and not (not isinstance(factor, torch.Tensor) and factor == 1.0):
-                grad.mul_(factor.to(grad.device) if isinstance(factor, torch.Tensor) else factor)
+            if isinstance(factor, torch.Tensor) and not folded:
+                grad.mul_(factor.to(grad.device))
+            elif factor is not None and factor != 1.0 and not folded:
+                grad.mul_(factor)
             sync_hyperparams(sub, index, self.optimizer)
             bind_grads(sub, g, grad)
             try:

@@ -99,12 +99,14 @@ class ActivationTrace:
         gathered: set[int] = set()
 
         def gather(*units: int | None) -> None:
-            for u in units:
-                if u is not None and params and u not in gathered:
-                    gathered.add(u)
+            if params:
+                gathered.update(u for u in units if u is not None)
 
         def neighbour(u: int, step: int) -> int | None:
-            i = position.get(u, -10) + step
+            """The unit `step` places from `u` in the forward order (None past either end)."""
+            if u not in position:
+                return None
+            i = position[u] + step
             return order[i] if 0 <= i < len(order) else None
 
         gather(order[0] if order else None)

@@ -34,7 +34,7 @@ from torch import nn
 
 from zerofit.engine.engine import SHARD_ALIGN
 from zerofit.engine.layout import plan_layout
-from zerofit.engine.policy import StagePolicy, offloaded_units
+from zerofit.engine.policy import StagePolicy, keeps_compact_grads, offloaded_units
 from zerofit.engine.units import UnitSpec, plan_units
 from zerofit.plan.activations import ActivationTrace
 
@@ -186,8 +186,8 @@ def estimate(counts: ModelCounts, setting: Setting, work: Workload, trace: Activ
             state = host if pl.offload_state else gpu
             if c != 4 or pl.offload_state:
                 state["optimizer"] += s * 4  # the fp32 master
-            # one rank, no accumulation: gradients stay in the compute dtype (see zerofit.engine.optim)
-            compact = work.world == 1 and work.gradient_accumulation_steps == 1 and c != 4 and not pl.offload_state
+            compact = keeps_compact_grads(pl, world=work.world, low_precision=c != 4,
+                                          gradient_accumulation_steps=work.gradient_accumulation_steps)
             state["grads"] += s * (c if compact else 4)
             if compact:  # stepped from a transient fp32 copy, one group at a time, after backward
                 step_transient = max(step_transient, s * 4)
