@@ -7,6 +7,9 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 VENV="${ZEROFIT_VENV:-.venv}"
+# An absolute path: PATH gets $VENV/bin, and a relative entry there leaves sys.executable relative, which
+# breaks every test that starts `sys.executable` from another directory.
+case "$VENV" in /*) ;; *) VENV="$PWD/$VENV" ;; esac
 PYTHON="${PYTHON:-python3}"
 
 if [ ! -x "$VENV/bin/zerofit" ]; then
