@@ -116,6 +116,8 @@ class Estimate:
     host_optimizer: int
     host_buffers: int
     nvme: int = 0
+    traced: bool = False
+    """`activations` holds a traced activation peak (else only the step's transient buffers)."""
 
     @property
     def gpu_total(self) -> int:
@@ -214,7 +216,7 @@ def estimate(counts: ModelCounts, setting: Setting, work: Workload, trace: Activ
     return Estimate(setting=setting, params=gpu["params"], grads=gpu["grads"], optimizer=gpu["optimizer"],
                     activations=activations, buffers=gpu["buffers"], host_params=host["params"],
                     host_grads=host["grads"], host_optimizer=host["optimizer"], host_buffers=host["buffers"],
-                    nvme=nvme)
+                    nvme=nvme, traced=trace is not None)
 
 
 def all_settings(world: int, *, checkpointing: tuple[bool, ...] = (False, True),

@@ -52,7 +52,7 @@ def judge(measured: int, result: Plan, budget: Budget, *, spell: Callable[[str],
     chosen = result.choice or result.smallest
     allowance = budget.gpu_allowance(chosen)
     label = chosen.setting.label
-    unknown = "" if chosen.activations else " without activations"
+    unknown = "" if chosen.traced else " without activations"
     limit = "unknown" if allowance is None else f"{_gib(allowance)} GiB"
     line = (f"zerofit: probe: measured peak {_gib(measured)} GiB vs estimate {_gib(chosen.gpu_total)} GiB{unknown} "
             f"(budget {limit}) after the first optimizer step under {label}")
