@@ -20,8 +20,8 @@ import torch
 from tqdm.auto import tqdm
 from transformers import SchedulerType, get_scheduler
 
+from zerofit.checkpoint.resume import latest_complete
 from zerofit.logging import get_logger
-from zerofit.resume import latest_complete
 from zerofit.utils import DummyOptim, DummyScheduler
 
 logger = get_logger(__name__)

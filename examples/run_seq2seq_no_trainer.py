@@ -10,7 +10,7 @@ report BLEU (sacrebleu), train/eval time per epoch and peak GPU memory.
         --num_warmup_steps 100 --seed 25 --output_dir out/chatbot
 
 Generation runs under every stage, ZeRO-3 included: zerofit marks the model so that transformers keeps
-all ranks in step while their beams finish at different lengths (see zerofit.accelerator).
+all ranks in step while their beams finish at different lengths (see zerofit.frontend.accelerator).
 """
 
 from __future__ import annotations

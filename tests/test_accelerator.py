@@ -15,10 +15,10 @@ from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 from zerofit import Accelerator, DummyOptim, DummyScheduler
 from zerofit.config.schema import AUTO, OptimizerConfig, RunConfig, SchedulerConfig, ZeroConfig
-from zerofit.data import ShardedDataLoader
 from zerofit.errors import ConfigError
-from zerofit.optimizers import AcceleratedOptimizer
-from zerofit.schedulers import AcceleratedScheduler
+from zerofit.frontend.data import ShardedDataLoader
+from zerofit.frontend.optimizers import AcceleratedOptimizer
+from zerofit.frontend.schedulers import AcceleratedScheduler
 from zerofit.testing.distributed import run_distributed
 
 MICRO, N_SAMPLES, CLIP, LR = 2, 48, 0.5, 1e-2
@@ -90,7 +90,7 @@ def train_like_a_script(rank: int, world: int, cases: list[tuple[int, int]]):
             micro_losses.append(acc.gather(loss.detach()).mean().item())
             lrs.append(sched.get_last_lr()[0])
             syncs.append(acc.sync_gradients)
-        engine = acc._engines[id(model)]
+        engine = acc._prepared.engines[id(model)]
         out[(stage, gas)] = {
             "losses": [sum(micro_losses[i:i + gas]) / gas for i in range(0, len(micro_losses), gas)],
             "norms": norms, "lrs": lrs, "syncs": syncs, "real_steps": len(real_steps),

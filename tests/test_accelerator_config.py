@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from zerofit import Accelerator
 from zerofit.config.schema import RunConfig
-from zerofit.schedulers import WarmupDecayLR
+from zerofit.frontend.schedulers import WarmupDecayLR
 from zerofit.testing.distributed import run_distributed
 from zerofit.utils import DummyOptim, DummyScheduler
 

@@ -29,7 +29,7 @@ PROMPTS = {0: ([5, 9, 3], 4), 1: ([7, 2, 8, 1, 4, 6], 14)}  # rank -> (prompt, n
 def generate_on_stage3(rank: int, world: int):
     acc = Accelerator(config=RunConfig(zero=ZeroConfig(stage=3, param_persistence_threshold=0)))
     model = acc.prepare(_tiny_gpt2())
-    engine = acc._engines[id(model)]
+    engine = acc._prepared.engines[id(model)]
     assert all(u.sharded for u in engine.units)  # really sharded: a lone rank could not run a forward
     prompt, new = PROMPTS[rank]
     ids = torch.tensor([prompt])

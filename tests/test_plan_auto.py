@@ -12,6 +12,7 @@ from zerofit import Accelerator
 from zerofit.config import load_config
 from zerofit.config.schema import AUTO, OffloadConfig, RunConfig, ZeroConfig
 from zerofit.errors import ConfigError
+from zerofit.frontend.auto_plan import budget_for
 from zerofit.plan.auto import candidates, choose
 from zerofit.plan.choose import HOST_BASELINE_BYTES
 from zerofit.testing.distributed import run_distributed
@@ -100,8 +101,8 @@ def test_auto_resolves_on_cpu_and_draws_no_random_numbers(monkeypatch, capsys):
 
 def _needs(world: int) -> dict[str, int]:
     """Every candidate's host need per machine (2 ranks share it), from the planner itself."""
-    _, result = choose(RunConfig(zero=AUTO_ZERO), _tiny_gpt2(), world=world, device=torch.device("cpu"),
-                       shape=(4, 16))
+    _, result = choose(RunConfig(zero=AUTO_ZERO), _tiny_gpt2(), world=world, shape=(4, 16),
+                       budget=budget_for(torch.device("cpu"), world))
     return {e.setting.label: 2 * (e.gpu_total + e.host_total + HOST_BASELINE_BYTES) for e in result.estimates}
 
 
@@ -116,7 +117,7 @@ def _train_auto(rank: int, world: int):
             opt.step()
             opt.zero_grad()
     z = acc.config.zero
-    return z.stage, z.offload_optimizer.device, acc._trained_engine().policy.stage
+    return z.stage, z.offload_optimizer.device, acc._prepared.trained_engine().policy.stage
 
 
 def test_two_ranks_pick_the_same_fastest_fitting_stage(monkeypatch):

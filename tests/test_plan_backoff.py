@@ -17,7 +17,7 @@ from zerofit import Accelerator
 from zerofit.config import load_config
 from zerofit.config.schema import BatchConfig, OffloadConfig, RunConfig, ZeroConfig
 from zerofit.errors import ConfigError, EngineError
-from zerofit.plan.backoff import split_batch
+from zerofit.frontend.backoff import split_batch
 from zerofit.testing.distributed import run_distributed
 
 N, MICRO, GAS = 64, 8, 2
@@ -92,7 +92,7 @@ def train(rank: int, world: int, stage: int, oom: tuple[int, int] | None, oom_ra
                 committed.append(sorted(pending))
                 pending = []
                 steps.append(sched.get_last_lr()[0])
-    params = acc._trained_engine().named_full_tensors("master")
+    params = acc._prepared.trained_engine().named_full_tensors("master")
     return {"params": params, "committed": committed, "lrs": steps, "accum": acc.gradient_accumulation_steps,
             "agreements": len(agreements)}
 

@@ -8,11 +8,11 @@ from torch.utils.data import DataLoader
 from zerofit import Accelerator
 from zerofit.config.naming import key_name
 from zerofit.config.schema import AUTO, OffloadConfig, RunConfig, ZeroConfig
-from zerofit.optimizers import AcceleratedOptimizer
+from zerofit.frontend.optimizers import AcceleratedOptimizer
+from zerofit.frontend.state import GradientState
 from zerofit.plan.choose import GPU_RESERVE_BYTES, Budget, plan
 from zerofit.plan.memory import GIB, ModelCounts, Setting, Workload, all_settings, estimate
 from zerofit.plan.probe import judge
-from zerofit.state import GradientState
 
 # One rank, 300 M parameters in three units: stage 0 needs about 5 GiB, optimizer offload about 0.6 GiB.
 COUNTS = ModelCounts(units=(("root", 10_000_000, 0), ("a", 145_000_000, 0), ("b", 145_000_000, 0)), buffer_bytes=0)

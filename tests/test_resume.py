@@ -16,10 +16,12 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from zerofit import Accelerator, failures, resume
+from zerofit import Accelerator
+from zerofit.checkpoint import resume
 from zerofit.config.schema import CheckpointConfig, RunConfig
+from zerofit.dist import failures
+from zerofit.dist.process_group import restart_count
 from zerofit.errors import CheckpointError, CollectiveError, ConfigError
-from zerofit.process_group import restart_count
 from zerofit.utils import ProjectConfiguration
 
 pytest.importorskip("zerofit.checkpoint")
@@ -81,7 +83,7 @@ def test_an_unknown_mode_is_a_config_error(tmp_path):
 
 
 def test_a_restart_with_nothing_to_resume_from_says_so_loudly(tmp_path, caplog):
-    with caplog.at_level(logging.WARNING, logger="zerofit.resume"):
+    with caplog.at_level(logging.WARNING, logger="zerofit.checkpoint.resume"):
         assert resume.choose("restart", 2, None) is None
         assert resume.choose("restart", 2, tmp_path) is None
     assert "restart' (attempt 2) but the run has no checkpoint directory" in caplog.text

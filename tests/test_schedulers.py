@@ -12,7 +12,7 @@ import torch
 
 from zerofit.config.schema import SchedulerConfig
 from zerofit.errors import ConfigError
-from zerofit.schedulers import (
+from zerofit.frontend.schedulers import (
     AcceleratedScheduler,
     LRRangeTest,
     OneCycle,

@@ -13,10 +13,10 @@ from typing import Any
 __version__ = "0.1.0"
 
 _LAZY = {
-    "Accelerator": "zerofit.accelerator",
-    "DistributedType": "zerofit.state",
-    "DummyOptim": "zerofit.utils",
-    "DummyScheduler": "zerofit.utils",
+    "Accelerator": "zerofit.frontend.accelerator",
+    "DistributedType": "zerofit.frontend.state",
+    "DummyOptim": "zerofit.frontend.utils",
+    "DummyScheduler": "zerofit.frontend.utils",
 }
 
 __all__ = ["Accelerator", "DistributedType", "DummyOptim", "DummyScheduler", "__version__"]

@@ -137,7 +137,7 @@ class PlainRunner(TorchLoopRunner):
 class ZerofitRunner(Runner):
     def __init__(self, model: nn.Module, ds_config: dict[str, Any]):
         from zerofit import Accelerator
-        from zerofit.utils import DummyOptim
+        from zerofit.frontend.utils import DummyOptim
 
         self.ds_config = ds_config
         fd, self.path = tempfile.mkstemp(prefix="zerofit-bench-", suffix=".json")
@@ -157,7 +157,7 @@ class ZerofitRunner(Runner):
         return loss.detach()
 
     def recover(self):
-        from zerofit.plan.backoff import discard_partial_step
+        from zerofit.frontend.backoff import discard_partial_step
 
         discard_partial_step(self.optimizer.engine)
 

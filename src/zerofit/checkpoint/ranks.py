@@ -3,9 +3,8 @@
 [Note: agreeing on failure]
 A rank that raised while its peers walk into the next collective would hang them. So every phase of
 a save or load ends in `agree`: each rank contributes its error text (or None) and all ranks raise the
-same `CheckpointError`, naming each failing rank, or all go on. The objects exchanged here travel
-between the ranks of one job (the trust domain of the process group), never from a file.
-With one process, or no process group, every call is local.
+same `CheckpointError`, naming each failing rank, or all go on. The exchanges themselves are
+`zerofit.dist.collectives.Peers`.
 """
 
 from __future__ import annotations
@@ -14,41 +13,23 @@ from typing import Any
 
 import torch.distributed as dist
 
+from zerofit.dist.collectives import Peers
 from zerofit.errors import CheckpointError
-from zerofit.failures import named
 
 
-class Ranks:
-    """The engine's process group, seen from the checkpoint code."""
+class Ranks(Peers):
+    """The engine's process group, seen from the checkpoint code: labels start with `checkpoint:`."""
 
     def __init__(self, group: dist.ProcessGroup | None, *, local: bool = False):
         """`local`: this process alone, even inside a process group (offline tools)."""
-        self.group = group
-        self.distributed = not local and dist.is_available() and dist.is_initialized()
-        self.rank = dist.get_rank(group) if self.distributed else 0
-        self.world = dist.get_world_size(group) if self.distributed else 1
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
+        super().__init__(group, local=local, prefix="checkpoint:")
 
     def all_gather(self, obj: Any) -> list[Any]:
-        if self.world == 1:
-            return [obj]
-        out: list[Any] = [None] * self.world
-        with named("checkpoint:all_gather_object", self.rank):
-            dist.all_gather_object(out, obj, group=self.group)
-        return out
+        return self.all_gather_object(obj)
 
     def broadcast(self, obj: Any) -> Any:
         """Rank 0's `obj` on every rank."""
-        if self.world == 1:
-            return obj
-        box = [obj]
-        src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
-        with named("checkpoint:broadcast", self.rank):
-            dist.broadcast_object_list(box, src=src, group=self.group)
-        return box[0]
+        return self.broadcast_object(obj, label="broadcast")
 
     def agree(self, error: str | None) -> None:
         """Raise the same CheckpointError on every rank if any rank reports an error."""
@@ -56,11 +37,6 @@ class Ranks:
         if errors:
             raise CheckpointError("\n".join(dict.fromkeys(errors)))
 
-    def barrier(self) -> None:
-        if self.world > 1:
-            with named("checkpoint:barrier", self.rank):
-                dist.barrier(group=self.group)
-
     def dst0(self) -> int:
         """Rank 0 of the group as a global rank (what `dist.gather` takes)."""
-        return dist.get_global_rank(self.group, 0) if self.group is not None else 0
+        return self.src0()

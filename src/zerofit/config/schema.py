@@ -167,7 +167,7 @@ class BatchConfig:
     gradient_accumulation_steps: int | Any | None = AUTO
     """Micro-steps per optimizer step; "auto" (default): the script's value (Accelerator argument, else 1); None: derived from the other two, as DeepSpeed does."""
     oom_backoff: bool = True
-    """zerofit only: a CUDA out-of-memory error inside accumulate() halves the micro-batch and doubles accumulation, keeping train_batch_size (zerofit.plan.backoff). On several ranks under stages 0-2 without offload this costs one small blocking all-reduce per micro-step; false: no back-off and no all-reduce, an out-of-memory error ends the run."""
+    """zerofit only: a CUDA out-of-memory error inside accumulate() halves the micro-batch and doubles accumulation, keeping train_batch_size (zerofit.frontend.backoff). On several ranks under stages 0-2 without offload this costs one small blocking all-reduce per micro-step; false: no back-off and no all-reduce, an out-of-memory error ends the run."""
 
 
 @dataclass(frozen=True, kw_only=True)

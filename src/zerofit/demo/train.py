@@ -19,7 +19,8 @@ from importlib import resources
 import torch
 from torch import nn
 
-from zerofit import Accelerator, runtime
+from zerofit import Accelerator
+from zerofit.dist import runtime
 from zerofit.utils import set_seed
 
 

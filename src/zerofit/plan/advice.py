@@ -17,18 +17,19 @@ def _setting_of(config: Any) -> Setting | None:
         return None
 
 
-def memory_advice(accelerator: Any, engine: Any, *, micro_batch: int = 1, seq: int | None = None) -> str:
-    """`zerofit estimate`'s figures for this model at `micro_batch`, and what to change (never raises)."""
+def memory_advice(config: Any, model: Any, *, world: int, micro_batch: int = 1, seq: int | None = None) -> str:
+    """`zerofit estimate`'s figures for `model` (None: unknown) under `config` at `micro_batch`, and what to
+    change (never raises)."""
     fix = ("Lower the DataLoader's batch_size, turn on activation checkpointing "
            "(model.gradient_checkpointing_enable()), raise zero_optimization.stage, or offload the optimizer state "
            "(zero_optimization.offload_optimizer.device: cpu); `zerofit estimate --model ...` lists every setting")
-    if engine is None:
+    if model is None:
         return fix + "."
     try:
-        cfg = accelerator.config
-        counts = ModelCounts.of(engine.model)
+        cfg = config
+        counts = ModelCounts.of(model)
         setting = _setting_of(cfg)
-        work = Workload(world=accelerator.num_processes, mixed_precision=cfg.precision.mixed_precision,
+        work = Workload(world=world, mixed_precision=cfg.precision.mixed_precision,
                         micro_batch=micro_batch, seq=seq or 512)
         if setting is None:
             return fix + "."

@@ -7,33 +7,30 @@ offload. NVMe is never chosen by itself: it needs a path the user names.
 
 [Note: every rank decides the same]
 Ranks must run one setting. The inputs of the decision are made identical first - the memory
-budget is the minimum over the ranks (one all-reduce) - and the rest is deterministic (the model's
+budget is the minimum over the ranks (one all-reduce, `zerofit.frontend.auto_plan.budget_for`) - and the rest is deterministic (the model's
 sizes, the first batch's shape, the activation trace), so every rank computes the same choice.
 
 Activations are traced on a data-free replica of a transformers model at the first batch's shape
 (collated from the dataset's first samples, which draws nothing from any random generator), with
 activation checkpointing as the model has it. For other modules, or without a DataLoader, only the
 model states are planned, and the reason printed says so. On CUDA the first optimizer step then
-checks the choice against the measured peak (`zerofit.plan.probe`). Without CUDA the "GPU" is host memory: a
+checks the choice against the measured peak (`zerofit.frontend.probe`). Without CUDA the "GPU" is host memory: a
 setting fits when its device and host bytes together fit the host (`Budget.unified`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from zerofit.config.naming import key_name
 from zerofit.config.schema import RunConfig, is_auto
 from zerofit.plan.activations import trace_step
-from zerofit.plan.choose import Budget, Plan, machine_budget, plan
+from zerofit.plan.choose import Budget, Plan, plan
 from zerofit.plan.memory import DTYPE_BYTES, ModelCounts, Setting, Workload, all_settings
-from zerofit.plan.probe import StepProbe
 from zerofit.plan.sources import replica_of
 
 _DTYPES = {"no": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -75,60 +72,9 @@ def _written(value: Any, stage: int) -> str:
     return "none" if is_auto(value) else value
 
 
-def budget_for(device: torch.device, world: int) -> Budget:
-    """This machine's memory, the minimum over ranks; env ZEROFIT_GPU_MEMORY_GIB / ZEROFIT_HOST_MEMORY_GIB override."""
-    gpu = _env_gib("ZEROFIT_GPU_MEMORY_GIB")
-    host = _env_gib("ZEROFIT_HOST_MEMORY_GIB")
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world) or world)
-    if device.type == "cuda":
-        b = machine_budget(gpu_memory_gib=gpu, host_memory_gib=host, ranks_per_host=local)
-        if gpu is None:
-            b = dataclasses.replace(b, gpu_bytes=torch.cuda.get_device_properties(device).total_memory)
-    else:
-        b = machine_budget(gpu_memory_gib=None, host_memory_gib=host, ranks_per_host=local)
-        b = dataclasses.replace(b, gpu_bytes=None, unified=True)
-    if world > 1 and dist.is_initialized():
-        values = torch.tensor([b.gpu_bytes or 0, b.host_bytes or 0], dtype=torch.float64,
-                              device=device if device.type == "cuda" else "cpu")
-        dist.all_reduce(values, op=dist.ReduceOp.MIN)
-        b = dataclasses.replace(b, gpu_bytes=int(values[0]) or None, host_bytes=int(values[1]) or None)
-    return b
-
-
-def _env_gib(name: str) -> float | None:
-    value = os.environ.get(name)
-    if not value:
-        return None
-    try:
-        return float(value)
-    except ValueError:
-        raise ValueError(f"{name}={value!r} must be a number of GiB (for example 24)") from None
-
-
-def first_batch_shape(loader: Any, micro_batch: int | None) -> tuple[int, int] | None:
-    """(samples, tokens) of the first batch, collated from the dataset's first samples (no RNG drawn)."""
-    base = getattr(loader, "base", loader)
-    dataset = getattr(base, "dataset", None)
-    if dataset is None or micro_batch is None or not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__"):
-        return None
-    try:
-        samples = [dataset[i] for i in range(min(micro_batch, len(dataset)))]
-        batch = base.collate_fn(samples)
-    except Exception:  # noqa: BLE001 - an unusual dataset only loses the activation term
-        return None
-    tensors = [batch] if isinstance(batch, torch.Tensor) else list(batch.values()) if hasattr(batch, "values") \
-        else list(batch) if isinstance(batch, (list, tuple)) else []
-    for t in tensors:
-        if isinstance(t, torch.Tensor) and t.dim() == 2 and not t.is_floating_point():
-            return micro_batch, int(t.shape[1])
-    return None
-
-
-def choose(config: RunConfig, model: nn.Module, *, world: int, device: torch.device,
-           shape: tuple[int, int] | None, budget: Budget | None = None) -> tuple[RunConfig, Plan]:
-    """`config` with the open stage / offload devices filled by the planner, and the plan behind it.
-
-    `budget` defaults to this machine's (`budget_for`)."""
+def choose(config: RunConfig, model: nn.Module, *, world: int, shape: tuple[int, int] | None,
+           budget: Budget) -> tuple[RunConfig, Plan]:
+    """`config` with the open stage / offload devices filled by the planner for `budget`, and the plan behind it."""
     precision = config.precision.mixed_precision
     checkpointing = any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
     threshold = config.zero.param_persistence_threshold
@@ -147,7 +93,7 @@ def choose(config: RunConfig, model: nn.Module, *, world: int, device: torch.dev
             except Exception:  # noqa: BLE001 - the states are still planned, and the reason says so
                 trace = None
     counts = ModelCounts.of(model, unit_size_threshold=work.unit_size_threshold)
-    result = plan(counts, work, budget or budget_for(device, world), {checkpointing: trace},
+    result = plan(counts, work, budget, {checkpointing: trace},
                   settings=candidates(config, world, checkpointing))
     chosen = result.choice or result.smallest
     s = chosen.setting
@@ -161,21 +107,6 @@ def choose(config: RunConfig, model: nn.Module, *, world: int, device: torch.dev
 
 def _int(value: Any, default: int) -> int:
     return value if isinstance(value, int) and not is_auto(value) else default
-
-
-def plan_for(accelerator: Any, model: nn.Module) -> tuple[RunConfig, StepProbe]:
-    """The Accelerator's config with its "auto" stage / offload resolved for `model` (the choice is
-    printed), and the probe that checks the choice on the first optimizer step (`zerofit.plan.probe`)."""
-    loaders = accelerator._dataloaders
-    shape = first_batch_shape(loaders[0], accelerator._facts.micro_batch_size) if loaders else None
-    world, device = accelerator.num_processes, accelerator.device
-    budget = budget_for(device, world)
-    config, result = choose(accelerator.config, model, world=world, device=device, shape=shape, budget=budget)
-    accelerator.print(describe(accelerator.config, result))
-    fmt = accelerator.config.source_format
-    probe = StepProbe(result, budget, device=device, world=world, is_main=accelerator.is_main_process,
-                      spell=lambda key: key_name(fmt, key))
-    return config, probe
 
 
 def describe(config: RunConfig, result: Plan) -> str:

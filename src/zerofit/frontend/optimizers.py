@@ -26,7 +26,7 @@ from zerofit.config import catalog
 from zerofit.config.schema import OptimizerConfig
 from zerofit.engine import ZeroEngine
 from zerofit.errors import ConfigError
-from zerofit.state import GradientState
+from zerofit.frontend.state import GradientState
 
 _DEEPSPEED_ADAM_SWITCHES = ("torch_adam", "adam_w_mode")
 
@@ -44,7 +44,7 @@ class AcceleratedOptimizer:
         self.steps_taken = 0
         """Optimizer steps taken (accumulation windows closed, skipped fp16 steps included); checkpointed."""
         self.after_step: Callable[[], None] | None = None
-        """Called once, after the next step that is not skipped (the planner's probe, `zerofit.plan.probe`)."""
+        """Called once, after the next step that is not skipped (the planner's probe, `zerofit.frontend.probe`)."""
 
     # --- the calls a training loop makes --------------------------------------------------------
     def step(self, closure: Callable[[], Any] | None = None) -> None:

@@ -19,8 +19,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zerofit import failures, process_group, runtime
 from zerofit.config.schema import RunConfig, is_auto
+from zerofit.dist import process_group, runtime
+from zerofit.dist.collectives import Peers
 
 
 class DistributedType(str, enum.Enum):
@@ -79,9 +80,7 @@ class ProcessState:
         return self.local_process_index == 0
 
     def barrier(self) -> None:
-        if self.distributed:
-            with failures.named("barrier (wait_for_everyone)", self.process_index):
-                dist.barrier()
+        Peers().barrier("barrier (wait_for_everyone)")
 
 
 @dataclass

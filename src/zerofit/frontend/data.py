@@ -27,9 +27,9 @@ from typing import Any
 import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, Sampler
 
-from zerofit.ops import send_to_device
-from zerofit.plan.backoff import BatchSplitter
-from zerofit.state import GradientState
+from zerofit.frontend.backoff import BatchSplitter
+from zerofit.frontend.ops import send_to_device
+from zerofit.frontend.state import GradientState
 
 
 class ShardedBatchSampler(Sampler[list[int]]):
@@ -143,7 +143,7 @@ class ShardedDataLoader:
         """`batches_yielded` of the checkpoint last loaded (pass it to `skip_first_batches`)."""
         self._skip_next = 0
         self.splitter = BatchSplitter()
-        """Cuts batches smaller after an out-of-memory back-off (see zerofit.plan.backoff)."""
+        """Cuts batches smaller after an out-of-memory back-off (see zerofit.frontend.backoff)."""
         self.batch_sampler: ShardedBatchSampler | None = None
         # Its own generator for the worker seeds: starting an epoch must not draw from the global RNG,
         # or a resumed run's dropout masks would differ from an uninterrupted one's.

@@ -47,7 +47,7 @@ import math
 import sys
 import traceback
 from collections import deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -165,10 +165,16 @@ class BatchSplitter:
 
 
 class OomBackoff:
-    """The Accelerator's out-of-memory back-off (see the module notes); `accelerator` drives the run."""
+    """The Accelerator's out-of-memory back-off (see the module notes).
 
-    def __init__(self, accelerator: Any, *, max_backoffs: int = MAX_BACKOFFS):
-        self.acc = accelerator
+    `settings()` is the run's current config, `process` this process's place in the run,
+    `gradient_state` the accumulation window it doubles, `prepared` the engine, loaders and
+    optimizers it resets."""
+
+    def __init__(self, *, settings: Callable[[], Any], process: Any, gradient_state: Any, prepared: Any,
+                 max_backoffs: int = MAX_BACKOFFS):
+        self.settings, self.process = settings, process
+        self.gradient_state, self.prepared = gradient_state, prepared
         self.max_backoffs = max_backoffs
         self.backoffs = 0
         self.phase = "idle"
@@ -178,7 +184,7 @@ class OomBackoff:
     @contextlib.contextmanager
     def guard(self) -> Iterator[None]:
         """Around one `accumulate()` block: back off on an OOM, else close the loader's window on sync."""
-        if not self.acc.config.batch.oom_backoff:  # opted out: no window, and `phase` stays idle (no agreement)
+        if not self.settings().batch.oom_backoff:  # opted out: no window, and `phase` stays idle (no agreement)
             yield
             return
         self.phase = "forward"
@@ -190,7 +196,7 @@ class OomBackoff:
         except (torch.OutOfMemoryError, PeerOutOfMemory) as e:
             self._handle(e)
         else:
-            if loader is not None and self.acc.gradient_state.sync_gradients:
+            if loader is not None and self.gradient_state.sync_gradients:
                 loader.splitter.close_window()
         finally:
             self.phase = "idle"
@@ -199,7 +205,7 @@ class OomBackoff:
         """The agreement point of a healthy rank (world > 1); raises PeerOutOfMemory if any rank failed.
 
         Skipped where a forward OOM is not recoverable anyway (the failing rank does not wait for it)."""
-        if self.phase == "forward" and self._silent_forward(self.acc._trained_engine()) and self._agree(False):
+        if self.phase == "forward" and self._silent_forward(self.prepared.trained_engine()) and self._agree(False):
             raise PeerOutOfMemory()
         if self.phase != "idle":
             self.phase = "backward"
@@ -210,17 +216,17 @@ class OomBackoff:
 
     # --- recovery -------------------------------------------------------------------------------
     def _loader(self) -> Any:
-        loaders = self.acc.gradient_state.active_dataloaders
+        loaders = self.gradient_state.active_dataloaders
         return loaders[-1] if loaders and getattr(loaders[-1], "splitter", None) is not None else None
 
     def _world(self) -> int:
-        return self.acc.num_processes
+        return self.process.num_processes
 
     def _agree(self, failed: bool) -> bool:
         """True when any rank failed (one all-reduce; no collective at all on one rank)."""
         if self._world() == 1:
             return failed
-        flag = torch.tensor([1.0 if failed else 0.0], device=self.acc.device)
+        flag = torch.tensor([1.0 if failed else 0.0], device=self.process.device)
         dist.all_reduce(flag)  # host sync on purpose: the answer decides which collectives come next
         return bool(flag.item() > 0)
 
@@ -231,8 +237,8 @@ class OomBackoff:
         return not any(u.sharded for u in engine.units) and engine.stepper is None
 
     def _handle(self, error: BaseException) -> None:
-        rank = self.acc.process_index
-        engine = self.acc._trained_engine()
+        rank = self.process.process_index
+        engine = self.prepared.trained_engine()
         peer = isinstance(error, PeerOutOfMemory)
         phase = self.phase
         if not peer:
@@ -252,7 +258,7 @@ class OomBackoff:
                               ) from (None if peer else error)
         discard_partial_step(engine)
         piece = loader.splitter.piece_size()
-        old_accum = self.acc.gradient_state.gradient_accumulation_steps
+        old_accum = self.gradient_state.gradient_accumulation_steps
         if self.backoffs >= self.max_backoffs or piece is None or piece < 2:
             reason = (f"it backed off {self.backoffs} times already (the most allowed)"
                       if self.backoffs >= self.max_backoffs else f"the micro-batch is {piece} and cannot be halved")
@@ -260,11 +266,11 @@ class OomBackoff:
                 from (None if peer else error)
         self.backoffs += 1
         loader.splitter.replay()
-        self.acc.gradient_state.gradient_accumulation_steps = old_accum * 2
-        self.acc.gradient_state.micro_step = 0
+        self.gradient_state.gradient_accumulation_steps = old_accum * 2
+        self.gradient_state.micro_step = 0
         if engine is not None:
             engine.gradient_accumulation_steps = old_accum * 2
-        for opt in self.acc._optimizers:
+        for opt in self.prepared.optimizers:
             opt.window_open = False
         cause = "another rank ran out of memory" if peer else f"CUDA out of memory in {phase}"
         print(f"zerofit: rank {rank}: {cause}: backing off {self.backoffs}/{self.max_backoffs}: micro-batch "
@@ -283,4 +289,4 @@ class OomBackoff:
     def _advice(self, engine: Any) -> str:
         from zerofit.plan.advice import memory_advice
 
-        return memory_advice(self.acc, engine)
+        return memory_advice(self.settings(), engine.model if engine is not None else None, world=self._world())

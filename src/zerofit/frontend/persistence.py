@@ -3,7 +3,7 @@
 `PersistenceMixin` holds the methods scripts call for files (`save_state`, `load_state`,
 `register_for_checkpointing`, `get_state_dict`, `save_model`, `save`); the sharded formats
 themselves belong to `zerofit.checkpoint`, and the loop state that goes with them to
-`zerofit.checkpointing`. Every method here except `save` and `register_for_checkpointing` is
+`zerofit.checkpoint.loop_state`. Every method here except `save` and `register_for_checkpointing` is
 collective: each process must call it.
 """
 
@@ -16,16 +16,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from zerofit import checkpointing, ops, process_group, resume
+from zerofit.checkpoint import loop_state as checkpointing
+from zerofit.checkpoint import resume
+from zerofit.dist import process_group
 from zerofit.engine import ZeroEngine
 from zerofit.errors import CheckpointError, ConfigError
+from zerofit.frontend import ops
 
 
 class PersistenceMixin:
-    """File methods of `zerofit.Accelerator` (it provides `_engines`, `_trained_engine` and the rest)."""
+    """File methods of `zerofit.Accelerator` (it provides `_prepared`, `config` and the rest)."""
 
     resumed_from: str | None = None
-    """The checkpoint `prepare()` loaded by itself (see `zerofit.resume`), else None."""
+    """The checkpoint `prepare()` loaded by itself (see `zerofit.checkpoint.resume`), else None."""
     _resume_checked = False
     _custom_to_restore: list[Any] | tuple[()] = ()
     """Saved states of registered objects that an automatic resume found before the script registered them."""
@@ -33,10 +36,10 @@ class PersistenceMixin:
     @property
     def completed_steps(self) -> int:
         """Optimizer steps taken so far, counting those restored from a checkpoint (where to continue)."""
-        return max((opt.steps_taken for opt in self._optimizers), default=0)
+        return max((opt.steps_taken for opt in self._prepared.optimizers), default=0)
 
     def _engine_of(self, model: nn.Module) -> ZeroEngine:
-        engine = self._engines.get(id(model))
+        engine = self._prepared.engines.get(id(model))
         if engine is None:
             raise ValueError(f"this {type(model).__name__} was not prepared by this Accelerator: pass the model "
                              "returned by prepare()")
@@ -76,7 +79,7 @@ class PersistenceMixin:
         for obj in objects:
             if self._custom_to_restore:  # restored by an automatic resume before the script registered it
                 obj.load_state_dict(self._custom_to_restore.pop(0))
-            self._custom.append(obj)
+            self._prepared.custom.append(obj)
 
     def _checkpoint_dir(self, directory: str | os.PathLike | None) -> str:
         if directory is not None:
@@ -94,11 +97,11 @@ class PersistenceMixin:
         """A resumable sharded checkpoint: engine state plus the loop's state of every rank. Collective."""
         from zerofit.checkpoint import save_state
 
-        engine = self._trained_engine() or next(iter(self._engines.values()), None)
+        engine = self._prepared.any_engine()
         if engine is None:
             raise ValueError("save_state() needs a prepared model: call prepare(model, optimizer, ...) first")
-        extra = checkpointing.collect(schedulers=self._schedulers, optimizers=self._optimizers,
-                                      dataloaders=self._dataloaders, custom=self._custom,
+        extra = checkpointing.collect(schedulers=self._prepared.schedulers, optimizers=self._prepared.optimizers,
+                                      dataloaders=self._prepared.dataloaders, custom=self._prepared.custom,
                                       micro_step=self.gradient_state.micro_step,
                                       iteration=self.project_configuration.iteration)
         path = save_state(self._checkpoint_dir(output_dir), engine, extra_state=extra, config=self.config)
@@ -113,23 +116,23 @@ class PersistenceMixin:
     def _load(self, input_dir: str | os.PathLike | None, *, custom_may_follow: bool) -> None:
         from zerofit.checkpoint import load_state
 
-        engine = self._trained_engine() or next(iter(self._engines.values()), None)
+        engine = self._prepared.any_engine()
         if engine is None:
             raise ValueError("load_state() needs the prepared model: call prepare(model, optimizer, ...) first")
         if input_dir is None and self.project_configuration.automatic_checkpoint_naming:
             input_dir = _latest_checkpoint(os.path.join(self.project_dir or ".", "checkpoints"))
         extra = load_state(self._checkpoint_dir(input_dir), engine)
         self._custom_to_restore = checkpointing.restore(
-            extra, schedulers=self._schedulers, optimizers=self._optimizers, dataloaders=self._dataloaders,
-            custom=self._custom, custom_may_follow=custom_may_follow)
+            extra, schedulers=self._prepared.schedulers, optimizers=self._prepared.optimizers, dataloaders=self._prepared.dataloaders,
+            custom=self._prepared.custom, custom_may_follow=custom_may_follow)
         self.gradient_state.micro_step = extra.get("micro_step", 0)
         if self.project_configuration.automatic_checkpoint_naming:
             self.project_configuration.iteration = extra.get("iteration", 0) + 1
 
     def _resume_if_configured(self) -> None:
         """At the end of the first prepare() of the trained model: load the checkpoint `checkpoint.resume`
-        asks for (see zerofit.resume), so the script continues where the checkpoint left off. Collective."""
-        if self._resume_checked or self._trained_engine() is None:
+        asks for (see zerofit.checkpoint.resume), so the script continues where the checkpoint left off. Collective."""
+        if self._resume_checked or self._prepared.trained_engine() is None:
             return
         self._resume_checked = True
         pc = self.project_configuration
@@ -153,7 +156,7 @@ class PersistenceMixin:
         except ValueError as e:  # the checkpoint holds dataloaders or schedulers this prepare() has not seen
             raise ValueError(f"{e} (checkpoint.resume loads at the end of the prepare() call that prepares the "
                              "model: pass the model, optimizer, scheduler and dataloaders to that one call)") from e
-        for loader in self._dataloaders:
+        for loader in self._prepared.dataloaders:
             loader.skip_batches(loader.resume_position)  # its next epoch continues after the saved batch
         self.resumed_from = chosen
         if self.is_main_process:

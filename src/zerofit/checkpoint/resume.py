@@ -27,7 +27,7 @@ from zerofit.errors import CheckpointError, ConfigError
 MODES = ("restart", "auto", "must", "never")
 KEY = "checkpoint.resume"
 
-logger = logging.getLogger("zerofit.resume")
+logger = logging.getLogger("zerofit.checkpoint.resume")
 
 
 def checkpoint_root(project_dir: str | None, automatic_naming: bool, output_dir: str | None) -> Path | None:

@@ -3,7 +3,7 @@
 torch reports a peer that hangs as gloo's "Timed out waiting 10000ms for recv operation" (or NCCL's
 watchdog timeout), and a peer that died as "Connection closed by peer": neither says which of the
 engine's collectives was waiting, nor which setting bounds the wait. `named(label, rank)` wraps the
-issue and the wait of a collective (the engine's, the script-facing ones in `zerofit.ops`, the
+issue and the wait of a collective (the engine's, the script-facing ones in `zerofit.frontend.ops`, the
 checkpoint's and `wait_for_everyone`) and turns torch's error into a `CollectiveError` that does (the
 original stays chained as its cause). The rank that raises exits, and the launcher then stops every
 other rank of the run.
@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-from zerofit import process_group
+from zerofit.dist import process_group
 from zerofit.errors import CollectiveError
 
 TIMEOUT_KEY = "launch.process_group_timeout"

@@ -11,7 +11,7 @@ attempt fresh keys; the launcher's own single-machine rendezvous also starts a n
 (`zerofit.cli.rendezvous`), so scripts that create the process group themselves are covered there.
 
 `launch.process_group_timeout` bounds joining and every collective, so a peer that hangs makes the
-others raise (see `zerofit.failures`) instead of waiting torch's default 30 minutes.
+others raise (see `zerofit.dist.failures`) instead of waiting torch's default 30 minutes.
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zerofit.failures import named
+from zerofit.dist.collectives import Peers
+from zerofit.dist.failures import named
 
 
 def _world() -> int:
@@ -75,9 +76,7 @@ def gather_object(obj: Any) -> list[Any]:
     """Every process's picklable `obj`, as one list in rank order (a list `obj` is flattened)."""
     if _world() == 1:
         return list(obj) if isinstance(obj, list) else [obj]
-    out: list[Any] = [None] * _world()
-    with named("gather_object", _rank()):
-        dist.all_gather_object(out, obj)
+    out = Peers().all_gather_object(obj, label="gather_object")
     if all(isinstance(o, list) for o in out):
         return [x for o in out for x in o]
     return out
@@ -85,12 +84,7 @@ def gather_object(obj: Any) -> list[Any]:
 
 def broadcast_object(obj: Any, src: int = 0) -> Any:
     """`obj` from process `src`, on every process."""
-    if _world() == 1:
-        return obj
-    box = [obj]
-    with named("broadcast_object", _rank()):
-        dist.broadcast_object_list(box, src=src)
-    return box[0]
+    return Peers().broadcast_object(obj, src=src)
 
 
 def reduce(data: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
