@@ -32,7 +32,7 @@ from zerofit.cli import rendezvous
 from zerofit.config import load_config, save_config
 from zerofit.config.schema import RunConfig
 from zerofit.errors import ConfigError
-from zerofit.runtime import CONFIG_FILE_ENV
+from zerofit.runtime import CONFIG_FILE_ENV, backend_for
 
 WORKER_MODULE = "zerofit.cli.worker"
 """Every worker starts here; it runs the user's target as __main__ and records its traceback."""
@@ -123,7 +123,7 @@ class LaunchPlan:
 
     @property
     def backend(self) -> str:
-        return "gloo" if self.config.launch.use_cpu else "nccl"
+        return backend_for(self.config.launch.use_cpu)
 
     @property
     def loopback_only(self) -> bool:
