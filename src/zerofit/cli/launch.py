@@ -209,21 +209,16 @@ def usable_cpus() -> int:
 
 
 def plan_launch(config: RunConfig, target: tuple[str, ...], *, gpu_count: int) -> LaunchPlan:
-    """Check the launch settings against each other and this machine; fill in what was left unset.
+    """Check the launch settings against this machine; fill in what was left unset.
 
+    `config` comes validated from `load_config`, which already enforces every rule among the launch
+    settings themselves (counts, ranks, ports, the address several machines need: see
+    `zerofit.config.validate`). Only what needs this machine is checked here: its GPU count.
     Every problem is reported at once, each naming the flag, the config key, the value and the fix.
     """
     la = config.launch
     problems: list[str] = []
     nnodes = la.num_machines
-    if nnodes < 1:
-        problems.append(f"--num_machines (launch.num_machines) is {nnodes}: set it to 1 or more")
-        nnodes = 1
-    if not 0 <= la.machine_rank < nnodes:
-        problems.append(f"--machine_rank (launch.machine_rank) is {la.machine_rank} but there are {nnodes} "
-                        f"machine(s): set it to a value from 0 to {nnodes - 1}")
-    if la.max_restarts < 0:
-        problems.append(f"--max_restarts (launch.max_restarts) is {la.max_restarts}: set it to 0 or more")
     use_cpu = bool(la.use_cpu) or gpu_count == 0
     visible = None
     if not use_cpu and la.gpu_ids not in (None, "", "all"):
@@ -234,32 +229,19 @@ def plan_launch(config: RunConfig, target: tuple[str, ...], *, gpu_count: int) -
                             "list GPU indices that exist, comma separated (\"0,1\"), or use \"all\"")
         else:
             visible, gpu_count = ",".join(ids), len(ids)
-    if la.num_processes is None:
-        per_node = 1 if use_cpu else gpu_count
-    elif la.num_processes < 1 or la.num_processes % nnodes:
-        problems.append(f"--num_processes (launch.num_processes) is {la.num_processes}, which does not split "
-                        f"evenly over {nnodes} machine(s): set it to a positive multiple of {nnodes} "
-                        f"(it counts processes over all machines)")
-        per_node = 1
-    else:
-        per_node = la.num_processes // nnodes
+    per_node = (1 if use_cpu else gpu_count) if la.num_processes is None else la.num_processes // nnodes
     if not use_cpu and per_node > gpu_count:
         problems.append(f"--num_processes (launch.num_processes) asks for {per_node} process(es) per machine "
                         f"but this machine has {gpu_count} GPU(s): set --num_processes to at most "
                         f"{gpu_count * nnodes}, or pass --cpu")
-    ip, port = la.main_process_ip, la.main_process_port
-    if nnodes > 1 and not ip:
-        problems.append(f"--main_process_ip (launch.main_process_ip) is unset but --num_machines is {nnodes}: "
-                        f"set it to the address of machine 0, the same on every machine")
-    if port is not None and not 0 < port < 65536:
-        problems.append(f"--main_process_port (launch.main_process_port) is {port}: set a port from 1 to 65535")
     if problems:
         raise ConfigError(problems, source=config.source)
+    port = la.main_process_port
     if port is None:
         port = free_loopback_port() if nnodes == 1 else DEFAULT_MULTI_NODE_PORT
     resolved_launch = dataclasses.replace(
-        la, num_processes=per_node * nnodes, main_process_ip=ip or "127.0.0.1", main_process_port=port,
-        use_cpu=use_cpu)
+        la, num_processes=per_node * nnodes, main_process_ip=la.main_process_ip or "127.0.0.1",
+        main_process_port=port, use_cpu=use_cpu)
     return LaunchPlan(config=config.replace(launch=resolved_launch), nproc_per_node=per_node,
                       omp_num_threads=max(1, usable_cpus() // per_node), target=target,
                       cuda_visible_devices=visible)
