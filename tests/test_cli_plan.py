@@ -1,4 +1,4 @@
-"""The launch plan and the flag set, without starting any process."""
+"""The launch plan and how launch parses, without starting any process (flag sets: test_cli_flags.py)."""
 
 from __future__ import annotations
 
@@ -117,37 +117,6 @@ def test_launch_flags_are_checked_by_config_validation_all_at_once(capsys):
 def test_more_processes_than_gpus_names_the_flag_and_the_fix():
     with pytest.raises(ConfigError, match=r"--num_processes .* 3 process\(es\) per machine .* 2 GPU\(s\).*--cpu"):
         plan_launch(config(num_processes=3), TARGET, gpu_count=2)
-
-
-def _subparser(name: str):
-    parser = build_parser()
-    sub = next(a for a in parser._actions if a.dest == "command")
-    return sub.choices[name]
-
-
-def test_subcommands_are_frozen():
-    sub = next(a for a in build_parser()._actions if a.dest == "command")
-    assert set(sub.choices) == {"launch", "env", "config", "demo", "merge", "estimate", "bench"}
-
-
-def test_launch_flag_set_is_frozen():
-    """A change here is a change of the public CLI: update the README's reference with it."""
-    flags = {s for a in _subparser("launch")._actions for s in a.option_strings}
-    assert flags == {
-        "-h", "--help", "--config_file", "--config-file", "--num_processes", "--num-processes",
-        "--num_machines", "--num-machines", "--machine_rank", "--machine-rank",
-        "--main_process_ip", "--main-process-ip", "--main_process_port", "--main-process-port",
-        "--mixed_precision", "--mixed-precision", "--cpu", "--max_restarts", "--max-restarts",
-        "--resume", "--process_group_timeout", "--process-group-timeout", "--dry-run", "--dry_run", "-m", "--module",
-        "--oom_backoff", "--oom-backoff",
-    }
-
-
-def test_config_flag_set_is_frozen():
-    flags = {s for a in _subparser("config")._actions for s in a.option_strings if s.startswith("--")}
-    assert {f for f in flags if "-" not in f[2:]} == {
-        "--help", "--stage", "--offload_optimizer", "--offload_param", "--nvme_path", "--mixed_precision",
-        "--num_processes", "--gradient_accumulation_steps", "--gradient_clipping", "--format", "--output"}
 
 
 def test_script_arguments_after_the_target_are_not_zerofit_flags():

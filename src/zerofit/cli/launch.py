@@ -29,6 +29,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from zerofit.cli import rendezvous
+from zerofit.cli.flags import add_flag
 from zerofit.config import load_config, save_config
 from zerofit.config.schema import RunConfig
 from zerofit.errors import ConfigError
@@ -61,36 +62,43 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "launch", allow_abbrev=False,
         help="run a training script on several processes (one per GPU, or N on CPU)",
         description="Run SCRIPT (or -m MODULE) on every process of the run. Flags override the config file.")
-    p.add_argument("--config_file", "--config-file", metavar="FILE",
-                   help="zerofit YAML, Accelerate launch YAML or DeepSpeed JSON (default: built-in defaults)")
-    p.add_argument("--num_processes", "--num-processes", type=int, metavar="N",
-                   help="processes over all machines (default: one per GPU, or 1 on CPU)")
-    p.add_argument("--num_machines", "--num-machines", type=int, metavar="M", help="machines taking part")
-    p.add_argument("--machine_rank", "--machine-rank", type=int, metavar="R", help="this machine's index, 0..M-1")
-    p.add_argument("--main_process_ip", "--main-process-ip", metavar="IP",
-                   help="address of machine 0 (default on one machine: 127.0.0.1)")
-    p.add_argument("--main_process_port", "--main-process-port", type=int, metavar="PORT",
-                   help=f"rendezvous port (default: a free port on one machine, {DEFAULT_MULTI_NODE_PORT} on several)")
-    p.add_argument("--mixed_precision", "--mixed-precision", choices=("no", "fp16", "bf16"),
-                   help="compute precision")
-    p.add_argument("--cpu", action="store_true", default=None, help="run on CPU with gloo even where GPUs exist")
-    p.add_argument("--max_restarts", "--max-restarts", type=int, metavar="K",
-                   help="restart the worker group up to K times after a failure")
-    p.add_argument("--resume", choices=("restart", "auto", "must", "never"),
-                   help="when prepare() loads the latest complete checkpoint (default: restart, on restarted attempts)")
-    p.add_argument("--process_group_timeout", "--process-group-timeout", type=float, metavar="SECONDS",
-                   help="how long a collective waits for a peer before it raises (default: 1800)")
-    p.add_argument("--oom_backoff", "--oom-backoff", choices=("on", "off"), type=str.lower,
-                   help="on a CUDA out-of-memory error in a step, halve the micro-batch and double accumulation "
-                        "(default: on; the flag reaches DeepSpeed JSON and Accelerate YAML runs too)")
-    p.add_argument("--dry-run", "--dry_run", dest="dry_run", action="store_true",
-                   help="validate, print the resolved config and the launch plan, start nothing")
-    add_target_arguments(p)
+    add_arguments(p)
     p.set_defaults(func=run)
 
 
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The launch flags, then the target (everything after it goes to the script untouched).
+
+    Flags shared with `accelerate launch` keep its names, in both of its spellings; launch has no deprecated
+    aliases, so a torchrun option given out of habit (`--nproc-per-node`, `--master-port`) is rejected, not
+    taken for something else.
+    """
+    add_flag(p, "--config_file", metavar="FILE",
+             help="zerofit YAML, Accelerate launch YAML or DeepSpeed JSON (default: built-in defaults)")
+    add_flag(p, "--num_processes", type=int, metavar="N",
+             help="processes over all machines (default: one per GPU, or 1 on CPU)")
+    add_flag(p, "--num_machines", type=int, metavar="M", help="machines taking part")
+    add_flag(p, "--machine_rank", type=int, metavar="R", help="this machine's index, 0..M-1")
+    add_flag(p, "--main_process_ip", metavar="IP", help="address of machine 0 (default on one machine: 127.0.0.1)")
+    add_flag(p, "--main_process_port", type=int, metavar="PORT",
+             help=f"rendezvous port (default: a free port on one machine, {DEFAULT_MULTI_NODE_PORT} on several)")
+    add_flag(p, "--mixed_precision", choices=("no", "fp16", "bf16"), help="compute precision")
+    add_flag(p, "--cpu", action="store_true", default=None, help="run on CPU with gloo even where GPUs exist")
+    add_flag(p, "--max_restarts", type=int, metavar="K", help="restart the worker group up to K times after a failure")
+    add_flag(p, "--resume", choices=("restart", "auto", "must", "never"),
+             help="when prepare() loads the latest complete checkpoint (default: restart, on restarted attempts)")
+    add_flag(p, "--process_group_timeout", type=float, metavar="SECONDS",
+             help="how long a collective waits for a peer before it raises (default: 1800)")
+    add_flag(p, "--oom_backoff", choices=("on", "off"), type=str.lower,
+             help="on a CUDA out-of-memory error in a step, halve the micro-batch and double accumulation "
+                  "(default: on; the flag reaches DeepSpeed JSON and Accelerate YAML runs too)")
+    add_flag(p, "--dry_run", action="store_true",
+             help="validate, print the resolved config and the launch plan, start nothing")
+    add_target_arguments(p)
+
+
 def add_target_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-m", "--module", action="store_true", help="TARGET is a module, run as with `python -m`")
+    add_flag(p, "-m", "--module", action="store_true", help="TARGET is a module, run as with `python -m`")
     p.add_argument("target", metavar="TARGET", help="the training script (or module, with -m)")
     p.add_argument("target_args", nargs=argparse.REMAINDER, metavar="...", help="arguments for the script")
 
