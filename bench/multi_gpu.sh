@@ -22,16 +22,16 @@ bench() { python3 -m zerofit.cli.main bench "$@" || echo "bench/multi_gpu.sh: a 
 for part in "${parts[@]}"; do
   case "$part" in
     seed)
-      bench --nproc 2 --gpu-memory-gib 24 --tables cls seq2seq --methods ddp zerofit-s2 deepspeed-s2 \
+      bench --num_processes 2 --gpu-memory-gib 24 --tables cls seq2seq --methods ddp zerofit-s2 deepspeed-s2 \
         --steps 3 --eval-steps 2 --out "$out/seed_2gpu" ;;
     scaling)
       for n in 2 4 8; do
         [ "$n" -le "$gpus" ] || continue
-        bench --nproc "$n" --tables clm llama7b --equal-only --steps 5 --methods ddp zerofit-s0 zerofit-s1 \
+        bench --num_processes "$n" --tables clm llama7b --equal-only --steps 5 --methods ddp zerofit-s0 zerofit-s1 \
           zerofit-s2 zerofit-s3 deepspeed-s1 deepspeed-s2 deepspeed-s3 fsdp2 --out "$out/scaling_${n}gpu"
       done ;;
     parity)
-      bench --nproc 2 --tables clm --equal-only --precision no --warmup 0 --steps 20 \
+      bench --num_processes 2 --tables clm --equal-only --mixed_precision no --warmup 0 --steps 20 \
         --methods ddp zerofit-s1 zerofit-s2 zerofit-s3 --out "$out/parity_2gpu" ;;
     *) echo "bench/multi_gpu.sh: unknown part $part (seed, scaling, parity)" >&2; exit 2 ;;
   esac

@@ -12,19 +12,29 @@ TINY = "GPT2Config:n_layer=2,n_embd=32,n_head=2,vocab_size=96,n_positions=64"
 
 
 def test_table_lists_every_setting(capsys):
-    assert main(["estimate", "--model", TINY, "--micro_batch", "2", "--seq", "16", "--gpu_memory", "8",
-                 "--host_memory", "16"]) == 0
+    assert main(["estimate", "--model", TINY, "--micro_batch", "2", "--seq", "16", "--gpu_memory_gib", "8",
+                 "--host_memory_gib", "16"]) == 0
     out = capsys.readouterr().out
     for row in ("DDP (stage 0)", "DDP (stage 0) + ckpt", "ZeRO-2 + opt cpu", "ZeRO-3 + opt cpu + param cpu + ckpt"):
         assert row in out
     assert "GPU total" in out and "choice: DDP (stage 0):" in out
 
 
+def test_every_flag_takes_the_dashed_spelling_and_old_names_still_work(capsys):
+    assert main(["estimate", "--model", TINY, "--micro-batch", "2", "--seq", "16", "--num-processes", "2",
+                 "--gpu-memory-gib", "8", "--host_memory", "16", "--checkpointing", "off", "--json"]) == 0
+    out = capsys.readouterr()
+    data = json.loads(out.out)
+    assert data["workload"]["micro_batch"] == 2 and data["workload"]["num_gpus"] == 2
+    assert data["budget"]["host_bytes"] == 16 * 2**30
+    assert out.err.count("deprecated") == 1 and "--host_memory is deprecated: use --host_memory_gib" in out.err
+
+
 def test_json_parses_and_sums(capsys, tmp_path):
     config = tmp_path / "config.json"
     config.write_text(json.dumps({"model_type": "gpt2", "n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": 96,
                                   "n_positions": 64}))
-    assert main(["estimate", "--model", str(config), "--num_gpus", "4", "--gpu_memory", "8", "--host_memory", "16",
+    assert main(["estimate", "--model", str(config), "--num_processes", "4", "--gpu_memory_gib", "8", "--host_memory_gib", "16",
                  "--checkpointing", "off", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["workload"]["num_gpus"] == 4
@@ -38,8 +48,8 @@ def test_json_parses_and_sums(capsys, tmp_path):
 
 @pytest.mark.parametrize(("args", "flag"), [
     (["--micro_batch", "0"], "--micro_batch"),
-    (["--gpu_memory", "-1"], "--gpu_memory"),
-    (["--num_gpus", "2", "--gpus_per_host", "3"], "--gpus_per_host"),
+    (["--gpu_memory_gib", "-1"], "--gpu_memory_gib"),
+    (["--num_processes", "2", "--gpus_per_host", "3"], "--gpus_per_host"),
     (["--headroom", "1.5"], "--headroom"),
     (["--offload_ratio", "0"], "--offload_ratio"),
 ])
@@ -57,7 +67,7 @@ def test_unreachable_name_is_a_clear_error(capsys, monkeypatch):
 def test_offload_ratio_moves_part_of_the_state_back_to_the_gpu(capsys):
     rows = {}
     for ratio in ("1", "0.5"):
-        assert main(["estimate", "--model", TINY, "--checkpointing", "off", "--gpu_memory", "8", "--host_memory", "16",
+        assert main(["estimate", "--model", TINY, "--checkpointing", "off", "--gpu_memory_gib", "8", "--host_memory_gib", "16",
                      "--offload_ratio", ratio, "--json"]) == 0
         data = json.loads(capsys.readouterr().out)
         rows[ratio] = {s["setting"]: s for s in data["settings"]}
@@ -71,6 +81,6 @@ def test_deberta_classification_traces_its_activations(capsys):
     """DeBERTa-v2's head picks labeled rows with nonzero() unless the loss is named: the trace names it."""
     model = "DebertaV2Config:hidden_size=32,num_hidden_layers=2,num_attention_heads=2,intermediate_size=64,vocab_size=96"
     assert main(["estimate", "--model", model, "--task", "classification", "--micro_batch", "4", "--seq", "16",
-                 "--checkpointing", "off", "--gpu_memory", "8", "--host_memory", "16", "--json"]) == 0
+                 "--checkpointing", "off", "--gpu_memory_gib", "8", "--host_memory_gib", "16", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert all(s["gpu_bytes"]["activations"] > 0 for s in data["settings"])

@@ -22,8 +22,9 @@ LAYERS = [
     ("zerofit.checkpoint", "zerofit.plan"),
     ("zerofit.frontend",),
     ("zerofit.utils", "zerofit"),  # the public spellings: zerofit.Accelerator, zerofit.utils.set_seed
-    ("zerofit.testing", "zerofit.bench", "zerofit.demo"),
+    ("zerofit.testing", "zerofit.bench"),
     ("zerofit.cli",),
+    ("zerofit.demo",),  # a training script of the library's own, started by `zerofit demo` by module name
 ]
 
 

@@ -12,6 +12,8 @@ import argparse
 import sys
 import time
 
+from zerofit.cli.flags import add_flag
+
 _TABLES = ("cls", "seq2seq", "clm")
 """The default tables: the seed's three (`llama7b` is the several-GPU scaling workload, asked for by name)."""
 
@@ -20,43 +22,45 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "bench", allow_abbrev=False, help="the seed's benchmark tables: DDP vs zerofit vs DeepSpeed vs FSDP2",
         description=__doc__.splitlines()[0],
-        epilog="examples:\n  zerofit bench --gpu-memory-gib 24 --out bench/results/seed_tables\n"
+        epilog="examples:\n  zerofit bench --gpu_memory_gib 24 --out bench/results/seed_tables\n"
                "  zerofit bench --tables cls --methods ddp zerofit-s2 deepspeed-s2 --steps 3\n"
                "  zerofit bench --tiny --cpu --out /tmp/bench        # the harness on toy models, on CPU\n"
-               "  zerofit bench --nproc 8 --tables clm llama7b --equal-only --equal-batch 8   # step rate, 8 GPUs\n"
+               "  zerofit bench --num_processes 8 --tables clm llama7b --equal_only --equal_batch 8   # step rate\n"
                "  zerofit bench --report bench/results/seed_tables   # tables and plots again from results.json\n"
                "  zerofit bench --merge run1 run2 --out joined       # tables run in pieces, as one",
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tables", nargs="+", default=list(_TABLES),
-                   help="which tables: cls (1, DeBERTa-v2-xlarge), seq2seq (2, BlenderBot-400M), clm (3, GPT-2 XL); "
-                        "llama7b (4, Llama-2-7B architecture: scaling runs, not in the default list)")
-    p.add_argument("--methods", nargs="+", default=None,
-                   help="rows (default: each table's own list): ddp, zerofit-sN[-offload], deepspeed-sN[-offload], "
-                        "fsdp2[-offload]")
-    p.add_argument("--nproc", type=int, default=1, help="processes (GPUs) per row; >1 runs each row under torchrun")
-    p.add_argument("--gpu-memory-gib", "--gpu_memory_gib", type=float, default=None,
-                   help="cap each process's GPU memory (24 stands in for the seed's 24 GB cards)")
-    p.add_argument("--steps", type=int, default=5, help="timed training steps per measurement (default 5)")
-    p.add_argument("--eval-steps", "--eval_steps", type=int, default=3, help="timed eval steps per measurement (default 3)")
-    p.add_argument("--warmup", type=int, default=2,
-                   help="untimed steps before each timed run (default 2: offload rows settle on the second)")
-    p.add_argument("--max-batch", "--max_batch", type=int, default=None, help="stop the search here (default 1024; --tiny 16)")
-    p.add_argument("--equal-batch", "--equal_batch", type=int, default=None, help="the equal-batch column's batch (default: per table)")
-    p.add_argument("--equal-only", "--equal_only", action="store_true",
-                   help="only the equal-batch run: every method at --equal-batch for --warmup + --steps steps from the "
-                        "same weights; reports step time, tokens/s, GPU peak and each row's largest loss gap to DDP "
-                        "(scaling and parity: --precision no --warmup 0 --steps 20)")
-    p.add_argument("--precision", choices=("bf16", "no"), default=None, help="default bf16 on GPU, no (fp32) on CPU")
-    p.add_argument("--clip", type=float, default=1.0, help="gradient clipping for every row (0: none)")
-    p.add_argument("--tiny", action="store_true", help="toy sizes of the same architectures (tests the harness)")
-    p.add_argument("--cpu", action="store_true", help="run on CPU (gloo) even where CUDA is present")
-    p.add_argument("--timeout", type=float, default=900, help="seconds per process before it is stopped")
-    p.add_argument("--out", default=None, help="directory for tables.md, results.json and the plots")
-    p.add_argument("--report", metavar="DIR", default=None,
-                   help="only render tables.md and plots again from DIR/results.json")
-    p.add_argument("--merge", nargs="+", metavar="DIR", default=None,
-                   help="join the results.json of several runs (tables run in pieces) into --out")
-    p.add_argument("--simulate-oom-above", type=int, default=None, help=argparse.SUPPRESS)  # tests: fake OOMs
+    add_flag(p, "--tables", nargs="+", default=list(_TABLES),
+             help="which tables: cls (1, DeBERTa-v2-xlarge), seq2seq (2, BlenderBot-400M), clm (3, GPT-2 XL); "
+                  "llama7b (4, Llama-2-7B architecture: scaling runs, not in the default list)")
+    add_flag(p, "--methods", nargs="+", default=None,
+             help="rows (default: each table's own list): ddp, zerofit-sN[-offload], deepspeed-sN[-offload], "
+                  "fsdp2[-offload]")
+    add_flag(p, "--num_processes", aliases=("--nproc",), type=int, default=1,
+             help="processes (GPUs) per row; >1 runs each row under torchrun")
+    add_flag(p, "--gpu_memory_gib", type=float, default=None,
+             help="cap each process's GPU memory (24 stands in for the seed's 24 GB cards)")
+    add_flag(p, "--steps", type=int, default=5, help="timed training steps per measurement (default 5)")
+    add_flag(p, "--eval_steps", type=int, default=3, help="timed eval steps per measurement (default 3)")
+    add_flag(p, "--warmup", type=int, default=2,
+             help="untimed steps before each timed run (default 2: offload rows settle on the second)")
+    add_flag(p, "--max_batch", type=int, default=None, help="stop the search here (default 1024; --tiny 16)")
+    add_flag(p, "--equal_batch", type=int, default=None, help="the equal-batch column's batch (default: per table)")
+    add_flag(p, "--equal_only", action="store_true",
+             help="only the equal-batch run: every method at --equal_batch for --warmup + --steps steps from the "
+                  "same weights; reports step time, tokens/s, GPU peak and each row's largest loss gap to DDP "
+                  "(scaling and parity: --mixed_precision no --warmup 0 --steps 20)")
+    add_flag(p, "--mixed_precision", aliases=("--precision",), choices=("bf16", "no"), default=None,
+             help="default bf16 on GPU, no (fp32) on CPU")
+    add_flag(p, "--clip", type=float, default=1.0, help="gradient clipping for every row (0: none)")
+    add_flag(p, "--tiny", action="store_true", help="toy sizes of the same architectures (tests the harness)")
+    add_flag(p, "--cpu", action="store_true", help="run on CPU (gloo) even where CUDA is present")
+    add_flag(p, "--timeout", type=float, default=900, help="seconds per process before it is stopped")
+    add_flag(p, "--out", default=None, help="directory for tables.md, results.json and the plots")
+    add_flag(p, "--report", metavar="DIR", default=None,
+             help="only render tables.md and plots again from DIR/results.json")
+    add_flag(p, "--merge", nargs="+", metavar="DIR", default=None,
+             help="join the results.json of several runs (tables run in pieces) into --out")
+    add_flag(p, "--simulate_oom_above", type=int, default=None, help=argparse.SUPPRESS)  # tests: fake OOMs
     p.set_defaults(func=run)
 
 
@@ -97,15 +101,16 @@ def run(args: argparse.Namespace) -> int:
         print(f"zerofit bench: error: {e}", file=sys.stderr)
         return 2
     cuda = torch.cuda.is_available() and not args.cpu
-    if args.nproc > 1 and cuda and torch.cuda.device_count() < args.nproc:
-        print(f"zerofit bench: error: --nproc {args.nproc} needs {args.nproc} GPUs, this machine has "
-              f"{torch.cuda.device_count()}: lower --nproc or add --cpu", file=sys.stderr)
+    nproc = args.num_processes
+    if nproc > 1 and cuda and torch.cuda.device_count() < nproc:
+        print(f"zerofit bench: error: --num_processes {nproc} needs {nproc} GPUs, this machine has "
+              f"{torch.cuda.device_count()}: lower --num_processes or add --cpu", file=sys.stderr)
         return 2
-    opts = {"device": "cuda" if cuda else "cpu", "precision": args.precision or ("bf16" if cuda else "no"),
+    opts = {"device": "cuda" if cuda else "cpu", "precision": args.mixed_precision or ("bf16" if cuda else "no"),
             "clip": args.clip, "steps": args.steps, "eval_steps": args.eval_steps, "warmup": args.warmup,
             "max_batch": args.max_batch or (16 if args.tiny else 1024), "gpu_memory_gib": args.gpu_memory_gib,
             "equal_batch": args.equal_batch or (2 if args.tiny else None), "tiny": args.tiny,
-            "simulate_oom_above": args.simulate_oom_above, "nproc": args.nproc, "equal_only": args.equal_only}
+            "simulate_oom_above": args.simulate_oom_above, "nproc": nproc, "equal_only": args.equal_only}
     record = {"command": "zerofit bench " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else None,
               "options": opts, "environment": report.environment(), "tables": []}
     started = time.time()
@@ -115,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
         table = table_record(w, args.tiny, opts["equal_batch"]) | {"rows": []}
         record["tables"].append(table)
         for m in methods:
-            table["rows"].append(run_row(w, m, opts, nproc=args.nproc, timeout=args.timeout).as_record())
+            table["rows"].append(run_row(w, m, opts, nproc=nproc, timeout=args.timeout).as_record())
             record["seconds"] = round(time.time() - started, 1)
             if args.out:  # after every row: a run stopped half-way keeps what it measured
                 written = report.write(record, args.out)

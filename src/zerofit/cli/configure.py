@@ -15,6 +15,7 @@ from typing import Any
 
 import yaml
 
+from zerofit.cli.flags import add_flag
 from zerofit.config import load_config
 from zerofit.config.schema import RunConfig, to_dict
 from zerofit.errors import ConfigError
@@ -28,25 +29,25 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "config", allow_abbrev=False, help="write a config file for a ZeRO stage and offload setting",
         description="Write a config file that `zerofit launch --config_file FILE` (and DeepSpeed or Accelerate, "
                     "for those formats) reads back to the same settings.")
-    p.add_argument("--stage", type=int, choices=(0, 1, 2, 3), required=True,
-                   help="0: DDP; 1: shard optimizer state; 2: + gradients; 3: + parameters")
-    p.add_argument("--offload_optimizer", "--offload-optimizer", choices=OFFLOAD_DEVICES, default="none",
-                   help="where fp32 master weights and optimizer states live (stages 1-3)")
-    p.add_argument("--offload_param", "--offload-param", choices=OFFLOAD_DEVICES, default="none",
-                   help="where parameter shards live (stage 3)")
-    p.add_argument("--nvme_path", "--nvme-path", metavar="DIR", help="directory for nvme offload files")
-    p.add_argument("--mixed_precision", "--mixed-precision", choices=("no", "fp16", "bf16"), default="no",
-                   help="compute precision")
-    p.add_argument("--num_processes", "--num-processes", type=int, metavar="N",
-                   help="processes over all machines (zerofit and accelerate formats)")
-    p.add_argument("--gradient_accumulation_steps", "--gradient-accumulation-steps", type=int, metavar="K",
-                   help="micro-steps per optimizer step (default: 1; \"auto\" in deepspeed and accelerate "
-                        "files, taken from the script)")
-    p.add_argument("--gradient_clipping", "--gradient-clipping", type=float, metavar="C",
-                   help="clip the global gradient norm to C, 0: no clipping (default: 0; \"auto\" in "
-                        "deepspeed and accelerate files, taken from the script)")
-    p.add_argument("--format", choices=FORMATS, default="zerofit", help="file format (default: zerofit)")
-    p.add_argument("-o", "--output", required=True, metavar="FILE", help="file to write (overwritten)")
+    add_flag(p, "--stage", type=int, choices=(0, 1, 2, 3), required=True,
+             help="0: DDP; 1: shard optimizer state; 2: + gradients; 3: + parameters")
+    add_flag(p, "--offload_optimizer", choices=OFFLOAD_DEVICES, default="none",
+             help="where fp32 master weights and optimizer states live (stages 1-3)")
+    add_flag(p, "--offload_param", choices=OFFLOAD_DEVICES, default="none",
+             help="where parameter shards live (stage 3)")
+    add_flag(p, "--nvme_path", metavar="DIR", help="directory for nvme offload files")
+    add_flag(p, "--mixed_precision", choices=("no", "fp16", "bf16"), default="no",
+             help="compute precision")
+    add_flag(p, "--num_processes", type=int, metavar="N",
+             help="processes over all machines (zerofit and accelerate formats)")
+    add_flag(p, "--gradient_accumulation_steps", type=int, metavar="K",
+             help="micro-steps per optimizer step (default: 1; \"auto\" in deepspeed and accelerate "
+                  "files, taken from the script)")
+    add_flag(p, "--gradient_clipping", type=float, metavar="C",
+             help="clip the global gradient norm to C, 0: no clipping (default: 0; \"auto\" in "
+                  "deepspeed and accelerate files, taken from the script)")
+    add_flag(p, "--format", choices=FORMATS, default="zerofit", help="file format (default: zerofit)")
+    add_flag(p, "-o", "--output", required=True, metavar="FILE", help="file to write (overwritten)")
     p.set_defaults(func=run)
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from zerofit.cli import launch
+
 DEMO_MODULE = "zerofit.demo.train"
 DEMO_LAUNCH_FLAGS = ("--cpu", "--num_processes", "2")
 
@@ -16,11 +18,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run, accepts_extra=True)
 
 
-def launch_argv(demo_args: list[str]) -> list[str]:
-    return ["launch", *DEMO_LAUNCH_FLAGS, "-m", DEMO_MODULE, *demo_args]
+def launch_args(demo_args: list[str]) -> list[str]:
+    """What `zerofit launch` is given: the demo's launch flags, the demo module, then the demo's own arguments."""
+    return [*DEMO_LAUNCH_FLAGS, "-m", DEMO_MODULE, *demo_args]
 
 
 def run(args: argparse.Namespace) -> int:
-    from zerofit.cli.main import main
-
-    return main(launch_argv(args.extra))
+    # Launch's own parser, not `zerofit.cli.main`: a subcommand never imports the command above it.
+    parser = argparse.ArgumentParser(prog="zerofit launch", allow_abbrev=False)
+    launch.add_arguments(parser)
+    return launch.run(parser.parse_args(launch_args(args.extra)))

@@ -9,6 +9,7 @@ import platform
 import sys
 
 import zerofit
+from zerofit.cli.flags import add_flag
 
 OPTIONAL_PACKAGES = ("transformers", "accelerate", "deepspeed", "safetensors", "numpy")
 # Environment variables that change how a run behaves, shown when set.
@@ -20,7 +21,7 @@ RELEVANT_ENV = ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "ZEROFIT_CONFIG_FILE"
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("env", allow_abbrev=False, help="print versions and devices for a bug report",
                               description="Print versions, devices and limits as one block to paste into an issue.")
-    p.add_argument("--config_file", "--config-file", metavar="FILE", help="also print this config, resolved")
+    add_flag(p, "--config_file", metavar="FILE", help="also print this config, resolved")
     p.set_defaults(func=run)
 
 

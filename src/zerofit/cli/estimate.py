@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from zerofit.cli.flags import add_flag
+
 _PRECISIONS = ("bf16", "fp16", "no")
 
 
@@ -18,31 +20,34 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "estimate", allow_abbrev=False, help="memory per ZeRO stage / offload / checkpointing setting (offline)",
         description=__doc__.splitlines()[0],
         epilog="examples:\n  zerofit estimate --model GPT2Config:n_layer=48,n_embd=1600,n_head=25 --micro_batch 16 "
-               "--seq 128\n  zerofit estimate --model ./my-model/config.json --num_gpus 8 --gpu_memory 80 --json",
+               "--seq 128\n  zerofit estimate --model ./my-model/config.json --num_processes 8 --gpu_memory_gib 80 --json",
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="config.json, a saved model directory, a config class with sizes "
-                   "(LlamaConfig:hidden_size=2048,num_hidden_layers=16), or a cached model name")
-    p.add_argument("--task", default="causal-lm", choices=("causal-lm", "classification"),
-                   help="which head to build (default causal-lm)")
-    p.add_argument("--num_gpus", type=int, default=1, help="ranks the model is sharded over (default 1)")
-    p.add_argument("--gpu_memory", type=float, default=None, help="GiB per GPU (default: this machine's first GPU)")
-    p.add_argument("--host_memory", type=float, default=None, help="GiB of host memory (default: this machine's)")
-    p.add_argument("--gpus_per_host", type=int, default=None,
-                   help="ranks sharing one host's memory (default: --num_gpus, one machine)")
-    p.add_argument("--micro_batch", type=int, default=1, help="samples per GPU per micro-step (default 1)")
-    p.add_argument("--seq", type=int, default=512, help="tokens per sample (default 512)")
-    p.add_argument("--gradient_accumulation_steps", type=int, default=1, help="micro-steps per optimizer step")
-    p.add_argument("--mixed_precision", default="bf16", choices=_PRECISIONS, help="compute dtype (default bf16)")
-    p.add_argument("--optimizer_states", type=int, default=2,
-                   help="fp32 state tensors per parameter: 2 for Adam/AdamW (default), 1 SGD+momentum, 0 SGD")
-    p.add_argument("--checkpointing", default="both", choices=("both", "on", "off"),
-                   help="activation checkpointing rows to show (default both)")
-    p.add_argument("--offload_ratio", type=float, default=1.0,
-                   help="share of the optimizer state the offloading rows put on the host, whole units from the "
-                        "last one backwards (zero_optimization.offload_optimizer.ratio; default 1.0)")
-    p.add_argument("--nvme", action="store_true", help="also list ZeRO-3 with the optimizer state on NVMe")
-    p.add_argument("--headroom", type=float, default=0.10, help="fraction of memory kept free (default 0.10)")
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    add_flag(p, "--model", required=True, help="config.json, a saved model directory, a config class with sizes "
+             "(LlamaConfig:hidden_size=2048,num_hidden_layers=16), or a cached model name")
+    add_flag(p, "--task", default="causal-lm", choices=("causal-lm", "classification"),
+             help="which head to build (default causal-lm)")
+    add_flag(p, "--num_processes", aliases=("--num_gpus",), type=int, default=1,
+             help="ranks (GPUs) the model is sharded over (default 1)")
+    add_flag(p, "--gpu_memory_gib", aliases=("--gpu_memory",), type=float, default=None,
+             help="GiB per GPU (default: this machine's first GPU)")
+    add_flag(p, "--host_memory_gib", aliases=("--host_memory",), type=float, default=None,
+             help="GiB of host memory (default: this machine's)")
+    add_flag(p, "--gpus_per_host", type=int, default=None,
+             help="ranks sharing one host's memory (default: --num_processes, one machine)")
+    add_flag(p, "--micro_batch", type=int, default=1, help="samples per GPU per micro-step (default 1)")
+    add_flag(p, "--seq", type=int, default=512, help="tokens per sample (default 512)")
+    add_flag(p, "--gradient_accumulation_steps", type=int, default=1, help="micro-steps per optimizer step")
+    add_flag(p, "--mixed_precision", default="bf16", choices=_PRECISIONS, help="compute dtype (default bf16)")
+    add_flag(p, "--optimizer_states", type=int, default=2,
+             help="fp32 state tensors per parameter: 2 for Adam/AdamW (default), 1 SGD+momentum, 0 SGD")
+    add_flag(p, "--checkpointing", default="both", choices=("both", "on", "off"),
+             help="activation checkpointing rows to show (default both)")
+    add_flag(p, "--offload_ratio", type=float, default=1.0,
+             help="share of the optimizer state the offloading rows put on the host, whole units from the "
+                  "last one backwards (zero_optimization.offload_optimizer.ratio; default 1.0)")
+    add_flag(p, "--nvme", action="store_true", help="also list ZeRO-3 with the optimizer state on NVMe")
+    add_flag(p, "--headroom", type=float, default=0.10, help="fraction of memory kept free (default 0.10)")
+    add_flag(p, "--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=run)
 
 
@@ -52,15 +57,15 @@ def _check(args: argparse.Namespace) -> None:
     class UsageError(ZerofitError, ValueError):
         pass
 
-    for flag in ("num_gpus", "micro_batch", "seq", "gradient_accumulation_steps"):
+    for flag in ("num_processes", "micro_batch", "seq", "gradient_accumulation_steps"):
         if getattr(args, flag) < 1:
             raise UsageError(f"--{flag} must be at least 1 (got {getattr(args, flag)})")
-    for flag in ("gpu_memory", "host_memory"):
+    for flag in ("gpu_memory_gib", "host_memory_gib"):
         value = getattr(args, flag)
         if value is not None and value <= 0:
             raise UsageError(f"--{flag} must be a positive number of GiB (got {value})")
-    if args.gpus_per_host is not None and not 1 <= args.gpus_per_host <= args.num_gpus:
-        raise UsageError(f"--gpus_per_host must be between 1 and --num_gpus ({args.num_gpus}) (got "
+    if args.gpus_per_host is not None and not 1 <= args.gpus_per_host <= args.num_processes:
+        raise UsageError(f"--gpus_per_host must be between 1 and --num_processes ({args.num_processes}) (got "
                          f"{args.gpus_per_host})")
     if args.optimizer_states < 0:
         raise UsageError(f"--optimizer_states must be 0 or more (got {args.optimizer_states})")
@@ -81,12 +86,12 @@ def run(args: argparse.Namespace) -> int:
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "no": torch.float32}[args.mixed_precision]
     fake = build_fake_model(args.model, dtype=dtype, task=args.task)
-    work = Workload(world=args.num_gpus, mixed_precision=args.mixed_precision, micro_batch=args.micro_batch,
+    work = Workload(world=args.num_processes, mixed_precision=args.mixed_precision, micro_batch=args.micro_batch,
                     seq=args.seq, optimizer_states=args.optimizer_states,
                     gradient_accumulation_steps=args.gradient_accumulation_steps)
     ck = {"both": (False, True), "on": (True,), "off": (False,)}[args.checkpointing]
-    budget = machine_budget(gpu_memory_gib=args.gpu_memory, host_memory_gib=args.host_memory,
-                            ranks_per_host=args.gpus_per_host or args.num_gpus, headroom=args.headroom)
+    budget = machine_budget(gpu_memory_gib=args.gpu_memory_gib, host_memory_gib=args.host_memory_gib,
+                            ranks_per_host=args.gpus_per_host or args.num_processes, headroom=args.headroom)
     counts = ModelCounts.of(fake.model)
     traces = traces_for(fake, work, ck)
     if not traces:
@@ -130,7 +135,7 @@ def _gib(n: int) -> str:
 
 def _as_table(args, counts, budget, result) -> str:
     head = (f"{args.model}: {counts.numel / 1e9:.3f} B parameters in {len(counts.units)} units; "
-            f"{args.num_gpus} GPU(s), micro-batch {args.micro_batch} x {args.seq}, {args.mixed_precision}; GiB per rank")
+            f"{args.num_processes} GPU(s), micro-batch {args.micro_batch} x {args.seq}, {args.mixed_precision}; GiB per rank")
     cols = ["setting", "params", "grads", "optim", "activ", "buffers", "GPU total", "host pinned", "fits"]
     rows = []
     for e in result.estimates:

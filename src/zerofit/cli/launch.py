@@ -29,9 +29,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from zerofit.cli import rendezvous
+from zerofit.cli.flags import add_flag
 from zerofit.config import load_config, save_config
 from zerofit.config.schema import RunConfig
-from zerofit.dist.runtime import CONFIG_FILE_ENV
+from zerofit.dist.runtime import CONFIG_FILE_ENV, backend_for
 from zerofit.errors import ConfigError
 
 WORKER_MODULE = "zerofit.cli.worker"
@@ -61,36 +62,43 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "launch", allow_abbrev=False,
         help="run a training script on several processes (one per GPU, or N on CPU)",
         description="Run SCRIPT (or -m MODULE) on every process of the run. Flags override the config file.")
-    p.add_argument("--config_file", "--config-file", metavar="FILE",
-                   help="zerofit YAML, Accelerate launch YAML or DeepSpeed JSON (default: built-in defaults)")
-    p.add_argument("--num_processes", "--num-processes", type=int, metavar="N",
-                   help="processes over all machines (default: one per GPU, or 1 on CPU)")
-    p.add_argument("--num_machines", "--num-machines", type=int, metavar="M", help="machines taking part")
-    p.add_argument("--machine_rank", "--machine-rank", type=int, metavar="R", help="this machine's index, 0..M-1")
-    p.add_argument("--main_process_ip", "--main-process-ip", metavar="IP",
-                   help="address of machine 0 (default on one machine: 127.0.0.1)")
-    p.add_argument("--main_process_port", "--main-process-port", type=int, metavar="PORT",
-                   help=f"rendezvous port (default: a free port on one machine, {DEFAULT_MULTI_NODE_PORT} on several)")
-    p.add_argument("--mixed_precision", "--mixed-precision", choices=("no", "fp16", "bf16"),
-                   help="compute precision")
-    p.add_argument("--cpu", action="store_true", default=None, help="run on CPU with gloo even where GPUs exist")
-    p.add_argument("--max_restarts", "--max-restarts", type=int, metavar="K",
-                   help="restart the worker group up to K times after a failure")
-    p.add_argument("--resume", choices=("restart", "auto", "must", "never"),
-                   help="when prepare() loads the latest complete checkpoint (default: restart, on restarted attempts)")
-    p.add_argument("--process_group_timeout", "--process-group-timeout", type=float, metavar="SECONDS",
-                   help="how long a collective waits for a peer before it raises (default: 1800)")
-    p.add_argument("--oom_backoff", "--oom-backoff", choices=("on", "off"), type=str.lower,
-                   help="on a CUDA out-of-memory error in a step, halve the micro-batch and double accumulation "
-                        "(default: on; the flag reaches DeepSpeed JSON and Accelerate YAML runs too)")
-    p.add_argument("--dry-run", "--dry_run", dest="dry_run", action="store_true",
-                   help="validate, print the resolved config and the launch plan, start nothing")
-    add_target_arguments(p)
+    add_arguments(p)
     p.set_defaults(func=run)
 
 
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The launch flags, then the target (everything after it goes to the script untouched).
+
+    Flags shared with `accelerate launch` keep its names, in both of its spellings; launch has no deprecated
+    aliases, so a torchrun option given out of habit (`--nproc-per-node`, `--master-port`) is rejected, not
+    taken for something else.
+    """
+    add_flag(p, "--config_file", metavar="FILE",
+             help="zerofit YAML, Accelerate launch YAML or DeepSpeed JSON (default: built-in defaults)")
+    add_flag(p, "--num_processes", type=int, metavar="N",
+             help="processes over all machines (default: one per GPU, or 1 on CPU)")
+    add_flag(p, "--num_machines", type=int, metavar="M", help="machines taking part")
+    add_flag(p, "--machine_rank", type=int, metavar="R", help="this machine's index, 0..M-1")
+    add_flag(p, "--main_process_ip", metavar="IP", help="address of machine 0 (default on one machine: 127.0.0.1)")
+    add_flag(p, "--main_process_port", type=int, metavar="PORT",
+             help=f"rendezvous port (default: a free port on one machine, {DEFAULT_MULTI_NODE_PORT} on several)")
+    add_flag(p, "--mixed_precision", choices=("no", "fp16", "bf16"), help="compute precision")
+    add_flag(p, "--cpu", action="store_true", default=None, help="run on CPU with gloo even where GPUs exist")
+    add_flag(p, "--max_restarts", type=int, metavar="K", help="restart the worker group up to K times after a failure")
+    add_flag(p, "--resume", choices=("restart", "auto", "must", "never"),
+             help="when prepare() loads the latest complete checkpoint (default: restart, on restarted attempts)")
+    add_flag(p, "--process_group_timeout", type=float, metavar="SECONDS",
+             help="how long a collective waits for a peer before it raises (default: 1800)")
+    add_flag(p, "--oom_backoff", choices=("on", "off"), type=str.lower,
+             help="on a CUDA out-of-memory error in a step, halve the micro-batch and double accumulation "
+                  "(default: on; the flag reaches DeepSpeed JSON and Accelerate YAML runs too)")
+    add_flag(p, "--dry_run", action="store_true",
+             help="validate, print the resolved config and the launch plan, start nothing")
+    add_target_arguments(p)
+
+
 def add_target_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-m", "--module", action="store_true", help="TARGET is a module, run as with `python -m`")
+    add_flag(p, "-m", "--module", action="store_true", help="TARGET is a module, run as with `python -m`")
     p.add_argument("target", metavar="TARGET", help="the training script (or module, with -m)")
     p.add_argument("target_args", nargs=argparse.REMAINDER, metavar="...", help="arguments for the script")
 
@@ -123,7 +131,7 @@ class LaunchPlan:
 
     @property
     def backend(self) -> str:
-        return "gloo" if self.config.launch.use_cpu else "nccl"
+        return backend_for(self.config.launch.use_cpu)
 
     @property
     def loopback_only(self) -> bool:
@@ -209,21 +217,16 @@ def usable_cpus() -> int:
 
 
 def plan_launch(config: RunConfig, target: tuple[str, ...], *, gpu_count: int) -> LaunchPlan:
-    """Check the launch settings against each other and this machine; fill in what was left unset.
+    """Check the launch settings against this machine; fill in what was left unset.
 
+    `config` comes validated from `load_config`, which already enforces every rule among the launch
+    settings themselves (counts, ranks, ports, the address several machines need: see
+    `zerofit.config.validate`). Only what needs this machine is checked here: its GPU count.
     Every problem is reported at once, each naming the flag, the config key, the value and the fix.
     """
     la = config.launch
     problems: list[str] = []
     nnodes = la.num_machines
-    if nnodes < 1:
-        problems.append(f"--num_machines (launch.num_machines) is {nnodes}: set it to 1 or more")
-        nnodes = 1
-    if not 0 <= la.machine_rank < nnodes:
-        problems.append(f"--machine_rank (launch.machine_rank) is {la.machine_rank} but there are {nnodes} "
-                        f"machine(s): set it to a value from 0 to {nnodes - 1}")
-    if la.max_restarts < 0:
-        problems.append(f"--max_restarts (launch.max_restarts) is {la.max_restarts}: set it to 0 or more")
     use_cpu = bool(la.use_cpu) or gpu_count == 0
     visible = None
     if not use_cpu and la.gpu_ids not in (None, "", "all"):
@@ -234,32 +237,19 @@ def plan_launch(config: RunConfig, target: tuple[str, ...], *, gpu_count: int) -
                             "list GPU indices that exist, comma separated (\"0,1\"), or use \"all\"")
         else:
             visible, gpu_count = ",".join(ids), len(ids)
-    if la.num_processes is None:
-        per_node = 1 if use_cpu else gpu_count
-    elif la.num_processes < 1 or la.num_processes % nnodes:
-        problems.append(f"--num_processes (launch.num_processes) is {la.num_processes}, which does not split "
-                        f"evenly over {nnodes} machine(s): set it to a positive multiple of {nnodes} "
-                        f"(it counts processes over all machines)")
-        per_node = 1
-    else:
-        per_node = la.num_processes // nnodes
+    per_node = (1 if use_cpu else gpu_count) if la.num_processes is None else la.num_processes // nnodes
     if not use_cpu and per_node > gpu_count:
         problems.append(f"--num_processes (launch.num_processes) asks for {per_node} process(es) per machine "
                         f"but this machine has {gpu_count} GPU(s): set --num_processes to at most "
                         f"{gpu_count * nnodes}, or pass --cpu")
-    ip, port = la.main_process_ip, la.main_process_port
-    if nnodes > 1 and not ip:
-        problems.append(f"--main_process_ip (launch.main_process_ip) is unset but --num_machines is {nnodes}: "
-                        f"set it to the address of machine 0, the same on every machine")
-    if port is not None and not 0 < port < 65536:
-        problems.append(f"--main_process_port (launch.main_process_port) is {port}: set a port from 1 to 65535")
     if problems:
         raise ConfigError(problems, source=config.source)
+    port = la.main_process_port
     if port is None:
         port = free_loopback_port() if nnodes == 1 else DEFAULT_MULTI_NODE_PORT
     resolved_launch = dataclasses.replace(
-        la, num_processes=per_node * nnodes, main_process_ip=ip or "127.0.0.1", main_process_port=port,
-        use_cpu=use_cpu)
+        la, num_processes=per_node * nnodes, main_process_ip=la.main_process_ip or "127.0.0.1",
+        main_process_port=port, use_cpu=use_cpu)
     return LaunchPlan(config=config.replace(launch=resolved_launch), nproc_per_node=per_node,
                       omp_num_threads=max(1, usable_cpus() // per_node), target=target,
                       cuda_visible_devices=visible)

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import argparse
 
+from zerofit.cli.flags import add_flag
+
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("merge", allow_abbrev=False, help="sharded checkpoint -> safetensors (offline)",
                               description=__doc__.splitlines()[0])
     p.add_argument("checkpoint", help="a directory written by save_state (or its parent holding `latest`)")
     p.add_argument("out", help="directory for the consolidated model files")
-    p.add_argument("--max_shard_size", default="5GB", help="split the weights into files of at most this size")
+    add_flag(p, "--max_shard_size", default="5GB", help="split the weights into files of at most this size")
     p.set_defaults(func=run)
 
 

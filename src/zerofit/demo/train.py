@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from zerofit import Accelerator
+from zerofit.cli.flags import add_flag
 from zerofit.dist import runtime
 from zerofit.utils import set_seed
 
@@ -79,16 +80,21 @@ class Windows(torch.utils.data.Dataset):
         return {"ids": self.data[s:s + self.context], "labels": self.data[s + 1:s + 1 + self.context]}
 
 
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="zerofit demo", allow_abbrev=False, description=__doc__.splitlines()[0])
+    add_flag(p, "--stage", type=int, choices=[0, 1, 2, 3], default=None, help="ZeRO stage (default: config)")
+    add_flag(p, "--steps", type=int, default=60, help="optimizer steps")
+    add_flag(p, "--micro_batch", aliases=("--batch_size",), type=int, default=8,
+             help="sequences per process per micro-step")
+    add_flag(p, "--gradient_accumulation_steps", type=int, default=1, help="micro-steps per optimizer step")
+    add_flag(p, "--context", type=int, default=64, help="characters per sequence (the model's context)")
+    add_flag(p, "--lr", type=float, default=3e-3, help="AdamW learning rate")
+    add_flag(p, "--mixed_precision", choices=["no", "bf16", "fp16"], default=None, help="compute precision")
+    return p
+
+
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--stage", type=int, choices=[0, 1, 2, 3], default=None, help="ZeRO stage (default: config)")
-    p.add_argument("--steps", type=int, default=60, help="optimizer steps")
-    p.add_argument("--batch_size", type=int, default=8, help="sequences per process per micro-step")
-    p.add_argument("--gradient_accumulation_steps", type=int, default=1)
-    p.add_argument("--context", type=int, default=64)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--mixed_precision", choices=["no", "bf16", "fp16"], default=None)
-    args = p.parse_args(argv)
+    args = build_parser().parse_args(argv)
 
     config = runtime.current_config()
     if args.stage is not None:
@@ -97,7 +103,7 @@ def main(argv: list[str] | None = None) -> None:
                               mixed_precision=args.mixed_precision, config=config)
     set_seed(0)
     data, vocab = load_corpus()
-    loader = torch.utils.data.DataLoader(Windows(data, args.context), batch_size=args.batch_size, shuffle=True)
+    loader = torch.utils.data.DataLoader(Windows(data, args.context), batch_size=args.micro_batch, shuffle=True)
     model = TinyCharLM(vocab, context=args.context)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
@@ -125,7 +131,7 @@ def main(argv: list[str] | None = None) -> None:
             if step == args.steps:
                 break
     took = time.perf_counter() - start
-    tokens = args.steps * args.gradient_accumulation_steps * args.batch_size * accelerator.num_processes * args.context
+    tokens = args.steps * args.gradient_accumulation_steps * args.micro_batch * accelerator.num_processes * args.context
     accelerator.print(f"done: loss {losses[0]:.3f} -> {losses[-1]:.3f} (uniform guess {math.log(vocab):.3f}) "
                       f"in {took:.1f}s, {tokens / took:,.0f} tokens/s")
     accelerator.end_training()

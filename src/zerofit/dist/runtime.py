@@ -43,9 +43,14 @@ def use_cpu(config: RunConfig | None = None) -> bool:
     return bool(config.launch.use_cpu) or not torch.cuda.is_available()
 
 
+def backend_for(cpu: bool) -> str:
+    """The torch.distributed backend for a run on CPU (gloo) or on GPUs (NCCL); the one place that decides."""
+    return "gloo" if cpu else "nccl"
+
+
 def backend(config: RunConfig | None = None) -> str:
-    """The torch.distributed backend: gloo on CPU, NCCL on GPUs."""
-    return "gloo" if use_cpu(config) else "nccl"
+    """The torch.distributed backend of this process's run (see `use_cpu`)."""
+    return backend_for(use_cpu(config))
 
 
 def device(config: RunConfig | None = None) -> torch.device:

@@ -54,7 +54,7 @@ class ProcessState:
     def create(cls, config: RunConfig, *, cpu: bool = False) -> ProcessState:
         use_cpu = cpu or runtime.use_cpu(config)
         device = torch.device("cpu") if use_cpu else runtime.device(config)
-        backend = "gloo" if use_cpu else "nccl"
+        backend = runtime.backend_for(use_cpu)
         created = False
         if not dist.is_initialized() and process_group.launched():
             if device.type == "cuda":

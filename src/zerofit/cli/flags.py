@@ -1,0 +1,54 @@
+"""One way to declare a command-line option: `add_flag`, used by every zerofit subcommand.
+
+[Note: flag spelling] Every option has one canonical name, spelt with underscores as Accelerate spells
+its launch flags (`--num_processes`, `--mixed_precision`); the same name with dashes
+(`--num-processes`) is accepted everywhere, silently, because both are in use. A name a command used
+to have stays accepted as a hidden deprecated alias (dashed twin included) that stores into the same
+destination and prints one line naming the new flag, so old scripts keep working and learn the new
+spelling. `tests/test_cli_flags.py` freezes the canonical names and aliases of every subcommand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+
+def twins(name: str) -> tuple[str, ...]:
+    """`name` and its dashed spelling (`--micro_batch`, `--micro-batch`); short options have none."""
+    if not name.startswith("--") or "_" not in name:
+        return (name,)
+    return (name, "--" + name[2:].replace("_", "-"))
+
+
+class _DeprecatedAlias(argparse.Action):
+    """An old spelling of `canonical`: the note, then exactly what the canonical option does."""
+
+    def __init__(self, option_strings: list[str], dest: str, *, canonical: argparse.Action, **_: Any):
+        super().__init__(option_strings, dest, nargs=canonical.nargs, const=canonical.const,
+                         default=argparse.SUPPRESS, type=canonical.type, choices=canonical.choices,
+                         help=argparse.SUPPRESS, metavar=canonical.metavar)
+        self.canonical = canonical
+        self.new_name = next(s for s in canonical.option_strings if s.startswith("--"))
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"zerofit: warning: {option_string} is deprecated: use {self.new_name}", file=sys.stderr)
+        self.canonical(parser, namespace, values, self.new_name)
+
+
+def add_flag(parser: argparse.ArgumentParser, *names: str, aliases: tuple[str, ...] = (),
+             **kwargs: Any) -> argparse.Action:
+    """Register option `names` (plus each one's dashed spelling) and its deprecated `aliases`.
+
+    Takes `add_argument`'s keywords; the destination comes from the first long name, as in argparse.
+    Returns the canonical action.
+    """
+    long_names = [n for n in names if n.startswith("--")]
+    if not long_names or any(n.startswith("--") and "-" in n[2:] for n in names):
+        raise ValueError(f"flag {names}: give the canonical long name with underscores (see [Note: flag spelling])")
+    spellings = [s for n in names for s in twins(n)]
+    canonical = parser.add_argument(*spellings, **kwargs)
+    for old in aliases:
+        parser.add_argument(*twins(old), dest=canonical.dest, action=_DeprecatedAlias, canonical=canonical)
+    return canonical
