@@ -42,6 +42,7 @@ from zerofit.persistence import PersistenceMixin
 from zerofit.plan.auto import needs_planning, plan_for
 from zerofit.plan.backoff import OomBackoff
 from zerofit.plan.probe import StepProbe
+from zerofit.progress import Progress
 from zerofit.schedulers import AcceleratedScheduler, build_scheduler
 from zerofit.script_config import (
     Facts,
@@ -324,6 +325,7 @@ class Accelerator(PersistenceMixin):
             raise ValueError(f"the optimizer {type(real).__name__} was prepared without its model: pass the model "
                              "and its optimizer to the same prepare() call")
         wrapped = AcceleratedOptimizer(real, engine, self.gradient_state)
+        wrapped.progress = Progress.for_process(self.config.logging.steps_per_print, is_main=self.is_main_process)
         if self._probe is not None and self._probe.engine is engine:
             wrapped.after_step = self._probe.check
         self._built[id(opt)] = wrapped
