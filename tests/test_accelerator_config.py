@@ -24,7 +24,7 @@ DS_AUTO = {
                                              "torch_adam": True, "adam_w_mode": True}},
     "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
                                                       "warmup_num_steps": "auto", "total_num_steps": "auto"}},
-    "zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"},
+    "zero_optimization": {"stage": 2, "reduce_bucket_size": "auto", "stage3_param_persistence_threshold": "auto"},
     "gradient_accumulation_steps": "auto",
     "gradient_clipping": "auto",
     "train_batch_size": "auto",
@@ -36,7 +36,7 @@ def dummy_from_deepspeed_json(rank: int, world: int, path: str):
     acc = Accelerator(gradient_accumulation_steps=2, config=path)
     torch.manual_seed(0)
     model = TinyLM()
-    model.config = SimpleNamespace(hidden_size=16)  # what "auto" bucket sizes are computed from
+    model.config = SimpleNamespace(hidden_size=16)  # what "auto" persistence thresholds are computed from
     opt = DummyOptim(model.parameters(), lr=0.02, weight_decay=0.05)
     sched = DummyScheduler(opt, total_num_steps=21, warmup_num_steps=3)
     x = torch.randint(0, VOCAB, (32, SEQ))
@@ -58,7 +58,7 @@ def dummy_from_deepspeed_json(rank: int, world: int, path: str):
         "warmup": inner.warmup_num_steps, "max_lr": inner.max_lrs[0], "min_lr": inner.min_lrs[0],
         "batch": (cfg.batch.train_batch_size, cfg.batch.train_micro_batch_size_per_gpu,
                   cfg.batch.gradient_accumulation_steps),
-        "clip": cfg.gradient_clipping, "bucket": cfg.zero.reduce_bucket_size, "stage": cfg.zero.stage,
+        "clip": cfg.gradient_clipping, "threshold": cfg.zero.param_persistence_threshold, "stage": cfg.zero.stage,
         "lrs": lrs, "distributed_type": acc.distributed_type.value,
         "plugin_has_optimizer": "optimizer" in acc.state.deepspeed_plugin.deepspeed_config,
     }
@@ -74,7 +74,7 @@ def test_dummy_optim_and_scheduler_are_replaced_by_the_deepspeed_json_with_auto_
         assert got["total"] == math.ceil(21 / 2)  # counted on unsharded data: divided by the processes
         assert (got["warmup"], got["max_lr"], got["min_lr"]) == (3, 0.02, 0.0)
         assert got["batch"] == (4 * 2 * 2, 4, 2)  # micro from the DataLoader, accumulation from the script
-        assert got["clip"] == 1.0 and got["stage"] == 2 and got["bucket"] == 16 * 16
+        assert got["clip"] == 1.0 and got["stage"] == 2 and got["threshold"] == 10 * 16
         # a config schedule steps once per optimizer step (2 steps: 32 samples / (4 * 2 ranks * 2 accum))
         ref_opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.02)
         ref = WarmupDecayLR(ref_opt, total_num_steps=11,

@@ -95,7 +95,7 @@ CASES = [
      "--gradient_clipping", "1.0"],
     ["--stage", "2", "--offload_optimizer", "cpu", "--mixed_precision", "fp16"],
     ["--stage", "3", "--offload_optimizer", "cpu", "--offload_param", "cpu", "--mixed_precision", "bf16"],
-    ["--stage", "3", "--offload_optimizer", "nvme", "--offload_param", "nvme", "--nvme_path", "/local_nvme"],
+    ["--stage", "3", "--offload_optimizer", "nvme", "--offload_param", "cpu", "--nvme_path", "/local_nvme"],
 ]
 
 
@@ -136,6 +136,8 @@ def test_config_writes_a_file_that_loads_back_to_the_same_settings(fmt, case, tm
     (["--stage", "2", "--nvme_path", "/x"], r"--nvme_path /x is unused"),
     (["--stage", "2", "--format", "deepspeed", "--num_processes", "2"], r"--num_processes has no place in a DeepSpeed"),
     (["--stage", "2", "--offload_param", "cpu"], r"offload_param"),
+    (["--stage", "3", "--offload_param", "nvme", "--nvme_path", "/x"],
+     r"zero\.offload_param\.device 'nvme' is not supported: .*set it to cpu"),
 ])
 def test_config_rejects_contradictions_naming_the_flag(args, match, tmp_path, capsys):
     out = tmp_path / "c.yaml"

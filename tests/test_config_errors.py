@@ -37,8 +37,14 @@ BAD = [
     ),
     (
         "ds-nvme-without-path",
-        {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}},
-        "zero_optimization.offload_param.nvme_path is required when zero_optimization.offload_param.device is nvme: set it",
+        {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme"}}},
+        "zero_optimization.offload_optimizer.nvme_path is required when zero_optimization.offload_optimizer.device is nvme: set it",
+    ),
+    (
+        "ds-nvme-param",  # refused at load, not at prepare(): only the optimizer state goes to NVMe
+        {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/n"}}},
+        "zero_optimization.offload_param.device 'nvme' is not supported: zerofit offloads parameters to the CPU "
+        "only; set it to cpu (NVMe offload is supported for zero_optimization.offload_optimizer.device)",
     ),
     (
         "ds-bad-device",
@@ -218,8 +224,14 @@ BAD = [
     ),
     (
         "acc-nvme-without-path",
-        _accel(zero_stage=3, offload_param_device="nvme"),
-        "deepspeed_config.offload_param_nvme_path is required when deepspeed_config.offload_param_device is nvme",
+        _accel(zero_stage=3, offload_optimizer_device="nvme"),
+        "deepspeed_config.offload_optimizer_nvme_path is required when deepspeed_config.offload_optimizer_device is nvme",
+    ),
+    (
+        "acc-nvme-param",
+        _accel(zero_stage=3, offload_param_device="nvme", offload_param_nvme_path="/n"),
+        "deepspeed_config.offload_param_device 'nvme' is not supported: zerofit offloads parameters to the CPU "
+        "only; set it to cpu (NVMe offload is supported for deepspeed_config.offload_optimizer_device)",
     ),
     (
         "acc-fsdp",
@@ -298,6 +310,27 @@ BAD = [
         "zf-offload-param-stage1",
         {"zero": {"stage": 1, "offload_param": {"device": "cpu"}}},
         "zero.offload_param requires stage 3 (got stage 1): set zero.stage to 3 or remove zero.offload_param",
+    ),
+    (
+        "zf-nvme-param",
+        {"zero": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/n"}}},
+        "zero.offload_param.device 'nvme' is not supported: zerofit offloads parameters to the CPU only; set it "
+        "to cpu (NVMe offload is supported for zero.offload_optimizer.device)",
+    ),
+    (
+        "zf-old-field-wrong-type",  # a field older versions had is still type-checked
+        {"zero": {"stage": 1, "overlap_comm": "maybe"}},
+        "zero.overlap_comm must be true or false (got 'maybe')",
+    ),
+    (
+        "zf-steps-per-print-zero",
+        {"logging": {"steps_per_print": 0}},
+        "logging.steps_per_print must be positive (got 0): set it to 1 or more",
+    ),
+    (
+        "zf-total-limit-zero",
+        {"checkpoint": {"total_limit": 0}},
+        "checkpoint.total_limit must be positive (got 0): set it to 1 or more",
     ),
     (
         "zf-unknown-section",

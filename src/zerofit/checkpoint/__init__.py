@@ -8,8 +8,9 @@
 
 Modules: `sharded` (save_state / load_state), `chunks` (the DCP storage of tensor chunks and why it
 never unpickles), `tree` (non-tensor state as JSON + safetensors), `manifest` (checksums), `commit`
-(temporary directory, rename, `latest`), `ranks` (agreeing on failure), `inventory` (what a model's
-checkpoint holds), `consolidate` and `export` (HF weight files), `merge` (offline export).
+(temporary directory, rename, `latest`), `retention` (`total_limit`: keeping the newest few), `ranks`
+(agreeing on failure), `inventory` (what a model's checkpoint holds), `consolidate` and `export` (HF
+weight files), `merge` (offline export).
 Every failure raises `zerofit.errors.CheckpointError`, on every rank.
 """
 

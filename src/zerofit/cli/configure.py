@@ -94,8 +94,8 @@ def _offload_block(offload: Any) -> dict[str, Any]:
 
 def deepspeed_dict(cfg: RunConfig) -> dict[str, Any]:
     """The DeepSpeed JSON for these settings; batch sizes stay "auto", filled from the script's dataloader."""
-    zero: dict[str, Any] = {"stage": cfg.zero.stage, "overlap_comm": cfg.zero.overlap_comm,
-                            "contiguous_gradients": cfg.zero.contiguous_gradients}
+    # what zerofit always does, written out for DeepSpeed (zerofit.config.ignored)
+    zero: dict[str, Any] = {"stage": cfg.zero.stage, "overlap_comm": True, "contiguous_gradients": True}
     for name in ("offload_optimizer", "offload_param"):
         offload = getattr(cfg.zero, name)
         if offload.enabled:

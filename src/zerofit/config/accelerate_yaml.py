@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from . import deepspeed_json
+from . import deepspeed_json, ignored
 from .coerce import to_bool, to_choice, to_int, to_str
 from .reading import INVALID, Reading, dig, unknown_key, walk
 from .schema import AUTO
@@ -42,7 +42,6 @@ TABLE: dict[str, str] = {
     f"{_DS}.offload_param_device": "zero.offload_param.device",
     f"{_DS}.gradient_accumulation_steps": "batch.gradient_accumulation_steps",
     f"{_DS}.gradient_clipping": "gradient_clipping",
-    f"{_DS}.zero3_save_16bit_model": "zero.gather_16bit_weights_on_model_save",
 }
 """Accelerate key -> zerofit key, for every key that maps one to one."""
 
@@ -117,6 +116,7 @@ _SECTIONS_READ_BY_HAND = (
     f"{_DS}.deepspeed_multinode_launcher",
     f"{_DS}.offload_optimizer_nvme_path",
     f"{_DS}.offload_param_nvme_path",
+    *ignored.handled("accelerate"),
     *(f"{_DS}.{key}" for key in _MULTINODE_KEYS),
 )
 
@@ -178,6 +178,8 @@ def read(
     _read_ignored(reading, data, kind)
     if kind == "DEEPSPEED" and isinstance(plugin, Mapping):
         _read_plugin(reading, plugin, uses_file=bool(ds_file))
+        if not ds_file:
+            ignored.check(reading, data, "accelerate")
         if ds_file:
             _merge_file(reading, plugin, str(ds_file), base_dir)
         init = reading.coerce(f"{_DS}.zero3_init_flag", plugin.get("zero3_init_flag", False), to_bool)

@@ -47,8 +47,6 @@ class ScriptFacts:
     """DummyScheduler(warmup_num_steps=...)."""
     hidden_size: int | None = None
     """model.config.hidden_size (or the largest of hidden_sizes)."""
-    gradient_clipping: float | None = None
-    """A clipping norm given to the Accelerator or on the command line; 1.0 when absent."""
 
 
 _Fill = Callable[[ScriptFacts], Any]
@@ -67,15 +65,12 @@ _FILLS: dict[str, tuple[_Fill, str]] = {
         lambda f: f.mixed_precision,
         "Accelerator(mixed_precision=...) or --mixed_precision",
     ),
-    "gradient_clipping": (lambda f: 1.0 if f.gradient_clipping is None else f.gradient_clipping, "1.0"),
-    "zero.reduce_bucket_size": (
-        lambda f: None if f.hidden_size is None else f.hidden_size * f.hidden_size,
-        "model.config.hidden_size (hidden_size * hidden_size)",
-    ),
-    "zero.prefetch_bucket_size": (
-        lambda f: None if f.hidden_size is None else int(0.9 * f.hidden_size * f.hidden_size),
-        "model.config.hidden_size (0.9 * hidden_size * hidden_size)",
-    ),
+    # [Note: gradient_clipping "auto"]
+    # The norm a script would pass to clip_grad_norm_ is unknowable before it runs, so "auto" is 1.0,
+    # what Accelerate substitutes under DeepSpeed: a config moved from Accelerate clips as it did there.
+    # A script that calls accelerator.clip_grad_norm_(max_norm) still gets its max_norm on those steps
+    # (the engine clips once per step, with the script's norm when it asked for one).
+    "gradient_clipping": (lambda f: 1.0, "1.0"),
     "zero.param_persistence_threshold": (
         lambda f: None if f.hidden_size is None else 10 * f.hidden_size,
         "model.config.hidden_size (10 * hidden_size)",
@@ -84,7 +79,6 @@ _FILLS: dict[str, tuple[_Fill, str]] = {
 
 # Only stage 3 reads these; below it an unfillable "auto" takes the default instead of failing.
 _STAGE3_ONLY = {
-    "zero.prefetch_bucket_size": ZeroConfig().prefetch_bucket_size,
     "zero.param_persistence_threshold": ZeroConfig().param_persistence_threshold,
 }
 

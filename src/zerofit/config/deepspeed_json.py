@@ -6,8 +6,9 @@ Every key DeepSpeed documents falls into one of four groups, and this module is 
   `"true"` is a boolean, `"auto"` is AUTO where the schema allows it);
 * keys read by hand: `fp16.enabled` / `bf16.enabled` become `precision.mixed_precision`, deprecated
   spellings map onto their successors with a warning, monitors become trackers;
-* keys accepted and ignored because zerofit behaves well without them (`_IGNORED`), with a warning
-  when the value asks for something zerofit does differently;
+* knobs of mechanisms zerofit does not have, accepted and type-checked, with one warning when the value
+  asks for something zerofit does not do (the table in `zerofit.config.ignored`);
+* keys accepted silently because zerofit behaves well whatever they say (`_IGNORED`);
 * keys that switch on a feature zerofit lacks (`_NEEDS_FEATURE`): an error naming the key.
 
 Anything else, at any depth, is an unknown key (typos are silently ignored by DeepSpeed itself at the
@@ -23,6 +24,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from . import ignored
 from .coerce import is_auto_text, to_bool, to_choice, to_int
 from .reading import INVALID, Reading, dig, has, walk
 from .schema import AUTO, is_auto
@@ -36,24 +38,12 @@ TABLE: dict[str, str] = {
     "train_micro_batch_size_per_gpu": "batch.train_micro_batch_size_per_gpu",
     "gradient_accumulation_steps": "batch.gradient_accumulation_steps",
     "gradient_clipping": "gradient_clipping",
-    "wall_clock_breakdown": "logging.wall_clock_breakdown",
-    "communication_data_type": "precision.communication_data_type",
-    "checkpoint.use_node_local_storage": "checkpoint.use_node_local_storage",
     "optimizer.type": "optimizer.type",
     "optimizer.params": "optimizer.params",
     "scheduler.type": "scheduler.type",
     "scheduler.params": "scheduler.params",
     f"{_ZERO}.stage": "zero.stage",
-    f"{_ZERO}.reduce_bucket_size": "zero.reduce_bucket_size",
-    f"{_ZERO}.allgather_bucket_size": "zero.allgather_bucket_size",
-    f"{_ZERO}.overlap_comm": "zero.overlap_comm",
-    f"{_ZERO}.contiguous_gradients": "zero.contiguous_gradients",
-    f"{_ZERO}.sub_group_size": "zero.sub_group_size",
-    f"{_ZERO}.stage3_prefetch_bucket_size": "zero.prefetch_bucket_size",
     f"{_ZERO}.stage3_param_persistence_threshold": "zero.param_persistence_threshold",
-    f"{_ZERO}.stage3_max_live_parameters": "zero.max_live_parameters",
-    f"{_ZERO}.stage3_max_reuse_distance": "zero.max_reuse_distance",
-    f"{_ZERO}.stage3_gather_16bit_weights_on_model_save": "zero.gather_16bit_weights_on_model_save",
     **{
         f"{_OPT}.{k}": f"zero.offload_optimizer.{k}"
         for k in (
@@ -62,14 +52,11 @@ TABLE: dict[str, str] = {
             "pin_memory",
             "buffer_count",
             "ratio",
-            "fast_init",
-            "pipeline_read",
-            "pipeline_write",
         )
     },
     **{
         f"{_PARAM}.{k}": f"zero.offload_param.{k}"
-        for k in ("device", "nvme_path", "pin_memory", "buffer_count", "buffer_size", "max_in_cpu")
+        for k in ("device", "nvme_path", "pin_memory", "buffer_count")
     },
     **{
         f"fp16.{k}": f"precision.loss_scale.{k}"
@@ -84,7 +71,7 @@ TABLE: dict[str, str] = {
     },
     **{
         f"aio.{k}": f"zero.aio.{k}"
-        for k in ("block_size", "queue_depth", "thread_count", "single_submit", "overlap_events")
+        for k in ("block_size", "queue_depth", "thread_count")
     },
 }
 """DeepSpeed key -> zerofit key, for every key that maps one to one."""
@@ -102,7 +89,6 @@ _AUTO_MEANS = {
     "zero.offload_param.device": "none",
     "zero.offload_optimizer.nvme_path": None,
     "zero.offload_param.nvme_path": None,
-    "zero.gather_16bit_weights_on_model_save": False,
 }
 
 _IGNORED = (
@@ -145,7 +131,6 @@ _IGNORED = (
     f"{_ZERO}.stage3_use_all_reduce_for_fetch_params",
     f"{_ZERO}.stage3_allgather_sequential",
     f"{_ZERO}.stage3_partition_stream_chunk_size",
-    f"{_OPT}.pipeline",
     f"{_OPT}.cpuadam_cores_perc",
 )
 
@@ -245,6 +230,7 @@ _HANDLED = (
     "steps_per_print",
     "gradient_predivide_factor",
     "gradient_allreduce_op",
+    *ignored.handled("deepspeed"),
     *_IGNORED,
     *_NEEDS_FEATURE,
     *_FEATURE_SECTIONS,
@@ -270,6 +256,7 @@ def read(data: Mapping[str, Any], source: str | None = None) -> Reading:
                 reading.set(f"zero.{kind}.device", AUTO)
     _read_precision(reading, data)
     _read_deprecated(reading, data)
+    ignored.check(reading, data, "deepspeed")
     _read_features(reading, data)
     _read_monitors(reading, data)
     _read_top_level(reading, data)
@@ -325,8 +312,7 @@ def _read_deprecated(reading: Reading, data: Mapping[str, Any]) -> None:
                 if not has(data, f"{_ZERO}.{kind}.pin_memory"):
                     reading.set(f"zero.{kind}.pin_memory", value)
         elif old.endswith("on_model_save"):
-            if not has(data, new):
-                reading.set("zero.gather_16bit_weights_on_model_save", value)
+            continue  # ignored, as its successor is (zerofit.config.ignored)
         elif value and not has(data, new):
             kind = "offload_optimizer" if old.endswith("cpu_offload") else "offload_param"
             reading.set(f"zero.{kind}.device", "cpu")

@@ -10,6 +10,7 @@ problem: the loader raises one `ConfigError` with all of them at the end.
 from __future__ import annotations
 
 import difflib
+import os
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -70,6 +71,10 @@ class Reading:
         self.set(key, self.coerce(name, value, lambda v: convert(v, tree.hint_of(key)), key=key))
 
     def emit_warnings(self) -> None:
+        """Warn once per run: in `zerofit launch` (workers then read the resolved zerofit-format file, which
+        holds nothing to warn about) and, in a script that loads a file itself, on rank 0 only."""
+        if os.environ.get("RANK", "0") != "0":
+            return
         where = f" ({self.source})" if self.source else ""
         for message in self.warnings:
             warnings.warn(f"{message}{where}", ConfigWarning, stacklevel=4)

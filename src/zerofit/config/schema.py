@@ -6,6 +6,9 @@ the training script (see `zerofit.config.auto`); components never see `AUTO`.
 
 Cross-field rules live in `zerofit.config.validate`, so one call can list every problem at once;
 `__post_init__` here checks only what a single field can get wrong on its own.
+
+Every field acts: DeepSpeed knobs zerofit accepts but has no use for (bucket sizes, overlap_comm,
+libaio modes, ...) are not fields; `zerofit.config.ignored` lists them, with the warning they give.
 """
 
 from __future__ import annotations
@@ -53,21 +56,11 @@ class OffloadConfig:
     nvme_path: str | None = None
     """Directory for NVMe offload files (required when device is nvme)."""
     pin_memory: bool = True
-    """Page-lock host buffers so copies to and from the accelerator run asynchronously."""
+    """Page-lock the NVMe staging buffers (on CUDA); CPU-offloaded state is always page-locked, whatever this says."""
     buffer_count: int = 4
-    """Number of pinned staging buffers in the NVMe pool."""
-    buffer_size: int = 100_000_000
-    """Elements per NVMe staging buffer."""
-    max_in_cpu: int = 1_000_000_000
-    """Elements of parameters kept in host memory when parameters go to NVMe."""
+    """Number of staging buffers in the NVMe pool (at least 2: one group steps while the next is read)."""
     ratio: float = 1.0
     """Fraction of communication units whose optimizer step runs on the CPU (the rest stay on GPU)."""
-    fast_init: bool = False
-    """Initialise NVMe-offloaded optimizer state without a round trip through the files."""
-    pipeline_read: bool = False
-    """Overlap NVMe reads of the next sub-group with the current optimizer step."""
-    pipeline_write: bool = False
-    """Overlap NVMe writes of the finished sub-group with the next optimizer step."""
 
     @property
     def enabled(self) -> bool:
@@ -84,10 +77,6 @@ class AioConfig:
     """Requests in flight per submitting thread."""
     thread_count: int = 1
     """Threads submitting I/O."""
-    single_submit: bool = False
-    """Submit requests one at a time instead of in batches."""
-    overlap_events: bool = True
-    """Let submission and completion of requests overlap."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -99,27 +88,9 @@ class ZeroConfig:
     offload_optimizer: OffloadConfig = field(default_factory=OffloadConfig)
     """fp32 master weights and optimizer states off the accelerator (stages 1-3)."""
     offload_param: OffloadConfig = field(default_factory=OffloadConfig)
-    """Parameter shards off the accelerator (stage 3 only)."""
-    reduce_bucket_size: int | Any = 500_000_000
-    """Elements per gradient reduction bucket; "auto" = hidden_size**2."""
-    allgather_bucket_size: int = 500_000_000
-    """Elements per parameter all-gather bucket after the step (stages 1-2)."""
-    prefetch_bucket_size: int | Any = 50_000_000
-    """Elements of parameters prefetched ahead of use (stage 3); "auto" = 0.9 * hidden_size**2."""
+    """Parameter shards off the accelerator (stage 3 only; cpu, not nvme)."""
     param_persistence_threshold: int | Any = 100_000
     """Units with fewer elements than this stay unsharded (stage 3); "auto" = 10 * hidden_size."""
-    max_live_parameters: int = 1_000_000_000
-    """Upper bound on gathered parameter elements at any time (stage 3)."""
-    max_reuse_distance: int = 1_000_000_000
-    """Keep a gathered unit when it is used again within this many parameter elements (stage 3)."""
-    sub_group_size: int = 1_000_000_000
-    """Elements per optimizer sub-group when stepping offloaded state."""
-    overlap_comm: bool = True
-    """Run collectives on a side stream, overlapped with compute."""
-    contiguous_gradients: bool = True
-    """Copy gradients into contiguous buffers as they are produced."""
-    gather_16bit_weights_on_model_save: bool = False
-    """Consolidate 16-bit weights on save under stage 3 (zerofit always can; kept for compatibility)."""
     unit_size_threshold: int = 10_000_000
     """Parameter count above which a module becomes its own communication unit when no repeated block is found."""
     aio: AioConfig = field(default_factory=AioConfig)
@@ -152,8 +123,6 @@ class PrecisionConfig:
     """no: fp32 compute; bf16 or fp16: compute in that dtype."""
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
     """Used when mixed_precision is fp16."""
-    communication_data_type: Literal["fp32", "fp16", "bf16"] | None = None
-    """dtype of gradient reductions; None: fp32."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -225,9 +194,7 @@ class CheckpointConfig:
     output_dir: str | None = None
     """Default directory for checkpoints; None: the script passes one."""
     total_limit: int | None = None
-    """Keep at most this many checkpoints (oldest removed first); None: keep all."""
-    use_node_local_storage: bool = False
-    """Every node writes its own ranks' shards to local disk."""
+    """After each save_state, keep only the newest this many zerofit checkpoints in the folder that holds it (never the one `latest` names, never anything else); None: keep all. ProjectConfiguration(total_limit=...) means the same; the config wins."""
     resume: Literal["restart", "auto", "must", "never"] = "restart"
     """When prepare() loads the latest complete checkpoint by itself: restart: on a restarted attempt
     (--max_restarts); auto: whenever one exists; must: always, and fail when there is none; never."""
@@ -242,9 +209,7 @@ class LoggingConfig:
     logging_dir: str | None = None
     """Where trackers write."""
     steps_per_print: int | None = None
-    """Print a progress line every this many optimizer steps; None: never."""
-    wall_clock_breakdown: bool = False
-    """Time forward, backward and step separately."""
+    """Rank 0 prints one line (step, lr, fp16 loss scale, skipped steps) every this many optimizer steps; None (the default, also for a DeepSpeed file that leaves it out, where DeepSpeed would use 10): never."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -256,7 +221,7 @@ class RunConfig:
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     batch: BatchConfig = field(default_factory=BatchConfig)
     gradient_clipping: float | Any = 0.0
-    """Clip the global gradient norm to this before each optimizer step; 0: no clipping."""
+    """Clip the global gradient norm to this before each optimizer step; 0: no clipping; "auto": 1.0, the value Accelerate fills under DeepSpeed. On a step where the script calls clip_grad_norm_(max_norm), that max_norm applies instead."""
     optimizer: OptimizerConfig | None = None
     scheduler: SchedulerConfig | None = None
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)

@@ -71,6 +71,13 @@ def _offload(c: _Checker) -> None:
             continue
         if device == "none":
             continue
+        if kind == "offload_param" and device == "nvme":
+            c.add(
+                f"{c.name(key + '.device')} 'nvme' is not supported: zerofit offloads parameters to the CPU only; "
+                f"set it to cpu (NVMe offload is supported for {c.name('zero.offload_optimizer.device')})",
+                f"{key}.device",
+            )
+            continue
         needed = 3 if kind == "offload_param" or device == "nvme" else 1
         if isinstance(stage, int) and stage < needed:
             what = c.name(key) + (" to nvme" if kind == "offload_optimizer" and device == "nvme" else "")
@@ -99,18 +106,10 @@ def _offload(c: _Checker) -> None:
 
 # zerofit key -> smallest allowed value; checked only when the value is a known int.
 _MINIMUMS = {
-    "zero.reduce_bucket_size": 1,
-    "zero.allgather_bucket_size": 1,
-    "zero.prefetch_bucket_size": 0,
     "zero.param_persistence_threshold": 0,
-    "zero.max_live_parameters": 1,
-    "zero.max_reuse_distance": 0,
-    "zero.sub_group_size": 1,
     "zero.unit_size_threshold": 1,
     "zero.offload_optimizer.buffer_count": 1,
     "zero.offload_param.buffer_count": 1,
-    "zero.offload_param.buffer_size": 1,
-    "zero.offload_param.max_in_cpu": 0,
     "zero.aio.block_size": 1,
     "zero.aio.queue_depth": 1,
     "zero.aio.thread_count": 1,

@@ -3,7 +3,9 @@
 The file has exactly the shape `schema.to_dict(RunConfig)` produces, and any subset of it: a key
 left out keeps its default, "auto" stays AUTO. Because it is the schema itself, the table from the
 user's keys to zerofit keys is the identity, and `read(to_dict(cfg))` rebuilds `cfg` exactly; the
-launcher relies on that to hand the resolved config to every worker as one JSON file.
+launcher relies on that to hand the resolved config to every worker as one JSON file. Fields older
+versions had and that never acted (`zero.reduce_bucket_size`, ...) are still read, as
+`zerofit.config.ignored` says, so files written then load today.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from . import tree
+from . import ignored, tree
 from .reading import Reading, walk
 from .schema import RunConfig, to_dict
 
@@ -32,7 +34,8 @@ def _table() -> dict[str, str]:
 def read(data: Mapping[str, Any], source: str | None = None) -> Reading:
     """Every key of a zerofit-format mapping, converted; problems are collected, not raised."""
     reading = Reading(source=source, source_format="zerofit")
-    walk(reading, data, table=_table())
+    walk(reading, data, table=_table(), handled=ignored.handled("zerofit"))
+    ignored.check(reading, data, "zerofit")
     for section in ("optimizer", "scheduler"):
         if isinstance(data.get(section), Mapping) and "type" not in data[section]:
             reading.error(

@@ -26,6 +26,7 @@ from zerofit.config import catalog
 from zerofit.config.schema import OptimizerConfig
 from zerofit.engine import ZeroEngine
 from zerofit.errors import ConfigError
+from zerofit.frontend.progress import Progress
 from zerofit.frontend.state import GradientState
 
 _DEEPSPEED_ADAM_SWITCHES = ("torch_adam", "adam_w_mode")
@@ -45,6 +46,8 @@ class AcceleratedOptimizer:
         """Optimizer steps taken (accumulation windows closed, skipped fp16 steps included); checkpointed."""
         self.after_step: Callable[[], None] | None = None
         """Called once, after the next step that is not skipped (the planner's probe, `zerofit.frontend.probe`)."""
+        self.progress: Progress | None = None
+        """Prints every `logging.steps_per_print` steps (`zerofit.frontend.progress`); None: quiet."""
 
     # --- the calls a training loop makes --------------------------------------------------------
     def step(self, closure: Callable[[], Any] | None = None) -> None:
@@ -56,6 +59,8 @@ class AcceleratedOptimizer:
         self.step_was_skipped = not self.engine.step()
         self.window_open = False
         self.steps_taken += 1
+        if self.progress is not None:
+            self.progress.after_step(self)
         if self.after_step is not None and not self.step_was_skipped:  # a skipped step allocated no state
             hook, self.after_step = self.after_step, None  # once: later steps only test this attribute
             hook()

@@ -95,7 +95,7 @@ class PersistenceMixin:
     def save_state(self, output_dir: str | os.PathLike | None = None, safe_serialization: bool = True,
                    **kwargs: Any) -> str:
         """A resumable sharded checkpoint: engine state plus the loop's state of every rank. Collective."""
-        from zerofit.checkpoint import save_state
+        from zerofit.checkpoint import retention, save_state
 
         engine = self._prepared.any_engine()
         if engine is None:
@@ -105,6 +105,9 @@ class PersistenceMixin:
                                       micro_step=self.gradient_state.micro_step,
                                       iteration=self.project_configuration.iteration)
         path = save_state(self._checkpoint_dir(output_dir), engine, extra_state=extra, config=self.config)
+        retention.prune(path, config_limit=self.config.checkpoint.total_limit,
+                        project_limit=self.project_configuration.total_limit,
+                        is_main=self.is_main_process, fixed_dir=self.config.checkpoint.output_dir)
         if self.project_configuration.automatic_checkpoint_naming:
             self.project_configuration.iteration += 1
         return path

@@ -24,6 +24,7 @@ from zerofit.frontend import ops
 from zerofit.frontend.auto_plan import plan_for
 from zerofit.frontend.data import ShardedDataLoader
 from zerofit.frontend.optimizers import AcceleratedOptimizer, build_optimizer
+from zerofit.frontend.progress import Progress
 from zerofit.frontend.schedulers import AcceleratedScheduler, build_scheduler
 from zerofit.frontend.script_config import hidden_size_of, resolve, scheduler_total_steps
 from zerofit.frontend.utils import DummyOptim, DummyScheduler
@@ -163,7 +164,7 @@ class PrepareMixin:
         if named is not None:
             raise ConfigError(f"the script passes its own optimizer ({type(opt).__name__}) and the config names "
                               f"one too (optimizer.type {named.type}): remove the optimizer section from the config, "
-                              "or pass zerofit.utils.DummyOptim(params, lr=...) in the script", self.config.source)
+                              "or pass zerofit.frontend.utils.DummyOptim(params, lr=...) in the script", self.config.source)
         return opt
 
     def _prepare_model(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
@@ -201,6 +202,7 @@ class PrepareMixin:
             raise ValueError(f"the optimizer {type(real).__name__} was prepared without its model: pass the model "
                              "and its optimizer to the same prepare() call")
         wrapped = AcceleratedOptimizer(real, engine, self.gradient_state)
+        wrapped.progress = Progress.for_process(self.config.logging.steps_per_print, is_main=self.is_main_process)
         if self._probe is not None and self._probe.engine is engine:
             wrapped.after_step = self._probe.check
         self._prepared.built[id(opt)] = wrapped
@@ -228,7 +230,7 @@ class PrepareMixin:
             if named is not None:
                 raise ConfigError(f"the script passes its own scheduler ({type(sched).__name__}) and the config names "
                                   f"one too (scheduler.type {named.type}): remove the scheduler section from the "
-                                  "config, or pass zerofit.utils.DummyScheduler(optimizer, ...) in the script",
+                                  "config, or pass zerofit.frontend.utils.DummyScheduler(optimizer, ...) in the script",
                                   self.config.source)
             inner, from_config = sched, False
         steps = 1 if from_config or self.split_batches else self.num_processes

@@ -1,0 +1,108 @@
+"""Keeping only the newest checkpoints: `checkpoint.total_limit` and `ProjectConfiguration(total_limit=...)`.
+
+Both say the same thing and reach the same code: after every successful `save_state`, `prune` leaves
+at most that many of zerofit's checkpoints in the folder holding the new one (the folder whose
+`latest` file `save_state` moves: `<project_dir>/checkpoints` under automatic naming, else the
+parent of the directory the script passed). When both are set, the config's value is used.
+
+[Note: what retention may delete]
+Only the main rank deletes, and only after the save committed on every rank. A sibling of the new
+checkpoint counts as one of zerofit's checkpoints when it is a real directory (not a symlink) holding
+a `manifest.json` of zerofit's manifest format; nothing else in the folder is ever touched: other
+files and directories, another tool's checkpoints, the `.tmp-` / `.old-` directories of a commit (see
+[Note: atomic commit]). Of zerofit's checkpoints the newest `limit` are kept, newest meaning the most
+recently written manifest (the new checkpoint is always kept), and so is the one `latest` names,
+even beyond the limit. A checkpoint saved at `checkpoint.output_dir` itself is the run's only one,
+replaced by every save, so nothing beside it is the run's to delete: no pruning then. A deletion
+that fails gives a warning; the save itself has succeeded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import warnings
+from pathlib import Path
+
+from zerofit.checkpoint.commit import LATEST
+from zerofit.checkpoint.manifest import FORMAT, MANIFEST
+
+_warned_conflicts: set[tuple[int, int]] = set()
+
+
+def limit_of(config_limit: int | None, project_limit: int | None) -> int | None:
+    """The number of checkpoints to keep: the config's `checkpoint.total_limit`, else the script's."""
+    if config_limit is not None and project_limit is not None and config_limit != project_limit:
+        if (config_limit, project_limit) not in _warned_conflicts:
+            _warned_conflicts.add((config_limit, project_limit))
+            warnings.warn(f"checkpoint.total_limit is {config_limit} in the config but the script passes "
+                          f"ProjectConfiguration(total_limit={project_limit}); keeping {config_limit} checkpoints "
+                          "(the config wins): remove one of the two", stacklevel=3)
+    return config_limit if config_limit is not None else project_limit
+
+
+def is_zerofit_checkpoint(path: Path) -> bool:
+    """True for a committed checkpoint written by zerofit (see [Note: what retention may delete])."""
+    if path.is_symlink() or not path.is_dir() or ".tmp-" in path.name or ".old-" in path.name:
+        return False
+    manifest = path / MANIFEST
+    if manifest.is_symlink() or not manifest.is_file():
+        return False
+    try:
+        return json.loads(manifest.read_text()).get("format") == FORMAT
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+        return False
+
+
+def _named_by_latest(folder: Path) -> Path | None:
+    try:
+        name = (folder / LATEST).read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return folder / name if name and "/" not in name and name not in (".", "..") else None
+
+
+def _written_at(path: Path) -> tuple:
+    """Sort key: the manifest's write time, then the name with its numbers compared as numbers (a
+    coarse file-system clock can give two quick saves one time; checkpoint_10 comes after checkpoint_9)."""
+    parts = re.split(r"(\d+)", path.name)
+    return (path / MANIFEST).stat().st_mtime_ns, [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in parts]
+
+
+def to_delete(saved: Path, limit: int) -> list[Path]:
+    """The checkpoints beside `saved` that a limit of `limit` removes, oldest first (pure listing)."""
+    folder = saved.parent
+    ours = [p for p in folder.iterdir() if p != saved and is_zerofit_checkpoint(p)]
+    ours.sort(key=_written_at, reverse=True)  # newest first
+    keep = {saved, _named_by_latest(folder)}
+    kept = 1  # `saved` itself
+    doomed = []
+    for path in ours:
+        if kept < limit or path in keep:
+            kept += 1
+        else:
+            doomed.append(path)
+    return doomed[::-1]
+
+
+def prune(saved: str | os.PathLike[str], *, config_limit: int | None, project_limit: int | None,
+          is_main: bool, fixed_dir: str | os.PathLike[str] | None = None) -> list[Path]:
+    """After a committed save at `saved`: delete the checkpoints the limit leaves out; returns them.
+
+    Every rank may call it; only `is_main` deletes. `fixed_dir` is `checkpoint.output_dir`: a save
+    there is the run's only checkpoint (see the note), so it prunes nothing.
+    """
+    limit = limit_of(config_limit, project_limit)
+    path = Path(saved).absolute()
+    if not is_main or limit is None or (fixed_dir is not None and Path(fixed_dir).absolute() == path):
+        return []
+    doomed = to_delete(path, limit)
+    for old in doomed:
+        try:
+            shutil.rmtree(old)
+        except OSError as e:
+            warnings.warn(f"checkpoint.total_limit {limit}: could not delete the old checkpoint {old} ({e}); "
+                          "delete it by hand", stacklevel=2)
+    return doomed

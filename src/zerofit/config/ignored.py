@@ -1,0 +1,163 @@
+"""DeepSpeed knobs zerofit accepts and does not act on: the one table, and the warning it gives.
+
+Each of these keys tunes a mechanism zerofit's engine does not have (byte-sized buckets, a parameter
+cache with a reuse distance, libaio submission modes) or has in one fixed form (overlap always on,
+gradients always in flat buffers). A config may keep them, so DeepSpeed and Accelerate files load
+unchanged; the value is still type-checked as DeepSpeed would. When a config asks for something other
+than what zerofit does anyway (DeepSpeed's default, or a value in `quiet`), loading gives one
+`ConfigWarning` per key: the key, the value, why zerofit ignores it and what to use instead.
+
+Older zerofit versions carried these as schema fields, so zerofit's own YAML still accepts their old
+names (`zerofit`) the same way; the Accelerate plugin spelling of a key is `accelerate`. None of
+them is in `RunConfig`: the schema holds only what acts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .coerce import is_auto_text, to_bool, to_choice, to_int
+from .reading import INVALID, Reading, dig, has
+
+_Z = "zero_optimization"
+_UNITS = ("zerofit moves parameters and gradients one communication unit at a time (a repeated block such as "
+          "a transformer layer, else zero.unit_size_threshold parameters)")
+_NVME_IO = ("zerofit's NVMe offload reads ahead and writes behind on its own I/O threads, double buffered; "
+            "tune it with offload_optimizer.buffer_count and aio.block_size / queue_depth / thread_count")
+_NO_NVME_PARAM = ("parameters offload to cpu only (offload_param.device nvme is refused), so there is no "
+                  "parameter swap buffer to size")
+
+
+def _comm_type(value: Any) -> Any:
+    return None if value is None else to_choice(value, ("fp32", "fp16", "bf16"))
+
+
+@dataclass(frozen=True)
+class Ignored:
+    """One accepted-and-ignored DeepSpeed key."""
+
+    key: str
+    """The DeepSpeed dotted key."""
+    default: Any
+    """DeepSpeed's default value."""
+    why: str
+    """Why zerofit does not need it, and what to use instead if anything."""
+    convert: Callable[[Any], Any]
+    """Type check and conversion, as DeepSpeed reads the value."""
+    quiet: tuple[Any, ...] = ()
+    """Other values that ask for what zerofit does anyway (no warning)."""
+    allows_auto: bool = False
+    """DeepSpeed (through Accelerate) accepts "auto" here; it never warns."""
+    zerofit: str | None = None
+    """The key's name in zerofit's own format, where older versions had it as a schema field."""
+    accelerate: str | None = None
+    """The key's name in an Accelerate launch YAML, where Accelerate's plugin has one."""
+
+    def name(self, source_format: str) -> str | None:
+        return {"deepspeed": self.key, "zerofit": self.zerofit, "accelerate": self.accelerate}[source_format]
+
+
+TABLE: tuple[Ignored, ...] = (
+    Ignored(f"{_Z}.reduce_bucket_size", 500_000_000, f"{_UNITS}, one reduction per unit, so there is no "
+            "gradient bucket to size", to_int, allows_auto=True, zerofit="zero.reduce_bucket_size"),
+    Ignored(f"{_Z}.allgather_bucket_size", 500_000_000, f"{_UNITS}, one all-gather per unit, so there is no "
+            "all-gather bucket to size", to_int, zerofit="zero.allgather_bucket_size"),
+    Ignored(f"{_Z}.stage3_prefetch_bucket_size", 50_000_000, f"{_UNITS} and prefetches exactly the next unit "
+            "in the recorded order", to_int, allows_auto=True, zerofit="zero.prefetch_bucket_size"),
+    Ignored(f"{_Z}.stage3_max_live_parameters", 1_000_000_000, "zerofit releases each unit right after its "
+            "forward and its backward, so at most the running and the prefetched unit are gathered; smaller "
+            "units (zero.unit_size_threshold) hold fewer", to_int, zerofit="zero.max_live_parameters"),
+    Ignored(f"{_Z}.stage3_max_reuse_distance", 1_000_000_000, "zerofit keeps no cache of released units: a "
+            "unit is gathered again for its backward", to_int, zerofit="zero.max_reuse_distance"),
+    Ignored(f"{_Z}.sub_group_size", 1_000_000_000, "zerofit steps offloaded optimizer state one communication "
+            "unit at a time, so the units are the sub-groups", to_int, zerofit="zero.sub_group_size"),
+    Ignored(f"{_Z}.overlap_comm", False, "zerofit always runs its collectives on a side stream, overlapped "
+            "with compute", to_bool, quiet=(True,), zerofit="zero.overlap_comm"),
+    Ignored(f"{_Z}.contiguous_gradients", True, "zerofit always accumulates gradients in each unit's flat, "
+            "contiguous buffer", to_bool, zerofit="zero.contiguous_gradients"),
+    Ignored(f"{_Z}.stage3_gather_16bit_weights_on_model_save", False, "zerofit's save_model always writes "
+            "the consolidated weights, at every stage", to_bool, quiet=(True,),
+            zerofit="zero.gather_16bit_weights_on_model_save", accelerate="deepspeed_config.zero3_save_16bit_model"),
+    Ignored(f"{_Z}.offload_param.buffer_size", 100_000_000, _NO_NVME_PARAM, to_int,
+            zerofit="zero.offload_param.buffer_size"),
+    Ignored(f"{_Z}.offload_param.max_in_cpu", 1_000_000_000, _NO_NVME_PARAM, to_int,
+            zerofit="zero.offload_param.max_in_cpu"),
+    Ignored(f"{_Z}.offload_optimizer.fast_init", False, "zerofit writes each group's initial fp32 master to "
+            "its file once at prepare() and creates optimizer state at the first step: nothing slow to skip", to_bool,
+            zerofit="zero.offload_optimizer.fast_init"),
+    Ignored(f"{_Z}.offload_optimizer.pipeline_read", False, _NVME_IO, to_bool, quiet=(True,),
+            zerofit="zero.offload_optimizer.pipeline_read"),
+    Ignored(f"{_Z}.offload_optimizer.pipeline_write", False, _NVME_IO, to_bool, quiet=(True,),
+            zerofit="zero.offload_optimizer.pipeline_write"),
+    Ignored(f"{_Z}.offload_optimizer.pipeline", False, _NVME_IO, to_bool, quiet=(True,)),
+    Ignored("aio.single_submit", False, "zerofit's NVMe I/O does not go through libaio: its own threads "
+            "issue positional reads and writes (aio.thread_count, block_size, queue_depth)", to_bool,
+            zerofit="zero.aio.single_submit"),
+    Ignored("aio.overlap_events", True, "zerofit's NVMe I/O does not go through libaio: its requests always "
+            "overlap on its own threads", to_bool, zerofit="zero.aio.overlap_events"),
+    Ignored("communication_data_type", None, "zerofit reduces gradients in fp32 (they accumulate in fp32 "
+            "buffers); 16-bit gradient reduction is not implemented", _comm_type, quiet=("fp32",),
+            zerofit="precision.communication_data_type"),
+    Ignored("checkpoint.use_node_local_storage", False, "every rank writes its shards into the one directory "
+            "given to save_state; on several machines put it on storage all of them see",
+            to_bool, zerofit="checkpoint.use_node_local_storage"),
+    Ignored("wall_clock_breakdown", False, "zerofit does not time its phases itself: use torch.profiler, "
+            "where every zerofit collective is labelled zerofit::<kind>:<unit>", to_bool,
+            zerofit="logging.wall_clock_breakdown"),
+)
+"""Every accepted-and-ignored DeepSpeed knob (see the module docstring)."""
+
+
+def _entries(source_format: str) -> Iterator[tuple[Ignored, str]]:
+    for entry in TABLE:
+        name = entry.name(source_format)
+        if name is not None:
+            yield entry, name
+
+
+def handled(source_format: str) -> tuple[str, ...]:
+    """The keys of `source_format` this module reads (for `reading.walk`'s `handled`)."""
+    return tuple(name for _, name in _entries(source_format))
+
+
+def _shown(value: Any) -> str:
+    return repr(value) if isinstance(value, str) else str(value)
+
+
+def check(reading: Reading, data: Mapping[str, Any], source_format: str) -> None:
+    """Type-check every ignored key `data` holds and warn for each that asks for something zerofit does not do.
+
+    `source_format` is "deepspeed", "zerofit" or "accelerate" (an Accelerate YAML's plugin keys).
+    """
+    for entry, name in _entries(source_format):
+        if not has(data, name):
+            continue
+        raw = dig(data, name)
+        if entry.allows_auto and is_auto_text(raw):
+            continue
+        value = reading.coerce(name, raw, entry.convert)
+        if value is INVALID or value == entry.default or value in entry.quiet:
+            continue
+        reading.warn(f"{name} = {_shown(value)} is ignored: {entry.why}")
+    _check_pin_memory(reading, data, source_format)
+
+
+def _check_pin_memory(reading: Reading, data: Mapping[str, Any], source_format: str) -> None:
+    """`pin_memory: false` acts on NVMe staging buffers only: CPU-offloaded state is always page-locked.
+
+    DeepSpeed files only: zerofit's own format documents this on the field, and the resolved file the
+    launcher hands to its workers always holds the field.
+    """
+    if source_format != "deepspeed":
+        return
+    section = _Z
+    for kind in ("offload_optimizer", "offload_param"):
+        name = f"{section}.{kind}.pin_memory"
+        if reading.values.get(f"zero.{kind}.device") != "cpu" or not has(data, name):
+            continue
+        if reading.values.get(f"zero.{kind}.pin_memory") is False:
+            reading.warn(f"{name} = False is ignored with {section}.{kind}.device cpu: zerofit always page-locks "
+                         "CPU-offloaded state (at its exact size), which its asynchronous copies need; "
+                         "pin_memory applies to the NVMe staging buffers only")
