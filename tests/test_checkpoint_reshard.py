@@ -12,6 +12,8 @@ from test_checkpoint_support import assemble, build, owned_state, train
 from zerofit.checkpoint import load_state, save_state
 from zerofit.testing.distributed import run_distributed
 
+pytestmark = pytest.mark.slow  # a long parity sweep: the full suite runs it, the fast loop does not
+
 SAVED = {"s3": 3, "s1": 1}
 LOAD_STAGES = (0, 2, 3, "3+offload")
 

@@ -55,6 +55,7 @@ def runs(tmp_path_factory):
     return root, first, second
 
 
+@pytest.mark.slow  # a sweep of trained runs
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_resume_is_bit_identical(runs, precision):
     _, first, second = runs

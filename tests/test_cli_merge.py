@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from engine_cases import Case, batches, loss_fn, make_model_and_optim
 from safetensors.torch import load_file
@@ -11,6 +12,8 @@ from zerofit.cli.main import main
 from zerofit.config.schema import ZeroConfig
 from zerofit.engine import ZeroEngine
 from zerofit.testing.distributed import run_distributed
+
+pytestmark = pytest.mark.slow  # trains on gloo ranks, then merges through the CLI
 
 
 def train_and_save(rank, world, directory):

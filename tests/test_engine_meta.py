@@ -33,6 +33,7 @@ def train_meta_built(rank, world, stage, steps=4):
             "losses": losses}
 
 
+@pytest.mark.slow  # several gloo launches
 def test_meta_model_trains_the_same_sharded_or_not():
     sharded = run_distributed(train_meta_built, 2, 3)
     single = run_distributed(train_meta_built, 1, 0)[0]

@@ -13,6 +13,8 @@ from engine_cases import Case, reference, run_engine
 
 from zerofit.testing.distributed import run_distributed
 
+pytestmark = pytest.mark.slow  # a long parity sweep: the full suite runs it, the fast loop does not
+
 FP32_TOL = 2e-6
 
 

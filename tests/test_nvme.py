@@ -74,6 +74,7 @@ def parity(tmp_path_factory):
     return path, run_distributed(parity_and_memory, 2, path, timeout=300)
 
 
+@pytest.mark.slow  # a sweep of NVMe runs
 @pytest.mark.parametrize("stage,gas", PARITY)
 def test_nvme_bit_equal_to_cpu_offload(parity, stage, gas):
     for out, _ in parity[1]:

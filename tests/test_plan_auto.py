@@ -120,6 +120,7 @@ def _train_auto(rank: int, world: int):
     return z.stage, z.offload_optimizer.device, acc._prepared.trained_engine().policy.stage
 
 
+@pytest.mark.slow  # two gloo ranks tracing the model
 def test_two_ranks_pick_the_same_fastest_fitting_stage(monkeypatch):
     monkeypatch.setenv("ZEROFIT_HOST_MEMORY_GIB", "1000")
     needs = _needs(2)
