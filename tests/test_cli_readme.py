@@ -1,4 +1,5 @@
-"""The README's config examples load, and its test command is the one CI runs."""
+"""The README and docs/ hold up: every config example loads, every relative link resolves, and the
+README's two commands are the ones run.sh and CI run."""
 
 from __future__ import annotations
 
@@ -11,30 +12,112 @@ from zerofit.config import load_config
 from zerofit.config.schema import is_auto
 
 ROOT = Path(__file__).resolve().parent.parent
-README = (ROOT / "README.md").read_text(encoding="utf-8")
-BLOCKS = re.findall(r"```(yaml|json)\n(.*?)```", README, flags=re.S)
+README = ROOT / "README.md"
+DOCS = sorted((ROOT / "docs").glob("*.md"))
+PAGES = [README, *DOCS]
+TEXT = {page: page.read_text(encoding="utf-8") for page in PAGES}
 
 
-def test_the_readme_has_config_examples_in_every_format():
-    kinds = [kind for kind, _ in BLOCKS]
-    assert kinds.count("yaml") >= 6 and kinds.count("json") >= 3
-    assert any("distributed_type: DEEPSPEED" in text for _, text in BLOCKS)
+def _blocks(page: Path) -> list[tuple[str, str]]:
+    return re.findall(r"^```(yaml|json)\n(.*?)^```", TEXT[page], flags=re.S | re.M)
 
 
-@pytest.mark.parametrize(("kind", "text"), BLOCKS, ids=[f"block{i}" for i in range(len(BLOCKS))])
-def test_every_config_example_in_the_readme_loads(kind, text, tmp_path):
+BLOCKS = [(page, kind, text) for page in PAGES for kind, text in _blocks(page)]
+BLOCK_IDS = [f"{page.relative_to(ROOT)}:{i}" for page in PAGES for i in range(len(_blocks(page)))]
+
+
+def _load(kind: str, text: str, tmp_path: Path):
     path = tmp_path / f"example.{kind}"
     path.write_text(text, encoding="utf-8")
-    cfg = load_config(path)
+    return load_config(path)
+
+
+def test_docs_exist():
+    names = {page.name for page in DOCS}
+    assert {"configs.md", "cli.md", "engine.md", "benchmarks.md", "recipes.md", "contributing.md"} <= names
+
+
+@pytest.mark.parametrize(("page", "kind", "text"), BLOCKS, ids=BLOCK_IDS)
+def test_every_config_example_loads(page, kind, text, tmp_path):
+    cfg = _load(kind, text, tmp_path)
     stage = re.search(r"(?:stage|zero_stage)\"?: \"?(\d|auto)", text)
-    assert stage
+    assert stage, f"{page.name}: a config example that names no stage"
     if stage.group(1) == "auto":
         assert is_auto(cfg.zero.stage) and is_auto(cfg.zero.offload_optimizer.device)
     else:
         assert cfg.zero.stage == int(stage.group(1))
 
 
+def test_the_readme_has_one_config_example_per_format(tmp_path):
+    blocks = _blocks(README)
+    accelerate = [t for k, t in blocks if k == "yaml" and "distributed_type: DEEPSPEED" in t]
+    zerofit = [t for k, t in blocks if k == "yaml" and "distributed_type" not in t]
+    deepspeed = [t for k, t in blocks if k == "json"]
+    assert accelerate and zerofit and deepspeed
+    accelerate_cfg, zerofit_cfg = _load("yaml", accelerate[0], tmp_path), _load("yaml", zerofit[0], tmp_path)
+    assert accelerate_cfg.source_format != zerofit_cfg.source_format
+
+
+def _setting(cfg) -> str:
+    z = cfg.zero
+    if is_auto(z.stage):
+        return "auto"
+    opt, param = z.offload_optimizer.device, z.offload_param.device
+    if z.stage == 3 and opt == "nvme":
+        return "3+nvme"
+    if z.stage == 3 and opt == "cpu" and param == "cpu":
+        return "3+cpu"
+    if z.stage == 2 and opt == "cpu" and param == "none":
+        return "2+opt"
+    if opt == "none" and param == "none":
+        return str(z.stage)
+    return f"{z.stage} {opt} {param}"
+
+
+def test_configs_md_has_an_example_for_every_stage(tmp_path):
+    found = {_setting(_load(k, t, tmp_path)) for k, t in _blocks(ROOT / "docs" / "configs.md")}
+    assert {"0", "1", "2", "2+opt", "3", "3+cpu", "3+nvme", "auto"} <= found
+
+
+def test_configs_md_keeps_the_ignored_keys_section():
+    assert "## DeepSpeed keys zerofit accepts but does not use" in TEXT[ROOT / "docs" / "configs.md"]
+
+
+def _slug(heading: str) -> str:
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def _anchors(page: Path) -> set[str]:
+    text = re.sub(r"^```.*?^```", "", TEXT[page], flags=re.S | re.M)
+    return {_slug(h) for h in re.findall(r"^#+ (.*)$", text, flags=re.M)}
+
+
+LINKS = [
+    (page, target)
+    for page in PAGES
+    for target in re.findall(r"\]\(([^)\s]+)\)", re.sub(r"^```.*?^```", "", TEXT[page], flags=re.S | re.M))
+    if not re.match(r"[a-z]+:", target)
+]
+
+
+@pytest.mark.parametrize(("page", "target"), LINKS, ids=[f"{p.relative_to(ROOT)}->{t}" for p, t in LINKS])
+def test_every_relative_link_resolves(page, target):
+    path, _, anchor = target.partition("#")
+    dest = (page.parent / path).resolve() if path else page
+    assert dest.exists(), f"{page.relative_to(ROOT)} links to {target}, which does not exist"
+    if anchor:
+        assert dest.suffix == ".md", f"{page.relative_to(ROOT)}: {target} has an anchor but is no page"
+        assert anchor in _anchors(dest), f"{page.relative_to(ROOT)}: no heading for {target}"
+
+
+def test_the_readme_links_every_doc():
+    for page in DOCS:
+        assert f"](docs/{page.name})" in TEXT[README], f"README.md does not link docs/{page.name}"
+
+
 def test_the_readme_commands_are_what_ci_runs():
-    assert "./run.sh demo" in README and "./run.sh test" in README
+    readme = TEXT[README]
+    assert "./run.sh demo" in readme and "./run.sh test" in readme
     assert "./run.sh test" in (ROOT / ".ci" / "run").read_text(encoding="utf-8")
     assert "python -m pytest -x -q" in (ROOT / "run.sh").read_text(encoding="utf-8")
