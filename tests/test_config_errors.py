@@ -177,9 +177,14 @@ BAD = [
         "scheduler.params.warmup_num_step is not a parameter of WarmupLR: did you mean scheduler.params.warmup_num_steps?",
     ),
     (
-        "ds-warmup-steps-zero",
-        {"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 0}}},
-        "scheduler.params.warmup_num_steps must be a positive whole numbe",
+        "ds-warmup-steps-negative",
+        {"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": -1}}},
+        "scheduler.params.warmup_num_steps must be a whole number >= 0 (got -1)",
+    ),
+    (
+        "ds-total-steps-zero",
+        {"scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 0}}},
+        "scheduler.params.total_num_steps must be a whole number >= 1 (got 0)",
     ),
     (
         "ds-deepspeed-only-optimizer",

@@ -5,11 +5,13 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
 import torch
 
+from zerofit.config import load_config
 from zerofit.config.schema import SchedulerConfig
 from zerofit.errors import ConfigError
 from zerofit.frontend.schedulers import (
@@ -140,6 +142,24 @@ def test_schedule_state_round_trips_and_resumes_mid_run():
     assert a.get_last_lr() == b.get_last_lr()
     c = WarmupDecayLR(_optim(), total_num_steps=20, warmup_num_steps=4, warmup_max_lr=0.1, last_batch_iteration=7)
     assert c.get_last_lr() == pytest.approx(a.get_last_lr())
+
+
+def test_zero_warmup_steps_load_and_warm_up_over_deepspeeds_floor_of_two(tmp_path):
+    """The blog's ZeRO-3 JSON writes warmup_num_steps 0; DeepSpeed floors warm-up at 2 steps."""
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
+                                "scheduler": {"type": "WarmupDecayLR", "params": {
+                                    "warmup_min_lr": 0, "warmup_max_lr": 0.1, "warmup_num_steps": 0,
+                                    "total_num_steps": 10}}}))
+    named = load_config(path).scheduler
+    sched = build_scheduler(named, _optim())
+    assert named.params["warmup_num_steps"] == 0 and sched.warmup_num_steps == 2
+    floor = WarmupDecayLR(_optim(), warmup_min_lr=0, warmup_max_lr=0.1, warmup_num_steps=2, total_num_steps=10)
+    for _ in range(4):
+        assert sched.get_last_lr() == floor.get_last_lr()
+        for s in (sched, floor):
+            s.optimizer.step()
+            s.step()
 
 
 def test_build_scheduler_from_config_and_its_errors():

@@ -297,15 +297,16 @@ def _scheduler(c: _Checker) -> None:
                 f'scheduler.params.{arg} is required by {kind}: set it (or to "auto" to take it from the script)',
                 "scheduler.params",
             )
-    for arg in ("warmup_num_steps", "total_num_steps"):
+    # DeepSpeed floors warm-up at 2 steps, so 0 and 1 are accepted (the blog's ZeRO-3 JSON writes 0).
+    for arg, least in (("warmup_num_steps", 0), ("total_num_steps", 1)):
         value = scheduler.params.get(arg)
         if (
             value is not None
             and not is_auto(value)
-            and (not isinstance(value, int) or isinstance(value, bool) or value < 1)
+            and (not isinstance(value, int) or isinstance(value, bool) or value < least)
         ):
             c.add(
-                f"scheduler.params.{arg} must be a positive whole number (got {value!r})", "scheduler.params"
+                f"scheduler.params.{arg} must be a whole number >= {least} (got {value!r})", "scheduler.params"
             )
 
 
