@@ -86,7 +86,7 @@ def test_dummy_optim_and_scheduler_are_replaced_by_the_deepspeed_json_with_auto_
                 ref.step()
             want.append(ref.get_last_lr()[0])
         assert got["lrs"] == pytest.approx(want)
-        assert got["distributed_type"] == "ZERO" and got["plugin_has_optimizer"]
+        assert got["distributed_type"] == "DEEPSPEED" and got["plugin_has_optimizer"]
 
 
 def test_config_value_wins_over_a_different_script_value_with_one_warning(tmp_path):

@@ -53,7 +53,7 @@ def test_no_trainer_script_trains_evaluates_and_saves_under_zero2_on_two_cpu_ran
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "Distributed environment: ZERO (ZeRO stage 2)" in proc.stderr
     results = json.loads((out / "all_results.json").read_text())
-    assert results["distributed_type"] == "ZERO"
+    assert results["distributed_type"] == "DEEPSPEED"
     assert results["eval_count"] == results["eval_dataset"]  # gather_for_metrics dropped the repeated samples
     assert results["completed_steps"] == 8  # 59 blocks / (4 per rank * 2 ranks) = 8 batches, 4 steps, 2 epochs
     assert results["last_lr"] == 0.0  # the linear schedule ended exactly at max_train_steps

@@ -211,7 +211,7 @@ def test_recipe_reports_every_field_and_saves_a_model_from_pretrained_loads(runs
 def test_recipe_under_zero_matches_ddp_losses_and_metrics(runs, recipe, stage):
     reference, _ = runs(recipe, "ddp")
     results, _ = runs(recipe, stage)
-    assert results["distributed_type"] == "ZERO"
+    assert results["distributed_type"] == "DEEPSPEED"
     assert results["zero_stage"] == {"zero2": 2, "zero3": 3, "zero3_offload": 3}[stage]
     assert results["completed_steps"] == reference["completed_steps"]
     for got, want in zip(results["epochs"], reference["epochs"], strict=True):

@@ -155,7 +155,7 @@ class Accelerator(PrepareMixin, PersistenceMixin):
     @property
     def distributed_type(self) -> DistributedType:
         if is_auto(self.config.zero.stage) or self.config.zero.stage >= 1:  # "auto": decided at prepare()
-            return DistributedType.ZERO
+            return DistributedType.DEEPSPEED
         if self.num_processes == 1:
             return DistributedType.NO
         return DistributedType.MULTI_GPU if self.device.type == "cuda" else DistributedType.MULTI_CPU

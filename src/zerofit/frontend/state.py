@@ -25,17 +25,32 @@ from zerofit.dist.collectives import Peers
 
 
 class DistributedType(str, enum.Enum):
-    """How the run is distributed (compare with `accelerator.distributed_type`).
+    """How the run is distributed (compare with `accelerator.distributed_type`); Accelerate's members.
 
-    NO: one process. MULTI_CPU / MULTI_GPU: several processes with ZeRO stage 0 (plain data
-    parallelism, gradients all-reduced). ZERO: ZeRO stage 1, 2 or 3 (what Accelerate calls
-    DEEPSPEED), on any number of processes.
+    zerofit reports NO for one process without sharding, MULTI_CPU / MULTI_GPU for several processes
+    at ZeRO stage 0 (plain data parallelism, gradients all-reduced), and DEEPSPEED whenever its ZeRO
+    engine shards (stage 1, 2, 3 or "auto"), on any number of processes: scripts that branch on
+    `== DistributedType.DEEPSPEED` reach their DeepSpeed paths (`DummyOptim`, `model.save_checkpoint`,
+    `accelerator.state.deepspeed_plugin`), which zerofit serves with its own engine. `ZERO` is
+    zerofit's older name for that member (an alias), `TPU` Accelerate's deprecated alias of `XLA`.
+    The other members exist so that scripts comparing against them run; zerofit never reports them.
     """
 
     NO = "NO"
     MULTI_CPU = "MULTI_CPU"
     MULTI_GPU = "MULTI_GPU"
-    ZERO = "ZERO"
+    MULTI_NPU = "MULTI_NPU"
+    MULTI_MLU = "MULTI_MLU"
+    MULTI_SDAA = "MULTI_SDAA"
+    MULTI_MUSA = "MULTI_MUSA"
+    MULTI_XPU = "MULTI_XPU"
+    MULTI_HPU = "MULTI_HPU"
+    DEEPSPEED = "DEEPSPEED"
+    FSDP = "FSDP"
+    XLA = "XLA"
+    MEGATRON_LM = "MEGATRON_LM"
+    ZERO = "DEEPSPEED"
+    TPU = "XLA"
 
 
 @dataclass
