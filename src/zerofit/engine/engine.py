@@ -46,14 +46,13 @@ from zerofit.engine.optim import (
     sub_optimizer,
     sync_hyperparams,
 )
-from zerofit.engine.policy import StagePolicy, keeps_compact_grads, offloaded_units
+from zerofit.engine.policy import COMPUTE_DTYPES, StagePolicy, keeps_compact_grads, offloaded_units
 from zerofit.engine.stage3 import Stage3Hooks
 from zerofit.engine.timing import StepTimes
 from zerofit.engine.unit import Unit
 from zerofit.engine.units import plan_units
 from zerofit.errors import EngineError
 
-_DTYPES = {"no": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Public: the memory model (zerofit.plan) replays these rules, so it must read the same numbers.
 SHARD_ALIGN = 16  # shard sizes are a multiple of 16 elements: aligned collectives and kernels
 MAX_INFLIGHT_REDUCTIONS = 2  # reductions in flight before backward waits: bounds transient gradient memory
@@ -88,7 +87,7 @@ class ZeroEngine:
                               "version yet: use 'cpu' (optimizer state can go to NVMe: offload_optimizer)")
         self.device = device or default_device()
         self.comm = Collectives(group, self.device)
-        self.compute_dtype = _DTYPES[self.precision.mixed_precision]
+        self.compute_dtype = COMPUTE_DTYPES[self.precision.mixed_precision]
         self.scaler = LossScaler(self.precision.loss_scale, enabled=self.precision.mixed_precision == "fp16")
         self.policy = StagePolicy(stage=self.zero.stage, world=self.comm.world, rank=self.comm.rank,
                                   persistence_threshold=int(self.zero.param_persistence_threshold),
