@@ -11,7 +11,7 @@ Buffers alias each other whenever the math allows, so one rank and stage 0 cost 
 - `grad_flat` (where backward accumulates full gradients) is `grad_shard` when the optimizer is not
   sharded (stage 0, or one rank), so reduction is in place or nothing at all;
 - on one rank with no accumulation, that buffer is in the compute dtype ("compact", see
-  [Note: compact gradients] in zerofit.engine.optim).
+  [Note: compact gradients] in zerofit.engine.step_mode).
 
 [Note: released parameters]
 Under stage 3 a released group keeps its `param_flat` tensor and the parameter views into it, but its

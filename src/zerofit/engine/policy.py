@@ -88,7 +88,7 @@ def keeps_compact_grads(placement: GroupPlacement, *, world: int, gradient_accum
                         low_precision: bool) -> bool:
     """True when a trainable group's gradient can stay in the compute dtype, exactly: one rank (nothing
     to reduce), one micro-step per step (nothing to add up), bf16/fp16 compute, state on the device
-    (see [Note: compact gradients] in zerofit.engine.optim). The engine and the planner both ask this."""
+    (see [Note: compact gradients] in zerofit.engine.step_mode). The engine and the planner both ask this."""
     return world == 1 and gradient_accumulation_steps == 1 and low_precision and not placement.offload_state
 
 
