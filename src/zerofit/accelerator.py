@@ -299,7 +299,7 @@ class Accelerator(PersistenceMixin):
             self.config, probe = plan_for(self, model)
         cfg = self.config
         engine = ZeroEngine(model, optimizer, zero=cfg.zero, precision=cfg.precision,
-                            gradient_accumulation_steps=cfg.batch.gradient_accumulation_steps,
+                            gradient_accumulation_steps=self.gradient_state.window,
                             gradient_clipping=cfg.gradient_clipping, device=self.device)
         self._engines[id(model)] = engine
         if probe is not None:

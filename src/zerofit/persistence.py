@@ -99,7 +99,6 @@ class PersistenceMixin:
             raise ValueError("save_state() needs a prepared model: call prepare(model, optimizer, ...) first")
         extra = checkpointing.collect(schedulers=self._schedulers, optimizers=self._optimizers,
                                       dataloaders=self._dataloaders, custom=self._custom,
-                                      micro_step=self.gradient_state.micro_step,
                                       iteration=self.project_configuration.iteration)
         path = save_state(self._checkpoint_dir(output_dir), engine, extra_state=extra, config=self.config)
         if self.project_configuration.automatic_checkpoint_naming:
@@ -122,7 +121,6 @@ class PersistenceMixin:
         self._custom_to_restore = checkpointing.restore(
             extra, schedulers=self._schedulers, optimizers=self._optimizers, dataloaders=self._dataloaders,
             custom=self._custom, custom_may_follow=custom_may_follow)
-        self.gradient_state.micro_step = extra.get("micro_step", 0)
         if self.project_configuration.automatic_checkpoint_naming:
             self.project_configuration.iteration = extra.get("iteration", 0) + 1
 

@@ -44,6 +44,7 @@ from zerofit.engine.step_mode import CompactStep, PlainStep, StepFactors, StepMo
 from zerofit.engine.timing import StepTimes
 from zerofit.engine.unit import Unit
 from zerofit.engine.units import plan_units
+from zerofit.engine.window import AccumulationWindow
 from zerofit.errors import EngineError
 
 # Public: the memory model (zerofit.plan) replays these rules, so it must read the same numbers.
@@ -62,18 +63,18 @@ class ZeroEngine:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
                  zero: ZeroConfig | None = None, precision: PrecisionConfig | None = None,
-                 gradient_accumulation_steps: int = 1, gradient_clipping: float = 0.0,
+                 gradient_accumulation_steps: int | AccumulationWindow = 1, gradient_clipping: float = 0.0,
                  group: dist.ProcessGroup | None = None, device: torch.device | None = None,
                  init_fn: Callable[[nn.Module], None] | None = None):
         """`init_fn(module)` initialises a module of a model built on the meta device (default: the
-        model's Hugging Face `_init_weights`, else `reset_parameters()`); see `zerofit.engine.materialize`."""
+        model's Hugging Face `_init_weights`, else `reset_parameters()`); see `zerofit.engine.materialize`.
+        `gradient_accumulation_steps` may be a window shared with the caller (the Accelerator's)."""
         self.model = model
         self.optimizer = optimizer
         self.zero = zero or ZeroConfig()
         self.precision = precision or PrecisionConfig()
-        if gradient_accumulation_steps < 1:
-            raise EngineError(f"gradient_accumulation_steps must be >= 1 (got {gradient_accumulation_steps})")
-        self.gradient_accumulation_steps = gradient_accumulation_steps
+        self.window = (gradient_accumulation_steps if isinstance(gradient_accumulation_steps, AccumulationWindow)
+                       else AccumulationWindow(gradient_accumulation_steps))
         self.gradient_clipping = float(gradient_clipping or 0.0)
         if self.zero.offload_param.device == "nvme":
             raise EngineError("zero_optimization.offload_param.device 'nvme' is not supported by this zerofit "
@@ -97,7 +98,8 @@ class ZeroEngine:
         self._prepared: StepFactors | None = None
         """The factors `clip_grad_norm_` measured for this window's step (else `step()` measures them)."""
         self.reductions = InFlight(MAX_INFLIGHT_REDUCTIONS)
-        self._micro_step = 0
+        self._closed = True
+        """The last backward closed its accumulation window (or none ran since the last step / zero_grad)."""
         self.times = StepTimes()
         self.last_grad_norm: torch.Tensor | None = None
         self._hooks = [p.register_post_accumulate_grad_hook(partial(self._on_grad, u, gi, i))
@@ -197,25 +199,35 @@ class ZeroEngine:
 
     # --- backward -------------------------------------------------------------------------------
     @property
+    def gradient_accumulation_steps(self) -> int:
+        return self.window.steps
+
+    @gradient_accumulation_steps.setter
+    def gradient_accumulation_steps(self, steps: int) -> None:
+        self.window.steps = steps
+
+    @property
     def at_boundary(self) -> bool:
         """True when the last backward completed an accumulation window (time to `step()`)."""
-        return self._micro_step == 0
+        return self._closed
 
     def backward(self, loss: torch.Tensor, *, sync: bool | None = None) -> None:
         """Backpropagate `loss / gradient_accumulation_steps` (times the fp16 loss scale).
 
-        `sync` says whether this micro-step closes an accumulation window; by default the engine
-        counts micro-steps itself.
+        `sync` says whether this micro-step closes an accumulation window. Given (the Accelerator
+        gives it), whoever passes it counts the window's micro-steps; None: the engine decides from
+        `window.micro_step` and counts them there itself.
         """
-        if sync is None:
-            sync = self._micro_step + 1 >= self.gradient_accumulation_steps
+        counting = sync is None
+        if counting:
+            sync = self.window.micro_step + 1 >= self.window.steps
         self._sync = sync
         self.mode.begin_backward(sync)
         for unit in self.units:
             unit.begin_backward()
         self._in_backward = True
         try:
-            (loss * (self.scaler.scale / self.gradient_accumulation_steps)).backward()
+            (loss * (self.scaler.scale / self.window.steps)).backward()
         finally:
             self._in_backward = False
         for unit in self.units:  # units backward did not finish (unused or frozen parameters)
@@ -224,7 +236,9 @@ class ZeroEngine:
                 self._reduce(unit)
             unit.release()
         self.mode.end_backward()
-        self._micro_step = 0 if sync else self._micro_step + 1
+        self._closed = sync
+        if counting:
+            self.window.micro_step = 0 if sync else self.window.micro_step + 1
 
     def _widen_grads(self) -> None:
         """Compact gradients become fp32 (before a second backward adds to them; see CompactStep)."""
@@ -303,7 +317,8 @@ class ZeroEngine:
         self.mode.zero_grad()
         for g in self._trainable:
             g.zero_grads()
-        self._micro_step = 0
+        self._closed = True
+        self.window.micro_step = 0
 
     @property
     def shards_parameters(self) -> bool:

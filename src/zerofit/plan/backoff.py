@@ -12,8 +12,8 @@ An unchanged Accelerate-style loop keeps running:
 On `torch.OutOfMemoryError` inside the block, the partial accumulation window is thrown away
 (`engine.zero_grad`), memory is freed (the failed forward's frames cleared, gc, empty_cache), the
 prepared loader re-yields the window's batches - the ones already seen and the current one - cut in
-halves (`BatchSplitter`), and accumulation is doubled in the loader's `GradientState` and in the
-engine. The optimizer then steps once per original global batch on the same samples, and every
+halves (`BatchSplitter`), and accumulation is doubled in the accumulation window the loader's
+`GradientState` shares with the engine. The optimizer then steps once per original global batch on the same samples, and every
 micro-step's loss is divided by the doubled count, so the mean of the halves' mean losses is the
 mean of the batch's: the update is the same up to summation order (exact for an even micro-batch
 and a per-sample mean loss; a loss averaged over tokens weights the halves by their token counts).
@@ -260,10 +260,8 @@ class OomBackoff:
                 from (None if peer else error)
         self.backoffs += 1
         loader.splitter.replay()
-        self.acc.gradient_state.gradient_accumulation_steps = old_accum * 2
-        self.acc.gradient_state.micro_step = 0
-        if engine is not None:
-            engine.gradient_accumulation_steps = old_accum * 2
+        window = self.acc.gradient_state.window  # the engine's too (see zerofit.engine.window)
+        window.steps, window.micro_step = old_accum * 2, 0
         for opt in self.acc._optimizers:
             opt.window_open = False
         cause = "another rank ran out of memory" if peer else f"CUDA out of memory in {phase}"
