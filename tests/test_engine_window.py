@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_cases import Case, make_model_and_optim
 from torch import nn
 
+from zerofit.config.schema import OffloadConfig, ZeroConfig
 from zerofit.engine import ZeroEngine
 from zerofit.engine.window import AccumulationWindow
 from zerofit.errors import EngineError
 from zerofit.state import GradientState
+from zerofit.testing.distributed import run_distributed
 
 
 def _engine(steps):
@@ -57,3 +60,28 @@ def test_a_given_sync_leaves_the_shared_counter_to_its_owner():
     state.gradient_accumulation_steps = 4  # what the out-of-memory back-off does
     assert engine.gradient_accumulation_steps == 4
 
+
+def test_discard_window_forgets_the_partial_window():
+    model, engine = _engine(2)
+    engine.backward(_loss(model))
+    engine.discard_window()
+    assert engine.at_boundary and engine.window.micro_step == 0
+    assert all(float(g.grad_shard.abs().sum()) == 0.0 for g in engine.groups if g.trainable)
+    assert not engine.forward_communicates and not engine.shards_parameters  # one rank, stage 0
+
+
+def _forward_facts(rank, world):
+    out = {}
+    for name, zero in (("stage0", ZeroConfig(stage=0)), ("stage2", ZeroConfig(stage=2)),
+                       ("stage3", ZeroConfig(stage=3, param_persistence_threshold=0)),
+                       ("offload", ZeroConfig(stage=2, offload_optimizer=OffloadConfig(device="cpu")))):
+        model, opt = make_model_and_optim(Case())
+        engine = ZeroEngine(model, opt, zero=zero, device=torch.device("cpu"))
+        out[name] = (engine.forward_communicates, engine.shards_parameters)
+    return out
+
+
+def test_forward_communicates_under_stage_3_or_host_steps_on_several_ranks():
+    facts = run_distributed(_forward_facts, 2)[0]
+    assert facts == {"stage0": (False, False), "stage2": (False, False), "stage3": (True, True),
+                     "offload": (True, False)}

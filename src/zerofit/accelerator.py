@@ -305,7 +305,7 @@ class Accelerator(PersistenceMixin):
         if probe is not None:
             self._probe = probe
             probe.start(engine)
-        if any(u.sharded for u in engine.units) and self.num_processes > 1:
+        if engine.shards_parameters and self.num_processes > 1:
             # [Note: synced generation] Under stage 3 every rank must run the same number of forward
             # passes, or the parameter all-gathers hang when one rank's `generate()` stops early.
             # transformers (5.x, generation/utils.py `_extract_generation_mode_kwargs`) turns on its

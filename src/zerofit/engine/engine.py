@@ -313,6 +313,7 @@ class ZeroEngine:
         publish(self._trainable, self.comm)
 
     def zero_grad(self) -> None:
+        """Zero the window's gradients; the next backward opens a new window (micro-step count 0)."""
         self.reductions.drain()
         self.mode.zero_grad()
         for g in self._trainable:
@@ -320,10 +321,25 @@ class ZeroEngine:
         self._closed = True
         self.window.micro_step = 0
 
+    def discard_window(self) -> None:
+        """Throw the partial accumulation window away (after an out-of-memory error in it): nothing in
+        flight reaches the next window, every unit is released, the gradients are zeroed and (by
+        `zero_grad`) the window's micro-step count starts again."""
+        self.mode.discard()
+        for unit in self.units:
+            unit.release()
+        self.zero_grad()
+
+    # --- what callers may ask -------------------------------------------------------------------
     @property
     def shards_parameters(self) -> bool:
         """Some unit keeps its parameters sharded between uses (stage 3): forward gathers them."""
         return any(u.sharded for u in self.units)
+
+    @property
+    def forward_communicates(self) -> bool:
+        """Forward runs collectives: parameter gathers (stage 3) or the host step's publishing, on several ranks."""
+        return self.comm.world > 1 and (self.shards_parameters or self.mode.forward_communicates)
 
     # --- introspection of the step mode (tests read these) ----------------------------------------
     @property

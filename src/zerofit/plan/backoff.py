@@ -10,7 +10,7 @@ An unchanged Accelerate-style loop keeps running:
 
 [Note: back-off keeps the run's numerics]
 On `torch.OutOfMemoryError` inside the block, the partial accumulation window is thrown away
-(`engine.zero_grad`), memory is freed (the failed forward's frames cleared, gc, empty_cache), the
+(`engine.discard_window`), memory is freed (the failed forward's frames cleared, gc, empty_cache), the
 prepared loader re-yields the window's batches - the ones already seen and the current one - cut in
 halves (`BatchSplitter`), and accumulation is doubled in the accumulation window the loader's
 `GradientState` shares with the engine. The optimizer then steps once per original global batch on the same samples, and every
@@ -62,12 +62,7 @@ MAX_BACKOFFS = 4
 def discard_partial_step(engine: Any) -> None:
     """Forget a failed micro-step's partial window and free what it held (gathered units, gradients, cache)."""
     if engine is not None:
-        for g in engine.groups:
-            if g.placement.offload_state:
-                g.settle_host_grad()  # a download still in flight must not land in the next window
-        for unit in engine.units:
-            unit.release()
-        engine.zero_grad()
+        engine.discard_window()
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -228,7 +223,7 @@ class OomBackoff:
         """Forward runs no collective (stage 0-2 without optimizer offload, or one rank)."""
         if self._world() == 1 or engine is None:
             return True
-        return not any(u.sharded for u in engine.units) and engine.stepper is None
+        return not engine.forward_communicates
 
     def _handle(self, error: BaseException) -> None:
         rank = self.acc.process_index
