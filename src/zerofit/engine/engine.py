@@ -105,6 +105,7 @@ class ZeroEngine:
         self._hooks = [p.register_post_accumulate_grad_hook(partial(self._on_grad, u, gi, i))
                        for u in self.units for gi, g in enumerate(u.trainable) for i, p in enumerate(g.params)]
         self.mode: StepMode = self._step_mode()  # before the stage-3 hooks: see HostStep
+        # The host mode's worker and NVMe swapper, for inspection (tests, benchmarks); None without them.
         self.stepper = self.mode.stepper if isinstance(self.mode, HostStep) else None
         self.swapper = self.mode.swapper if isinstance(self.mode, HostStep) else None
         self.stage3 = Stage3Hooks(self.units[0], self.units, lambda: self._in_backward)
