@@ -51,7 +51,7 @@ def test_no_trainer_script_trains_evaluates_and_saves_under_zero2_on_two_cpu_ran
          "--report_to", "jsonl"],
         capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "Distributed environment: ZERO (ZeRO stage 2)" in proc.stderr
+    assert "Distributed environment: DEEPSPEED (ZeRO stage 2)" in proc.stderr
     results = json.loads((out / "all_results.json").read_text())
     assert results["distributed_type"] == "DEEPSPEED"
     assert results["eval_count"] == results["eval_dataset"]  # gather_for_metrics dropped the repeated samples

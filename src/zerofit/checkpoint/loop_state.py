@@ -3,9 +3,10 @@
 The engine's parameters, master weights, optimizer state and loss scaler are written by
 `zerofit.checkpoint`; this module collects the rest as `extra_state` (plain Python values and
 tensors only, so loading never needs to unpickle arbitrary objects): every scheduler's
-`state_dict()`, the optimizer wrappers' flags, the accumulation counter, each dataloader's epoch and
-position, this rank's RNG states (Python, NumPy, torch CPU and CUDA), and the `state_dict()` of
-every object given to `register_for_checkpointing`.
+`state_dict()`, the optimizer wrappers' flags, each dataloader's epoch and position, this rank's RNG
+states (Python, NumPy, torch CPU and CUDA), and the `state_dict()` of every object given to
+`register_for_checkpointing`. The accumulation window's micro-step is the engine's to save (its
+common record); a `micro_step` key older checkpoints have here is ignored.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def collect(*, schedulers: list[Any], optimizers: list[Any], dataloaders: list[Any], custom: list[Any],
-            micro_step: int, iteration: int) -> dict[str, Any]:
+            iteration: int) -> dict[str, Any]:
     """The `extra_state` dict handed to `zerofit.checkpoint.save_state`."""
     return {
         "version": EXTRA_STATE_VERSION,
@@ -58,7 +59,6 @@ def collect(*, schedulers: list[Any], optimizers: list[Any], dataloaders: list[A
         "dataloaders": [{"epoch": d.iteration, "batches_yielded": d.batches_yielded, "seed": d.seed}
                         for d in dataloaders],
         "custom": [obj.state_dict() for obj in custom],
-        "micro_step": micro_step,
         "iteration": iteration,
         "rng": rng_state(),
     }

@@ -129,7 +129,7 @@ def _write_common(tmp: Path, engine, ranks: Ranks, optim_parts: list, config: Ru
         "buffers": [e.to_json() for e in buffer_entries(engine.model)],
         "aliases": aliases(engine.model),
         "scaler": engine.scaler.state_dict(),
-        "micro_step": engine._micro_step,
+        "micro_step": engine.window.micro_step,
         "optimizer": None,
     }
     if opt is not None:
@@ -240,7 +240,7 @@ def load_state(directory: str | os.PathLike[str], engine) -> dict:
             dst.copy_(src.view_as(dst))
     engine.refresh_params()
     engine.scaler.load_state_dict(common["scaler"])
-    engine._micro_step = int(common["micro_step"])
+    engine.window.micro_step = int(common["micro_step"])
     saved_world = int(common["world_size"])
     source = ranks.rank if ranks.rank < saved_world else ranks.rank % saved_world
     if source != ranks.rank:

@@ -15,6 +15,7 @@ On CPU (gloo) the collective is async on gloo's own thread; `wait()` blocks on i
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 
 import torch
@@ -144,3 +145,21 @@ def _finished() -> Pending:
 
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst.copy_(src, non_blocking=True)
+
+
+class InFlight:
+    """Reductions in flight, at most `limit`: launching another first waits for the oldest (which
+    bounds the transient gradient memory backward holds)."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._pending: deque[Pending] = deque()
+
+    def launch(self, pendings: list[Pending]) -> None:
+        self._pending.extend(pendings)
+        while len(self._pending) > self.limit:
+            self._pending.popleft().wait()
+
+    def drain(self) -> None:
+        while self._pending:
+            self._pending.popleft().wait()

@@ -10,14 +10,14 @@
 Phases of `step()`: wait for reductions -> unscale and clip (global norm over all shards) -> skip on
 fp16 overflow (decided the same on every rank) -> optimizer step on the fp32 master shards -> copy
 the masters back into compute-dtype parameters and all-gather them where they are replicated.
+Where and when the optimizer step runs (on the device, from compact gradients, on the host) is the
+engine's `StepMode`, called at fixed points of these phases (see [Note: step modes] in
+zerofit.engine.step_mode).
 """
 
 from __future__ import annotations
 
 import os
-import warnings
-import weakref
-from collections import deque
 from collections.abc import Callable
 from functools import partial
 
@@ -26,34 +26,27 @@ import torch.distributed as dist
 from torch import nn
 
 from zerofit.config.schema import PrecisionConfig, ZeroConfig
-from zerofit.engine.comm import Collectives, Pending
+from zerofit.engine.comm import Collectives, InFlight
 from zerofit.engine.flat_group import FlatGroup
-from zerofit.engine.host_step import HostStepper
+from zerofit.engine.host_mode import HostStep
 from zerofit.engine.loss_scale import LossScaler
 from zerofit.engine.materialize import Materializer, has_meta_tensors
-from zerofit.engine.nvme import NvmeSwapper
 from zerofit.engine.optim import (
-    CompactSteps,
-    bind_grads,
     folds_grad_scale,
-    local_grad_sumsq,
-    mark_stepped,
-    master_pieces,
+    global_grad_sumsq,
     param_group_index,
     rebind_optimizer,
     scale_grads,
-    step_with_factor,
-    sub_optimizer,
-    sync_hyperparams,
 )
-from zerofit.engine.policy import StagePolicy, keeps_compact_grads, offloaded_units
+from zerofit.engine.policy import COMPUTE_DTYPES, StagePolicy, keeps_compact_grads, offloaded_units
 from zerofit.engine.stage3 import Stage3Hooks
+from zerofit.engine.step_mode import CompactStep, PlainStep, StepFactors, StepMode, publish
 from zerofit.engine.timing import StepTimes
 from zerofit.engine.unit import Unit
 from zerofit.engine.units import plan_units
+from zerofit.engine.window import AccumulationWindow
 from zerofit.errors import EngineError
 
-_DTYPES = {"no": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Public: the memory model (zerofit.plan) replays these rules, so it must read the same numbers.
 SHARD_ALIGN = 16  # shard sizes are a multiple of 16 elements: aligned collectives and kernels
 MAX_INFLIGHT_REDUCTIONS = 2  # reductions in flight before backward waits: bounds transient gradient memory
@@ -70,25 +63,25 @@ class ZeroEngine:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
                  zero: ZeroConfig | None = None, precision: PrecisionConfig | None = None,
-                 gradient_accumulation_steps: int = 1, gradient_clipping: float = 0.0,
+                 gradient_accumulation_steps: int | AccumulationWindow = 1, gradient_clipping: float = 0.0,
                  group: dist.ProcessGroup | None = None, device: torch.device | None = None,
                  init_fn: Callable[[nn.Module], None] | None = None):
         """`init_fn(module)` initialises a module of a model built on the meta device (default: the
-        model's Hugging Face `_init_weights`, else `reset_parameters()`); see `zerofit.engine.materialize`."""
+        model's Hugging Face `_init_weights`, else `reset_parameters()`); see `zerofit.engine.materialize`.
+        `gradient_accumulation_steps` may be a window shared with the caller (the Accelerator's)."""
         self.model = model
         self.optimizer = optimizer
         self.zero = zero or ZeroConfig()
         self.precision = precision or PrecisionConfig()
-        if gradient_accumulation_steps < 1:
-            raise EngineError(f"gradient_accumulation_steps must be >= 1 (got {gradient_accumulation_steps})")
-        self.gradient_accumulation_steps = gradient_accumulation_steps
+        self.window = (gradient_accumulation_steps if isinstance(gradient_accumulation_steps, AccumulationWindow)
+                       else AccumulationWindow(gradient_accumulation_steps))
         self.gradient_clipping = float(gradient_clipping or 0.0)
         if self.zero.offload_param.device == "nvme":
             raise EngineError("zero_optimization.offload_param.device 'nvme' is not supported by this zerofit "
                               "version yet: use 'cpu' (optimizer state can go to NVMe: offload_optimizer)")
         self.device = device or default_device()
         self.comm = Collectives(group, self.device)
-        self.compute_dtype = _DTYPES[self.precision.mixed_precision]
+        self.compute_dtype = COMPUTE_DTYPES[self.precision.mixed_precision]
         self.scaler = LossScaler(self.precision.loss_scale, enabled=self.precision.mixed_precision == "fp16")
         self.policy = StagePolicy(stage=self.zero.stage, world=self.comm.world, rank=self.comm.rank,
                                   persistence_threshold=int(self.zero.param_persistence_threshold),
@@ -100,91 +93,45 @@ class ZeroEngine:
         self._host_grads = [g for g in self._trainable if g.placement.offload_state]
         if optimizer is not None:
             rebind_optimizer(optimizer, self._trainable, self.comm.rank)
-        compact = [g for g in self._trainable if g.compact]
-        self._compact_steps = CompactSteps(optimizer, compact) if compact else None
-        self._grads_pending = False
-        """A backward ran since the last step or zero_grad (a second one widens compact gradients)."""
-        self._step_factor: torch.Tensor | float | None = None
-        """This step's whole unscale/clip factor, for the compact groups (which scale it on upcast)."""
-        self._inflight: deque[Pending] = deque()
-        self._micro_step = 0
         self._sync = True
         self._in_backward = False
-        self._grads_prepared: torch.Tensor | None = None
-        self._grad_factor: torch.Tensor | float | None = None
-        """Unscale/clip factor still to be applied to the gradients (by the fused optimizer step)."""
+        self._prepared: StepFactors | None = None
+        """The factors `clip_grad_norm_` measured for this window's step (else `step()` measures them)."""
+        self.reductions = InFlight(MAX_INFLIGHT_REDUCTIONS)
+        self._closed = True
+        """The last backward closed its accumulation window (or none ran since the last step / zero_grad)."""
         self.times = StepTimes()
         self.last_grad_norm: torch.Tensor | None = None
-        self._steps_taken = 0
-        self._clip_seen = False
-        self._early_off: str | None = None
-        """Why host steps may not start during backward (None: they may; see the note below)."""
-        self._early_now = False
-        self._early_groups: set[int] = set()
-        self._early_hyper: list[dict] | None = None
-        self._to_submit: deque[tuple[list[Pending], list[FlatGroup]]] = deque()
         self._hooks = [p.register_post_accumulate_grad_hook(partial(self._on_grad, u, gi, i))
                        for u in self.units for gi, g in enumerate(u.trainable) for i, p in enumerate(g.params)]
-        self.stepper: HostStepper | None = None
-        self.swapper: NvmeSwapper | None = None
-        self._unpublished: set[int] = set()
-        if self._host_grads and optimizer is not None:
-            self._start_host_stepper()
-        if self.stepper is None or self.swapper is not None:
-            self._early_off = "no host optimizer steps" if self.stepper is None else "NVMe offload"
-        elif self.gradient_clipping > 0 or self.scaler.enabled:
-            self._early_off = "the step depends on the global gradient norm (clipping or fp16)"
+        self.mode: StepMode = self._step_mode()  # before the stage-3 hooks: see HostStep
+        # The host mode's worker and NVMe swapper, for inspection (tests, benchmarks); None without them.
+        self.stepper = self.mode.stepper if isinstance(self.mode, HostStep) else None
+        self.swapper = self.mode.swapper if isinstance(self.mode, HostStep) else None
         self.stage3 = Stage3Hooks(self.units[0], self.units, lambda: self._in_backward)
-        if any(u.sharded for u in self.units):
+        if self.shards_parameters:
             self.stage3.install()
         if self.compute_dtype != torch.float32:
             self._hooks.append(model.register_forward_pre_hook(self._cast_inputs, with_kwargs=True))
 
-    def _start_host_stepper(self) -> None:
-        """Offloaded groups step on a worker thread, overlapped with the next forward (see host_step)."""
-        self.stepper = HostStepper(self.optimizer, self._host_grads, self.device, self.times)
-        on_device = [t for g in self._trainable if not g.placement.offload_state for t in master_pieces(g)]
-        self._device_opt = sub_optimizer(self.optimizer, on_device) if on_device else (None, [])
-        for unit in self.units:
-            if any(g.placement.offload_state for g in unit.trainable):
-                unit.before_use = partial(self._await_host_step, unit)
-                target = self.model if unit is self.units[0] else unit.module
-                # registered before the stage-3 hooks, so a unit is stepped before it is gathered
-                self._hooks.append(target.register_forward_pre_hook(lambda *_a, u=unit: self._await_host_step(u)))
-        if self.zero.offload_optimizer.device == "nvme":
-            # After the sub-optimizers above matched their pieces: swapping out empties the tensors.
-            self.swapper = NvmeSwapper(self._host_grads, self.optimizer, self.zero.offload_optimizer,
-                                       self.zero.aio, self.comm, self.device)
-            self.stepper.swap = self.swapper
-            settle = self.stepper.settle_state  # one object: local_fragments calls each distinct hook once
-            for g in self._host_grads:
-                g.before_read = settle  # the stepper's, not the engine's: the worker must not keep us alive
-        # The worker thread holds the stepper forever: stop it (and remove NVMe files) with the engine.
-        weakref.finalize(self, self.stepper.close)
+    def _step_mode(self) -> StepMode:
+        """How the optimizer step runs (see [Note: step modes] in zerofit.engine.step_mode)."""
+        if not (self._host_grads and self.optimizer is not None):
+            return self._device_step(PlainStep(self.optimizer, self._trainable, self.comm))
+        on_device = [g for g in self._trainable if not g.placement.offload_state]
+        device_part = self._device_step(PlainStep.part_of(self.optimizer, on_device, self.comm))
+        return HostStep(self.optimizer, self._host_grads, device_part, model=self.model, units=self.units,
+                        trainable=self._trainable, comm=self.comm, reductions=self.reductions, times=self.times,
+                        offload=self.zero.offload_optimizer, aio=self.zero.aio,
+                        needs_norm=self.gradient_clipping > 0 or self.scaler.enabled)
 
-    def _await_host_step(self, unit: Unit) -> None:
-        for g in unit.trainable:
-            if id(g) not in self._unpublished:
-                continue
-            self._unpublished.discard(id(g))
-            self.stepper.wait(g)
-            if g.placement.shard_world > 1 and not g.placement.shard_params:
-                lo, hi = g.layout.shard_range(g.placement.rank)  # collectives stay on the main thread
-                self.comm.all_gather(g.param_flat, g.param_flat[lo:hi], f"publish:{g.unit_name}").wait()
-
-    def _settle_params(self) -> None:
-        """Finish every overlapped host step and publish its parameters (before anything reads state)."""
-        if self.stepper is not None:
-            self.stepper.wait_all()
-            for unit in self.units:
-                self._await_host_step(unit)
+    def _device_step(self, plain: PlainStep) -> StepMode:
+        return CompactStep(self.optimizer, plain) if any(g.compact for g in plain.groups) else plain
 
     def settle(self) -> None:
         """Finish overlapped host steps and make every offloaded state tensor readable (with NVMe:
         materialised in host memory until the next step; see [Note: NVMe residency])."""
-        self._settle_params()
-        if self.swapper is not None:
-            self.swapper.materialize()
+        self.mode.settle(state=True)
 
     # --- construction ---------------------------------------------------------------------------
     def _move_buffers(self) -> None:
@@ -253,31 +200,35 @@ class ZeroEngine:
 
     # --- backward -------------------------------------------------------------------------------
     @property
+    def gradient_accumulation_steps(self) -> int:
+        return self.window.steps
+
+    @gradient_accumulation_steps.setter
+    def gradient_accumulation_steps(self, steps: int) -> None:
+        self.window.steps = steps
+
+    @property
     def at_boundary(self) -> bool:
         """True when the last backward completed an accumulation window (time to `step()`)."""
-        return self._micro_step == 0
+        return self._closed
 
     def backward(self, loss: torch.Tensor, *, sync: bool | None = None) -> None:
         """Backpropagate `loss / gradient_accumulation_steps` (times the fp16 loss scale).
 
-        `sync` says whether this micro-step closes an accumulation window; by default the engine
-        counts micro-steps itself.
+        `sync` says whether this micro-step closes an accumulation window. Given (the Accelerator
+        gives it), whoever passes it counts the window's micro-steps; None: the engine decides from
+        `window.micro_step` and counts them there itself.
         """
-        if sync is None:
-            sync = self._micro_step + 1 >= self.gradient_accumulation_steps
-        if self._grads_pending and self._compact_steps is not None:
-            self._widen_grads()
-        self._grads_pending = True
+        counting = sync is None
+        if counting:
+            sync = self.window.micro_step + 1 >= self.window.steps
         self._sync = sync
-        if self._early_groups:
-            self._disable_early("backward ran again before step() applied the last window (zerofit had "
-                                "already started that update during backward)")
-        self._early_now = (sync and self._early_off is None and self._steps_taken > 0 and not self._clip_seen)
+        self.mode.begin_backward(sync)
         for unit in self.units:
             unit.begin_backward()
         self._in_backward = True
         try:
-            (loss * (self.scaler.scale / self.gradient_accumulation_steps)).backward()
+            (loss * (self.scaler.scale / self.window.steps)).backward()
         finally:
             self._in_backward = False
         for unit in self.units:  # units backward did not finish (unused or frozen parameters)
@@ -285,29 +236,14 @@ class ZeroEngine:
             if not unit.reduced and (unit.has_new_grads() or needs_sync_reduce):
                 self._reduce(unit)
             unit.release()
-        if self._host_grads:
-            # Offloaded gradients: the staging buffers are reused by the next micro-step, so their
-            # contents must reach the host gradient shards now (waits for the downloads in flight).
-            self._drain()
-            self._submit_ready()
-            with self.times.measure("wait_grad_download"):
-                for g in self._host_grads:
-                    if id(g) not in self._early_groups:
-                        g.settle_host_grad()
-            if self._early_now:  # groups that got no gradient this window step too (on zeros)
-                rest = [g for g in self._host_grads if id(g) not in self._early_groups]
-                for g in rest:
-                    g.grads_for_step()
-                self._submit_early(rest, settle_grads=False)
-        self._micro_step = 0 if sync else self._micro_step + 1
+        self.mode.end_backward()
+        self._closed = sync
+        if counting:
+            self.window.micro_step = 0 if sync else self.window.micro_step + 1
 
     def _widen_grads(self) -> None:
-        """A second backward before step(): compact gradients become fp32 before anything is added to them."""
-        for g in self._trainable:
-            if g.compact:
-                g.widen()
-                bind_grads(self.optimizer, g, g.grad_shard)
-        self._compact_steps = None
+        """Compact gradients become fp32 (before a second backward adds to them; see CompactStep)."""
+        self.mode.widen()
 
     def _on_grad(self, unit: Unit, group: int, index: int, param: nn.Parameter) -> None:
         grad, param.grad = param.grad, None
@@ -318,192 +254,104 @@ class ZeroEngine:
 
     def _reduce(self, unit: Unit) -> None:
         pendings = unit.reduce(sync=self._sync)
-        hosted = [g for g in unit.trainable if g.placement.offload_state]
-        if self._early_now and hosted:
-            self._to_submit.append((pendings, hosted))
-        self._launch(pendings)
-        self._submit_ready()
-
-    def _launch(self, pendings: list[Pending]) -> None:
-        self._inflight.extend(pendings)
-        while len(self._inflight) > MAX_INFLIGHT_REDUCTIONS:
-            self._inflight.popleft().wait()
-
-    # [Note: host steps during backward]
-    # When the step's gradient factor is known before backward ends - no clipping, no fp16 loss
-    # scale (so the factor is exactly 1), no NVMe - an offloaded group's host step can start as soon
-    # as its reduced gradient is on its way to the host, overlapping the rest of backward; the
-    # result is the same update, bit for bit. Two things a script could still do would change it
-    # after the fact, so the engine only starts early once it has seen a whole step without them:
-    # calling clip_grad_norm_ (from then on never early; a first call in an early window raises
-    # if clipping would bite) and changing lr & co. between backward and step() (detected at
-    # step(): warned, and never early again).
-    def _submit_ready(self) -> None:
-        """Hand the host steps whose gradient reduction has been issued to the worker, in order."""
-        while self._to_submit and all(p.done for p in self._to_submit[0][0]):
-            self._submit_early(self._to_submit.popleft()[1], settle_grads=True)
-
-    def _submit_early(self, groups: list[FlatGroup], *, settle_grads: bool) -> None:
-        if not groups:
-            return
-        if self._early_hyper is None:
-            self._early_hyper = self.stepper.hyperparams()
-        self.stepper.submit(groups, None, hyper=self._early_hyper, settle_grads=settle_grads)
-        for g in groups:
-            self._early_groups.add(id(g))
-            self._unpublished.add(id(g))
-        self.times.host_steps_in_backward += len(groups)
-
-    def _disable_early(self, reason: str) -> None:
-        if self._early_off is None:
-            warnings.warn(f"zerofit: {reason}; host optimizer steps no longer start during backward "
-                          "(slower, same results from now on)", stacklevel=3)
-        self._early_off = reason
-
-    def _drain(self) -> None:
-        while self._inflight:
-            self._inflight.popleft().wait()
+        self.reductions.launch(pendings)
+        self.mode.reduced(unit, pendings)
 
     # --- step -----------------------------------------------------------------------------------
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Unscale, then clip the global gradient norm to `max_norm`; returns the norm before clipping."""
-        self._drain()
-        self._clip_seen = True
-        if self._early_groups:
-            return self._norm_after_early_step(float(max_norm))
-        self._grads_prepared = self._unscale_and_clip(float(max_norm), need_norm=True)
-        return self._grads_prepared
+        self.reductions.drain()
+        norm = self.mode.clip_requested(float(max_norm))
+        if norm is not None:  # the update already ran: [Note: host steps during backward] (host_mode)
+            return norm
+        self._prepared = self._unscale_and_clip(float(max_norm), need_norm=True)
+        return self._prepared.norm
 
-    def _norm_after_early_step(self, max_norm: float) -> torch.Tensor:
-        """The norm of a window whose host steps already ran (see [Note: host steps during backward])."""
-        self.stepper.wait_all()
-        sumsq = local_grad_sumsq(self._trainable, self.device)
-        if any(g.placement.shard_world > 1 for g in self._trainable):
-            self.comm.all_reduce_now(sumsq, "grad_norm")
-        norm = sumsq.sqrt()
-        if max_norm > 0 and float(norm) > max_norm:
-            raise EngineError(
-                f"clip_grad_norm_(max_norm={max_norm}) was first called at optimizer step {self._steps_taken + 1}, "
-                f"after zerofit had already applied this step's update during backward (gradient norm {float(norm):.4g}): "
-                f"set gradient_clipping: {max_norm} in the config (zerofit then clips inside every step), or call "
-                "clip_grad_norm_ from the first step on")
-        return norm
-
-    def _unscale_and_clip(self, max_norm: float, *, need_norm: bool) -> torch.Tensor | None:
-        self._settle_params()
-        for g in self._host_grads:
-            g.grads_for_step()
+    def _unscale_and_clip(self, max_norm: float, *, need_norm: bool) -> StepFactors:
+        self.mode.prepare_grads()
         inv_scale = 1.0 / self.scaler.scale
         norm = None
         if need_norm or max_norm > 0 or self.scaler.enabled:
-            sumsq = local_grad_sumsq(self._trainable, self.device)
-            if any(g.placement.shard_world > 1 for g in self._trainable):
-                self.comm.all_reduce_now(sumsq, "grad_norm")
-            norm = sumsq.sqrt() * inv_scale
+            norm = global_grad_sumsq(self._trainable, self.comm, self.device).sqrt() * inv_scale
         factor: torch.Tensor | float = inv_scale
         if max_norm > 0:
             factor = torch.clamp(max_norm / (norm + 1e-6), max=1.0) * inv_scale
-        self._step_factor = factor
         if folds_grad_scale(self.optimizer):
-            self._grad_factor = factor  # applied inside the fused optimizer kernels, no pass here
-        elif isinstance(factor, torch.Tensor) or factor != 1.0:
+            return StepFactors(norm, factor, remaining=factor)  # applied inside the fused kernels, no pass here
+        if isinstance(factor, torch.Tensor) or factor != 1.0:
             scale_grads(self._trainable, factor)
-        return norm
+        return StepFactors(norm, factor)
 
     def step(self) -> bool:
         """Apply the accumulated gradients; returns False when an fp16 overflow skipped the step."""
-        self._drain()
-        self._steps_taken += 1
-        if self._early_groups:
-            self._finish_early_step()
-            return True
-        norm = self._grads_prepared
-        if norm is None:
-            norm = self._unscale_and_clip(self.gradient_clipping, need_norm=False)
-        self._grads_prepared = None
-        self.last_grad_norm = norm
+        self.reductions.drain()
+        if self.mode.begin_step():
+            factors = StepFactors()  # the update began during backward, with a factor of exactly 1
+        elif self._prepared is not None:
+            factors = self._prepared
+        else:
+            factors = self._unscale_and_clip(self.gradient_clipping, need_norm=False)
+        self._prepared = None
+        self.last_grad_norm = factors.norm
         if self.scaler.enabled:
             # Host sync on purpose: every rank must agree to skip. The norm was all-reduced, so an
             # overflow on any one rank is an overflow everywhere.
-            overflow = not bool(torch.isfinite(norm))
+            overflow = not bool(torch.isfinite(factors.norm))
             self.scaler.update(overflow)
             if overflow:
-                self._grad_factor = self._step_factor = None
                 self.zero_grad()
                 return False
-        factor, self._grad_factor = self._grad_factor, None
-        if self.stepper is not None:
-            self._step_on_device(factor, self._step_factor)
-            mark_stepped(self.optimizer)
-            self._publish(host=False)
-            self._unpublished = {id(g) for g in self._host_grads}
-            if self.swapper is not None:
-                self.swapper.evict_materialized()  # inspected or loaded state goes back to its files
-            # unit order = forward order: the units needed first are stepped first
-            self.stepper.submit(self._host_grads, factor)
-        elif self._compact_steps is not None:
-            self._compact_steps.step(self._step_factor)
-            self._publish()
-        else:
-            if self.optimizer is not None:
-                step_with_factor(self.optimizer, factor)
-            self._publish()
-        self._step_factor = None
+        self.mode.step(factors)
         self.zero_grad()
         return True
-
-    def _finish_early_step(self) -> None:
-        """step() of a window whose host steps started during backward: the on-device rest only."""
-        if not _same_settings(self.stepper.hyperparams(), self._early_hyper):
-            self._disable_early("the optimizer's settings (lr & co.) changed between backward and step(); this "
-                                "step used the values they had when backward ended")
-        self._grads_prepared = self._early_hyper = None
-        self.last_grad_norm = None
-        self._step_on_device(None, None)  # an early window's factor is exactly 1
-        mark_stepped(self.optimizer)
-        self._publish(host=False)
-        self._early_groups = set()
-        self.zero_grad()
-
-    def _step_on_device(self, factor: torch.Tensor | float | None, whole: torch.Tensor | float | None) -> None:
-        """The step of the groups whose optimizer state is on the device, beside the host stepper's:
-        `factor` is what is left to apply to wide gradients, `whole` the step's factor (compact ones)."""
-        if self._compact_steps is not None:
-            self._compact_steps.step(whole)
-            return
-        sub, index = self._device_opt
-        if sub is not None:
-            sync_hyperparams(sub, index, self.optimizer)
-            step_with_factor(sub, factor)
 
     def refresh_params(self) -> None:
         """Rebuild the compute-dtype parameters from the fp32 masters (after a checkpoint wrote into them)."""
         self.settle()
-        self._drain()
+        self.reductions.drain()
         for unit in self.units:  # a gathered stage-3 unit would keep stale values until its next release
             unit.release()
-        self._publish()
-
-    def _publish(self, host: bool = True) -> None:
-        """Masters -> compute-dtype parameters (all-gathered where replicated); `host=False` skips the
-        offloaded groups, which the host stepper publishes."""
-        gathers = []
-        for g in self._trainable:
-            if not host and g.placement.offload_state:
-                continue
-            g.publish_master()
-            if g.placement.shard_world > 1 and not g.placement.shard_params:
-                lo, hi = g.layout.shard_range(g.placement.rank)
-                gathers.append(self.comm.all_gather(g.param_flat, g.param_flat[lo:hi], f"publish:{g.unit_name}"))
-        for p in gathers:
-            p.wait()
+        publish(self._trainable, self.comm)
 
     def zero_grad(self) -> None:
-        self._drain()
-        self._grads_pending = False
+        """Zero the window's gradients; the next backward opens a new window (micro-step count 0)."""
+        self.reductions.drain()
+        self.mode.zero_grad()
         for g in self._trainable:
             g.zero_grads()
-        self._micro_step = 0
+        self._closed = True
+        self.window.micro_step = 0
+
+    def discard_window(self) -> None:
+        """Throw the partial accumulation window away (after an out-of-memory error in it): nothing in
+        flight reaches the next window, every unit is released, the gradients are zeroed and (by
+        `zero_grad`) the window's micro-step count starts again."""
+        self.mode.discard()
+        for unit in self.units:
+            unit.release()
+        self.zero_grad()
+
+    # --- what callers may ask -------------------------------------------------------------------
+    @property
+    def shards_parameters(self) -> bool:
+        """Some unit keeps its parameters sharded between uses (stage 3): forward gathers them."""
+        return any(u.sharded for u in self.units)
+
+    @property
+    def forward_communicates(self) -> bool:
+        """Forward runs collectives: parameter gathers (stage 3) or the host step's publishing, on several ranks."""
+        return self.comm.world > 1 and (self.shards_parameters or self.mode.forward_communicates)
+
+    # --- introspection of the step mode (tests read these) ----------------------------------------
+    @property
+    def _compact_steps(self) -> StepMode | None:
+        """The step mode while it keeps compact gradients, else None."""
+        return self.mode if self.mode.compact else None
+
+    @property
+    def _early_off(self) -> str | None:
+        """Why host steps may not start during backward ([Note: host steps during backward], host_mode)."""
+        return self.mode.early_off if isinstance(self.mode, HostStep) else "no host optimizer steps"
 
     # --- inspection (tests, checkpoints) --------------------------------------------------------
     def named_full_tensors(self, what: str) -> dict[str, torch.Tensor]:
@@ -511,11 +359,8 @@ class ZeroEngine:
 
         Collective: every rank must call it. Meant for tests and consolidation, not the hot path.
         """
-        if what == "master":
-            self.settle()
-        else:
-            self._settle_params()
-        self._drain()
+        self.mode.settle(state=what == "master")
+        self.reductions.drain()
         out: dict[str, torch.Tensor] = {}
         for g in self.groups:
             if what != "param" and not g.trainable:
@@ -531,12 +376,3 @@ class ZeroEngine:
                 out[name] = full[off:off + n].view(shape).clone()
         return out
 
-
-def _same_settings(a: list[dict], b: list[dict]) -> bool:
-    """Param-group settings equal value for value (lr may be a tensor)."""
-    def same(x, y):
-        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
-            return isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and torch.equal(x, y)
-        return x == y
-    return len(a) == len(b) and all(ga.keys() == gb.keys() and all(same(ga[k], gb[k]) for k in ga)
-                                    for ga, gb in zip(a, b))

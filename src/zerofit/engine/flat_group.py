@@ -11,7 +11,7 @@ Buffers alias each other whenever the math allows, so one rank and stage 0 cost 
 - `grad_flat` (where backward accumulates full gradients) is `grad_shard` when the optimizer is not
   sharded (stage 0, or one rank), so reduction is in place or nothing at all;
 - on one rank with no accumulation, that buffer is in the compute dtype ("compact", see
-  [Note: compact gradients] in zerofit.engine.optim).
+  [Note: compact gradients] in zerofit.engine.step_mode).
 
 [Note: released parameters]
 Under stage 3 a released group keeps its `param_flat` tensor and the parameter views into it, but its
@@ -22,30 +22,14 @@ including tensors autograd saved during forward - sees the gathered values again
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from zerofit.engine.buffers import group_buffers
 from zerofit.engine.layout import FlatLayout, plan_layout
 from zerofit.engine.pinned import pinned_copy, pinned_empty
-
-
-@dataclass(frozen=True)
-class GroupPlacement:
-    """How one flat group is held, decided by the stage policy."""
-
-    shard_world: int
-    """Ranks the optimizer state and gradient shards are split over (1: not split)."""
-    rank: int
-    shard_params: bool
-    """Parameters exist only as shards between uses (stage 3, above the persistence threshold)."""
-    keep_full_grads: bool
-    """Full gradients persist across micro-steps (stages 0-1); else reduced every micro-step."""
-    offload_state: bool = False
-    """fp32 master, gradient shard and optimizer state live in host memory; the optimizer steps there."""
-    offload_params: bool = False
-    """The parameter shard lives in host memory and is uploaded for each gather (stage 3)."""
+from zerofit.engine.policy import GroupPlacement
 
 
 class FlatGroup:
@@ -66,21 +50,23 @@ class FlatGroup:
         self.layout: FlatLayout = plan_layout([p.numel() for p in params], placement.shard_world,
                                               groups=groups, align=align)
         lo, hi = self.layout.shard_range(placement.rank)
+        self.buffers = b = group_buffers(self.layout, placement, trainable=trainable, compute_dtype=compute_dtype,
+                                         compact=compact_grads)
         host = torch.device("cpu")
         self.device = device
         pin = device.type == "cuda"  # page-locked host memory makes host<->GPU copies asynchronous
-        flat = torch.zeros(self.layout.padded_numel, dtype=compute_dtype, device=device)
+        flat = torch.zeros(b.param_flat.numel, dtype=compute_dtype, device=device)
         master_src = None
         with torch.no_grad():
             for p, off in zip(params, self.layout.offsets):
                 flat[off:off + p.numel()].copy_(p.detach().reshape(-1))
-            if trainable and (compute_dtype != torch.float32 or placement.offload_state):
-                master_src = self._gather_fp32_shard(params, lo, hi, host if placement.offload_state else device)
+            if b.master is not None:
+                master_src = self._gather_fp32_shard(params, lo, hi, host if b.master.host else device)
         self.param_flat = flat
         self._full_bytes = flat.untyped_storage().nbytes()
         self.param_shard = flat[lo:hi]
-        if placement.shard_params:
-            self.param_shard = _on(flat[lo:hi], host, pin) if placement.offload_params else flat[lo:hi].clone()
+        if b.param_shard is not None:
+            self.param_shard = _on(flat[lo:hi], host, pin) if b.param_shard.host else flat[lo:hi].clone()
         self.master: torch.Tensor | None = None
         self.grad_shard: torch.Tensor | None = None
         self.grad_flat: torch.Tensor | None = None
@@ -99,17 +85,16 @@ class FlatGroup:
             if master_src is None:
                 self.master = self.param_shard
             else:
-                self.master = _on(master_src, host, pin) if placement.offload_state else master_src
-            state_device = host if placement.offload_state else device
-            if pin and state_device.type == "cpu":
-                self.grad_shard = pinned_empty(self.layout.shard_numel, torch.float32).zero_()
+                self.master = _on(master_src, host, pin) if b.master.host else master_src
+            grad = b.grad_shard
+            if pin and grad.host:
+                self.grad_shard = pinned_empty(grad.numel, grad.dtype).zero_()
             else:
-                self.grad_shard = torch.zeros(self.layout.shard_numel, device=state_device,
-                                              dtype=compute_dtype if compact_grads else torch.float32)
-            if placement.shard_world == 1 and not placement.offload_state:
+                self.grad_shard = torch.zeros(grad.numel, device=host if grad.host else device, dtype=grad.dtype)
+            if b.grad_flat_is_shard:
                 self.grad_flat = self.grad_shard
-            elif placement.keep_full_grads:
-                self.grad_flat = torch.zeros(self.layout.padded_numel, dtype=torch.float32, device=device)
+            elif b.grad_flat is not None:
+                self.grad_flat = torch.zeros(b.grad_flat.numel, dtype=b.grad_flat.dtype, device=device)
         for p, off, shape in zip(params, self.layout.offsets, self.shapes):
             p.data = flat[off:off + p.numel()].view(shape)
         self.gathered = True
@@ -212,8 +197,8 @@ class FlatGroup:
     def accumulate(self, index: int, grad: torch.Tensor) -> None:
         """Add one parameter's gradient into the full gradient buffer (allocated on first use)."""
         if self.grad_flat is None:
-            self.grad_flat = torch.zeros(self.layout.padded_numel, dtype=torch.float32,
-                                         device=self.param_flat.device)
+            full = self.buffers.grad_transient
+            self.grad_flat = torch.zeros(full.numel, dtype=full.dtype, device=self.param_flat.device)
         off = self.layout.offsets[index]
         self.grad_flat[off:off + grad.numel()].view_as(grad).add_(grad)
 

@@ -14,6 +14,7 @@ from collections import defaultdict
 
 import torch
 
+from zerofit.engine.comm import Collectives
 from zerofit.engine.flat_group import FlatGroup
 from zerofit.errors import EngineError
 
@@ -36,7 +37,7 @@ def param_group_index(optimizer: torch.optim.Optimizer | None) -> dict[int, int]
 
 def rebind_optimizer(optimizer: torch.optim.Optimizer, groups: list[FlatGroup], rank: int) -> None:
     """Point `optimizer` at this rank's master pieces and give every piece its gradient view (compact
-    groups get theirs at each step: see `CompactSteps`)."""
+    groups get theirs at each step: see `zerofit.engine.step_mode.CompactStep`)."""
     pieces: list[list[torch.Tensor]] = [[] for _ in optimizer.param_groups]
     for fg in groups:
         if not fg.trainable:
@@ -119,45 +120,6 @@ def mark_stepped(optimizer: torch.optim.Optimizer) -> None:
     optimizer._opt_called = True  # type: ignore[attr-defined]
 
 
-class CompactSteps:
-    """The optimizer step of groups whose gradients are kept in the compute dtype.
-
-    [Note: compact gradients]
-    On one rank with no accumulation (and no offload), each parameter's gradient reaches the engine
-    once per step, already in the compute dtype (bf16/fp16): an fp32 buffer would only hold the same
-    values in twice the bytes. Such groups keep `grad_shard` in the compute dtype - 2 bytes per
-    parameter instead of 4, what DeepSpeed's ZeRO-2 keeps - and each is stepped alone: its gradient
-    upcast to a transient fp32 buffer (one group at a time), bound to its master pieces, stepped by
-    a small optimizer of the script's class sharing its state, unbound. Same update, bit for bit.
-    A second backward before `step()` (accumulation turned on later, e.g. by the out-of-memory
-    back-off) would round a sum in the compute dtype: the engine widens the groups to fp32 first
-    (`FlatGroup.widen`) and steps them as usual from then on.
-    """
-
-    def __init__(self, optimizer: torch.optim.Optimizer, groups: list[FlatGroup]):
-        self.optimizer = optimizer
-        self._subs = [(g, *sub_optimizer(optimizer, master_pieces(g))) for g in groups]
-
-    def step(self, factor: torch.Tensor | float | None) -> None:
-        """Step every group, gradients times `factor` (folded into fused kernels, else applied to the upcast)."""
-        folded = folds_grad_scale(self.optimizer)
-        for g, sub, index in self._subs:
-            if sub is None:
-                continue
-            grad = g.grad_shard.float()
-            if isinstance(factor, torch.Tensor) and not folded:
-                grad.mul_(factor.to(grad.device))
-            elif factor is not None and factor != 1.0 and not folded:
-                grad.mul_(factor)
-            sync_hyperparams(sub, index, self.optimizer)
-            bind_grads(sub, g, grad)
-            try:
-                step_with_factor(sub, factor if folded else None)
-            finally:
-                bind_grads(sub, g, None)
-        mark_stepped(self.optimizer)
-
-
 def local_grad_sumsq(groups: list[FlatGroup], device: torch.device) -> torch.Tensor:
     """Sum of squared gradient elements of this rank's shards (fp32, on `device`).
 
@@ -177,6 +139,14 @@ def local_grad_sumsq(groups: list[FlatGroup], device: torch.device) -> torch.Ten
             if s.dtype != torch.float32:
                 total += torch.linalg.vector_norm(s, dtype=torch.float32).square().to(device)
     return total
+
+
+def global_grad_sumsq(groups: list[FlatGroup], comm: Collectives, device: torch.device) -> torch.Tensor:
+    """Sum of squared gradient elements over every rank's shards (one scalar all-reduce when sharded)."""
+    sumsq = local_grad_sumsq(groups, device)
+    if any(g.placement.shard_world > 1 for g in groups):
+        comm.all_reduce_now(sumsq, "grad_norm")
+    return sumsq
 
 
 def folds_grad_scale(optimizer: torch.optim.Optimizer | None) -> bool:

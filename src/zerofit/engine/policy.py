@@ -16,10 +16,32 @@ or a share under `offload_optimizer.ratio`); the planner's memory model calls it
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 
-from zerofit.engine.flat_group import GroupPlacement
+import torch
+
+COMPUTE_DTYPES: Mapping[str, torch.dtype] = MappingProxyType(
+    {"no": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16})
+"""The compute dtype of each `precision.mixed_precision` value (the engine's and the planner's)."""
+
+
+@dataclass(frozen=True)
+class GroupPlacement:
+    """How one flat group is held, decided by the stage policy."""
+
+    shard_world: int
+    """Ranks the optimizer state and gradient shards are split over (1: not split)."""
+    rank: int
+    shard_params: bool
+    """Parameters exist only as shards between uses (stage 3, above the persistence threshold)."""
+    keep_full_grads: bool
+    """Full gradients persist across micro-steps (stages 0-1); else reduced every micro-step."""
+    offload_state: bool = False
+    """fp32 master, gradient shard and optimizer state live in host memory; the optimizer steps there."""
+    offload_params: bool = False
+    """The parameter shard lives in host memory and is uploaded for each gather (stage 3)."""
 
 
 @dataclass(frozen=True)
@@ -66,7 +88,7 @@ def keeps_compact_grads(placement: GroupPlacement, *, world: int, gradient_accum
                         low_precision: bool) -> bool:
     """True when a trainable group's gradient can stay in the compute dtype, exactly: one rank (nothing
     to reduce), one micro-step per step (nothing to add up), bf16/fp16 compute, state on the device
-    (see [Note: compact gradients] in zerofit.engine.optim). The engine and the planner both ask this."""
+    (see [Note: compact gradients] in zerofit.engine.step_mode). The engine and the planner both ask this."""
     return world == 1 and gradient_accumulation_steps == 1 and low_precision and not placement.offload_state
 
 

@@ -28,7 +28,7 @@ class StepTimes:
     wait_grad_download: float = 0.0
     """Main thread: end of backward blocked until the gradient shards reached host memory."""
     host_steps_in_backward: int = 0
-    """Groups whose host step started during backward (see [Note: host steps during backward])."""
+    """Groups whose host step started during backward ([Note: host steps during backward], host_mode)."""
 
     def snapshot(self) -> dict[str, float]:
         return asdict(self)

@@ -10,10 +10,10 @@ An unchanged Accelerate-style loop keeps running:
 
 [Note: back-off keeps the run's numerics]
 On `torch.OutOfMemoryError` inside the block, the partial accumulation window is thrown away
-(`engine.zero_grad`), memory is freed (the failed forward's frames cleared, gc, empty_cache), the
+(`engine.discard_window`), memory is freed (the failed forward's frames cleared, gc, empty_cache), the
 prepared loader re-yields the window's batches - the ones already seen and the current one - cut in
-halves (`BatchSplitter`), and accumulation is doubled in the loader's `GradientState` and in the
-engine. The optimizer then steps once per original global batch on the same samples, and every
+halves (`BatchSplitter`), and accumulation is doubled in the accumulation window the loader's
+`GradientState` shares with the engine. The optimizer then steps once per original global batch on the same samples, and every
 micro-step's loss is divided by the doubled count, so the mean of the halves' mean losses is the
 mean of the batch's: the update is the same up to summation order (exact for an even micro-batch
 and a per-sample mean loss; a loss averaged over tokens weights the halves by their token counts).
@@ -62,12 +62,7 @@ MAX_BACKOFFS = 4
 def discard_partial_step(engine: Any) -> None:
     """Forget a failed micro-step's partial window and free what it held (gathered units, gradients, cache)."""
     if engine is not None:
-        for g in engine.groups:
-            if g.placement.offload_state:
-                g.settle_host_grad()  # a download still in flight must not land in the next window
-        for unit in engine.units:
-            unit.release()
-        engine.zero_grad()
+        engine.discard_window()
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -234,7 +229,7 @@ class OomBackoff:
         """Forward runs no collective (stage 0-2 without optimizer offload, or one rank)."""
         if self._world() == 1 or engine is None:
             return True
-        return not any(u.sharded for u in engine.units) and engine.stepper is None
+        return not engine.forward_communicates
 
     def _handle(self, error: BaseException) -> None:
         rank = self.process.process_index
@@ -266,10 +261,8 @@ class OomBackoff:
                 from (None if peer else error)
         self.backoffs += 1
         loader.splitter.replay()
-        self.gradient_state.gradient_accumulation_steps = old_accum * 2
-        self.gradient_state.micro_step = 0
-        if engine is not None:
-            engine.gradient_accumulation_steps = old_accum * 2
+        window = self.gradient_state.window  # the engine's too (see zerofit.engine.window)
+        window.steps, window.micro_step = old_accum * 2, 0
         for opt in self.prepared.optimizers:
             opt.window_open = False
         cause = "another rank ran out of memory" if peer else f"CUDA out of memory in {phase}"

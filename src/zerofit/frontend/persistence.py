@@ -102,7 +102,6 @@ class PersistenceMixin:
             raise ValueError("save_state() needs a prepared model: call prepare(model, optimizer, ...) first")
         extra = checkpointing.collect(schedulers=self._prepared.schedulers, optimizers=self._prepared.optimizers,
                                       dataloaders=self._prepared.dataloaders, custom=self._prepared.custom,
-                                      micro_step=self.gradient_state.micro_step,
                                       iteration=self.project_configuration.iteration)
         path = save_state(self._checkpoint_dir(output_dir), engine, extra_state=extra, config=self.config)
         retention.prune(path, config_limit=self.config.checkpoint.total_limit,
@@ -126,9 +125,8 @@ class PersistenceMixin:
             input_dir = _latest_checkpoint(os.path.join(self.project_dir or ".", "checkpoints"))
         extra = load_state(self._checkpoint_dir(input_dir), engine)
         self._custom_to_restore = checkpointing.restore(
-            extra, schedulers=self._prepared.schedulers, optimizers=self._prepared.optimizers, dataloaders=self._prepared.dataloaders,
-            custom=self._prepared.custom, custom_may_follow=custom_may_follow)
-        self.gradient_state.micro_step = extra.get("micro_step", 0)
+            extra, schedulers=self._prepared.schedulers, optimizers=self._prepared.optimizers,
+            dataloaders=self._prepared.dataloaders, custom=self._prepared.custom, custom_may_follow=custom_may_follow)
         if self.project_configuration.automatic_checkpoint_naming:
             self.project_configuration.iteration = extra.get("iteration", 0) + 1
 

@@ -177,13 +177,13 @@ class PrepareMixin:
                                           micro_batch=self._facts.micro_batch_size, process=self.process)
         cfg = self.config
         engine = ZeroEngine(model, optimizer, zero=cfg.zero, precision=cfg.precision,
-                            gradient_accumulation_steps=cfg.batch.gradient_accumulation_steps,
+                            gradient_accumulation_steps=self.gradient_state.window,
                             gradient_clipping=cfg.gradient_clipping, device=self.device)
         self._prepared.engines[id(model)] = engine
         if probe is not None:
             self._probe = probe
             probe.start(engine)
-        if any(u.sharded for u in engine.units) and self.num_processes > 1:
+        if engine.shards_parameters and self.num_processes > 1:
             # [Note: synced generation] Under stage 3 every rank must run the same number of forward
             # passes, or the parameter all-gathers hang when one rank's `generate()` stops early.
             # transformers (5.x, generation/utils.py `_extract_generation_mode_kwargs`) turns on its

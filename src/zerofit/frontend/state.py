@@ -22,6 +22,7 @@ import torch.distributed as dist
 from zerofit.config.schema import RunConfig, is_auto
 from zerofit.dist import process_group, runtime
 from zerofit.dist.collectives import Peers
+from zerofit.engine.window import AccumulationWindow
 
 
 class DistributedType(str, enum.Enum):
@@ -102,13 +103,33 @@ class ProcessState:
 class GradientState:
     """Shared by `accumulate()`, the dataloaders and the optimizer/scheduler wrappers."""
 
-    gradient_accumulation_steps: int = 1
+    window: AccumulationWindow = field(default_factory=AccumulationWindow)
+    """The accumulation steps and the micro-steps `accumulate()` counted since the last window closed:
+    the engine's window too (`GradientState(n)` makes a window of n)."""
     sync_gradients: bool = True
     """True on the micro-step that closes an accumulation window (the optimizer steps after it)."""
-    micro_step: int = 0
-    """Micro-steps counted by `accumulate()` since the last window closed."""
     active_dataloaders: list[Any] = field(default_factory=list)
     """Dataloaders being iterated, innermost last."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.window, AccumulationWindow):
+            self.window = AccumulationWindow(self.window)
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        return self.window.steps
+
+    @gradient_accumulation_steps.setter
+    def gradient_accumulation_steps(self, steps: int) -> None:
+        self.window.steps = steps
+
+    @property
+    def micro_step(self) -> int:
+        return self.window.micro_step
+
+    @micro_step.setter
+    def micro_step(self, value: int) -> None:
+        self.window.micro_step = value
 
     @property
     def end_of_dataloader(self) -> bool:

@@ -28,12 +28,11 @@ from torch import nn
 
 from zerofit.config.naming import key_name
 from zerofit.config.schema import RunConfig, is_auto
+from zerofit.engine.policy import COMPUTE_DTYPES
 from zerofit.plan.activations import trace_step
 from zerofit.plan.choose import Budget, Plan, plan
 from zerofit.plan.memory import DTYPE_BYTES, ModelCounts, Setting, Workload, all_settings
 from zerofit.plan.sources import replica_of
-
-_DTYPES = {"no": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def needs_planning(config: RunConfig) -> bool:
@@ -85,7 +84,7 @@ def choose(config: RunConfig, model: nn.Module, *, world: int, shape: tuple[int,
                     unit_size_threshold=config.zero.unit_size_threshold)
     trace = None
     if shape is not None:
-        fake = replica_of(model, _DTYPES.get(precision, torch.float32))
+        fake = replica_of(model, COMPUTE_DTYPES.get(precision, torch.float32))
         if fake is not None:
             try:
                 trace = trace_step(fake, batch=shape[0], seq=shape[1], checkpointing=checkpointing,

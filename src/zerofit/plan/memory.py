@@ -1,9 +1,10 @@
 """Bytes per rank of one zerofit setting, from the engine's own layout: the memory model.
 
 The engine's pure functions decide everything here - `plan_units` (which parameters form a unit),
-`StagePolicy.placement` (what each unit's flat group shards and where it lives) and `plan_layout`
-(padding to `world` equal shards of a multiple of 16 elements) - so the model follows the engine
-when either changes. For each flat group with padded size N and shard size S = N / shard_world,
+`StagePolicy.placement` (what each unit's flat group shards and where it lives), `plan_layout`
+(padding to `world` equal shards of a multiple of 16 elements) and `group_buffers` (which buffers a
+group holds, in which dtype, where: what `FlatGroup` allocates) - so the model follows the engine
+when any of them changes. For each flat group with padded size N and shard size S = N / shard_world,
 c bytes per compute element (4 fp32, 2 bf16/fp16) and k optimizer state tensors (2 for Adam):
 
 | term | bytes | where |
@@ -30,11 +31,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
+from zerofit.engine.buffers import group_buffers
 from zerofit.engine.engine import SHARD_ALIGN
 from zerofit.engine.layout import plan_layout
-from zerofit.engine.policy import StagePolicy, keeps_compact_grads, offloaded_units
+from zerofit.engine.policy import COMPUTE_DTYPES, StagePolicy, keeps_compact_grads, offloaded_units
 from zerofit.engine.units import UnitSpec, plan_units
 from zerofit.plan.activations import ActivationTrace
 
@@ -151,6 +154,7 @@ class ModelCounts:
 def estimate(counts: ModelCounts, setting: Setting, work: Workload, trace: ActivationTrace | None) -> Estimate:
     """The per-rank bytes of `setting` (see the module doc for every term's formula)."""
     c = DTYPE_BYTES[work.mixed_precision]
+    dtype = COMPUTE_DTYPES.get(work.mixed_precision, torch.float32)
     k = work.optimizer_states
     policy = StagePolicy(stage=setting.stage, world=work.world, rank=0,
                          persistence_threshold=work.persistence_threshold,
@@ -174,37 +178,36 @@ def estimate(counts: ModelCounts, setting: Setting, work: Workload, trace: Activ
                 continue
             pl = policy.placement(trainable=is_trainable, unit_numel=unit_numel, offload_state=u in offloaded)
             lay = plan_layout([numel], pl.shard_world, align=SHARD_ALIGN)
-            n, s = lay.padded_numel, lay.shard_numel
-            if pl.shard_params:
-                (host if pl.offload_params else gpu)["params"] += s * c
+            compact = is_trainable and keeps_compact_grads(pl, world=work.world, low_precision=c != 4,
+                                                           gradient_accumulation_steps=work.gradient_accumulation_steps)
+            b = group_buffers(lay, pl, trainable=is_trainable, compute_dtype=dtype, compact=compact,
+                              optimizer_states=k, accumulates=work.gradient_accumulation_steps > 1)
+            if b.params_released:
+                (host if b.param_shard.host else gpu)["params"] += b.param_shard.nbytes
                 if u == 0:
-                    root_gathered += n * c
+                    root_gathered += b.param_flat.nbytes
                 else:
-                    gathered[u] += n * c
+                    gathered[u] += b.param_flat.nbytes
             else:
-                gpu["params"] += n * c
+                gpu["params"] += b.param_flat.nbytes
             if not is_trainable:
                 continue
-            state = host if pl.offload_state else gpu
-            if c != 4 or pl.offload_state:
-                state["optimizer"] += s * 4  # the fp32 master
-            compact = keeps_compact_grads(pl, world=work.world, low_precision=c != 4,
-                                          gradient_accumulation_steps=work.gradient_accumulation_steps)
-            state["grads"] += s * (c if compact else 4)
-            if compact:  # stepped from a transient fp32 copy, one group at a time, after backward
-                step_transient = max(step_transient, s * 4)
-            if pl.offload_state and setting.offload_optimizer == "nvme":
-                nvme += (1 + k) * s * 4
-                largest_state = max(largest_state, (1 + k) * s * 4)
-                state["optimizer"] -= s * 4
+            state = host if b.grad_shard.host else gpu
+            state["grads"] += b.grad_shard.nbytes
+            if b.step_upcast is not None:  # compact: stepped from a transient fp32 copy, one group at a time
+                step_transient = max(step_transient, b.step_upcast.nbytes)
+            master = b.master.nbytes if b.master is not None else 0
+            if pl.offload_state and setting.offload_optimizer == "nvme":  # master and state in files
+                nvme += master + b.optimizer_state.nbytes
+                largest_state = max(largest_state, master + b.optimizer_state.nbytes)
             else:
-                state["optimizer"] += k * s * 4
-            if pl.offload_state and work.gradient_accumulation_steps > 1:
-                host["buffers"] += s * 4  # the staging buffer a second micro-step's download lands in
-            if pl.keep_full_grads and pl.shard_world > 1:
-                gpu["buffers"] += n * 4
-            elif not pl.keep_full_grads:
-                transient[u] += n * 4 + (s * 4 if pl.shard_world > 1 else 0)
+                state["optimizer"] += master + b.optimizer_state.nbytes
+            for extra in (b.grad_staging, b.grad_flat):  # host staging; stage 1's persistent full gradient
+                if extra is not None:
+                    (host if extra.host else gpu)["buffers"] += extra.nbytes
+            for moving in (b.grad_transient, b.reduce_output):
+                if moving is not None:
+                    transient[u] += moving.nbytes
     if setting.offload_optimizer == "nvme":
         host["optimizer"] += 2 * largest_state  # slots: the group being stepped and the next one read ahead
     activations, in_use = 0, sum(sorted(gathered)[-2:])

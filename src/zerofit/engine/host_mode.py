@@ -1,0 +1,235 @@
+"""`HostStep`: the step mode of optimizer offload - offloaded groups step on the host, overlapped.
+
+Each offloaded flat group's step runs on `HostStepper`'s worker thread (see [Note: overlapped host
+step] in zerofit.engine.host_step); the next forward waits for a unit's groups just before it uses
+them, and publishes their parameters (all-gathering them where they are replicated). The groups
+that stay on the device (`offload_optimizer.ratio` below 1) are stepped by `device`, a `PlainStep`
+or `CompactStep` over a smaller optimizer sharing the script optimizer's state.
+
+[Note: host steps during backward]
+When the step's gradient factor is known before backward ends - no clipping, no fp16 loss
+scale (so the factor is exactly 1), no NVMe - an offloaded group's host step can start as soon
+as its reduced gradient is on its way to the host, overlapping the rest of backward; the
+result is the same update, bit for bit. Two things a script could still do would change it
+after the fact, so the engine only starts early once it has seen a whole step without them:
+calling clip_grad_norm_ (from then on never early; a first call in an early window raises
+if clipping would bite) and changing lr & co. between backward and step() (detected at
+step(): warned, and never early again).
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from collections import deque
+from functools import partial
+
+import torch
+from torch import nn
+
+from zerofit.config.schema import AioConfig, OffloadConfig
+from zerofit.engine.comm import Collectives, InFlight, Pending
+from zerofit.engine.flat_group import FlatGroup
+from zerofit.engine.host_step import HostStepper
+from zerofit.engine.nvme import NvmeSwapper
+from zerofit.engine.optim import global_grad_sumsq, mark_stepped
+from zerofit.engine.step_mode import StepFactors, StepMode, gather_params
+from zerofit.engine.timing import StepTimes
+from zerofit.engine.unit import Unit
+from zerofit.errors import EngineError
+
+
+class HostStep(StepMode):
+    """Optimizer offload: `groups` step on the host worker, `device` steps the rest (see the module doc)."""
+
+    forward_communicates = True  # a unit's first use after a step publishes its groups
+
+    def __init__(self, optimizer: torch.optim.Optimizer, groups: list[FlatGroup], device_part: StepMode, *,
+                 model: nn.Module, units: list[Unit], trainable: list[FlatGroup], comm: Collectives,
+                 reductions: InFlight, times: StepTimes, offload: OffloadConfig, aio: AioConfig,
+                 needs_norm: bool):
+        """`trainable`: every trainable group, in unit order (the gradient norm's summation order);
+        `needs_norm`: the step depends on the global gradient norm (clipping or fp16)."""
+        self.optimizer = optimizer
+        self.groups = groups
+        self.device = device_part
+        self.units = units
+        self.trainable = trainable
+        self.comm = comm
+        self.reductions = reductions
+        self.times = times
+        self.stepper = HostStepper(optimizer, groups, comm.device, times)
+        self.swapper: NvmeSwapper | None = None
+        self._hooks = []
+        self._unpublished: set[int] = set()
+        """Groups stepped on the host whose parameters the next forward must still publish."""
+        for unit in units:
+            if any(g.placement.offload_state for g in unit.trainable):
+                unit.before_use = partial(self._await, unit)
+                target = model if unit is units[0] else unit.module
+                # registered before the stage-3 hooks, so a unit is stepped before it is gathered
+                self._hooks.append(target.register_forward_pre_hook(lambda *_a, u=unit: self._await(u)))
+        if offload.device == "nvme":
+            # After every sub-optimizer matched its pieces (`device`'s too): swapping out empties the tensors.
+            self.swapper = NvmeSwapper(groups, optimizer, offload, aio, comm, comm.device)
+            self.stepper.swap = self.swapper
+            settle = self.stepper.settle_state  # one object: local_fragments calls each distinct hook once
+            for g in groups:
+                g.before_read = settle  # the stepper's, not ours: the worker must not keep us alive
+        # The worker thread holds the stepper forever: stop it (and remove NVMe files) with this mode.
+        weakref.finalize(self, self.stepper.close)
+        self.early_off: str | None = None
+        """Why host steps may not start during backward (None: they may; see the module note)."""
+        if self.swapper is not None:
+            self.early_off = "NVMe offload"
+        elif needs_norm:
+            self.early_off = "the step depends on the global gradient norm (clipping or fp16)"
+        self._early_now = False
+        """This backward closes the window and hands groups to the worker as their gradients arrive."""
+        self._early_groups: set[int] = set()
+        """Groups whose step for this window was handed to the worker during backward."""
+        self._early_hyper: list[dict] | None = None
+        """The optimizer settings the early steps of this window used (checked again at step())."""
+        self._to_submit: deque[tuple[list[Pending], list[FlatGroup]]] = deque()
+        """Early steps waiting for their gradient reduction to be issued, in reduction order."""
+        self._steps_taken = 0
+        self._clip_seen = False
+
+    @property
+    def compact(self) -> bool:
+        return self.device.compact
+
+    # --- backward -------------------------------------------------------------------------------
+    def begin_backward(self, sync: bool) -> None:
+        self.device.begin_backward(sync)
+        if self._early_groups:
+            self._disable_early("backward ran again before step() applied the last window (zerofit had "
+                                "already started that update during backward)", stacklevel=4)
+        self._early_now = sync and self.early_off is None and self._steps_taken > 0 and not self._clip_seen
+
+    def reduced(self, unit: Unit, pendings: list[Pending]) -> None:
+        hosted = [g for g in unit.trainable if g.placement.offload_state]
+        if self._early_now and hosted:
+            self._to_submit.append((pendings, hosted))
+        self._submit_ready()
+
+    def end_backward(self) -> None:
+        # Offloaded gradients: the staging buffers are reused by the next micro-step, so their
+        # contents must reach the host gradient shards now (waits for the downloads in flight).
+        self.reductions.drain()
+        self._submit_ready()
+        with self.times.measure("wait_grad_download"):
+            for g in self.groups:
+                if id(g) not in self._early_groups:
+                    g.settle_host_grad()
+        if self._early_now:  # groups that got no gradient this window step too (on zeros)
+            rest = [g for g in self.groups if id(g) not in self._early_groups]
+            for g in rest:
+                g.grads_for_step()
+            self._submit_early(rest, settle_grads=False)
+
+    def _submit_ready(self) -> None:
+        """Hand the host steps whose gradient reduction has been issued to the worker, in order."""
+        while self._to_submit and all(p.done for p in self._to_submit[0][0]):
+            self._submit_early(self._to_submit.popleft()[1], settle_grads=True)
+
+    def _submit_early(self, groups: list[FlatGroup], *, settle_grads: bool) -> None:
+        if not groups:
+            return
+        if self._early_hyper is None:
+            self._early_hyper = self.stepper.hyperparams()
+        self.stepper.submit(groups, None, hyper=self._early_hyper, settle_grads=settle_grads)
+        for g in groups:
+            self._early_groups.add(id(g))
+            self._unpublished.add(id(g))
+        self.times.host_steps_in_backward += len(groups)
+
+    def _disable_early(self, reason: str, *, stacklevel: int) -> None:
+        if self.early_off is None:
+            warnings.warn(f"zerofit: {reason}; host optimizer steps no longer start during backward "
+                          "(slower, same results from now on)", stacklevel=stacklevel)
+        self.early_off = reason
+
+    # --- step -----------------------------------------------------------------------------------
+    def clip_requested(self, max_norm: float) -> torch.Tensor | None:
+        self._clip_seen = True
+        if not self._early_groups:
+            return None
+        # The norm of a window whose host steps already ran: nothing is left to clip.
+        self.stepper.wait_all()
+        norm = global_grad_sumsq(self.trainable, self.comm, self.comm.device).sqrt()
+        if max_norm > 0 and float(norm) > max_norm:
+            raise EngineError(
+                f"clip_grad_norm_(max_norm={max_norm}) was first called at optimizer step {self._steps_taken + 1}, "
+                f"after zerofit had already applied this step's update during backward (gradient norm {float(norm):.4g}): "
+                f"set gradient_clipping: {max_norm} in the config (zerofit then clips inside every step), or call "
+                "clip_grad_norm_ from the first step on")
+        return norm
+
+    def prepare_grads(self) -> None:
+        self.settle()
+        for g in self.groups:
+            g.grads_for_step()
+
+    def begin_step(self) -> bool:
+        self._steps_taken += 1
+        return bool(self._early_groups)
+
+    def step(self, factors: StepFactors) -> None:
+        if self._early_groups:  # the host part started during backward: the device part is left
+            if not _same_settings(self.stepper.hyperparams(), self._early_hyper):
+                self._disable_early("the optimizer's settings (lr & co.) changed between backward and step(); "
+                                    "this step used the values they had when backward ended", stacklevel=3)
+            self._early_hyper = None
+            self.device.step(factors)
+            mark_stepped(self.optimizer)
+            self._early_groups = set()
+            return
+        self.device.step(factors)
+        mark_stepped(self.optimizer)
+        self._unpublished = {id(g) for g in self.groups}
+        if self.swapper is not None:
+            self.swapper.evict_materialized()  # inspected or loaded state goes back to its files
+        # unit order = forward order: the units needed first are stepped first
+        self.stepper.submit(self.groups, factors.remaining)
+
+    def zero_grad(self) -> None:
+        self.device.zero_grad()
+
+    def widen(self) -> None:
+        self.device.widen()
+
+    # --- settling -------------------------------------------------------------------------------
+    def _await(self, unit: Unit) -> None:
+        """Before `unit` is used: wait for its groups' host steps and publish their parameters."""
+        for g in unit.trainable:
+            if id(g) not in self._unpublished:
+                continue
+            self._unpublished.discard(id(g))
+            self.stepper.wait(g)
+            gather = gather_params(g, self.comm)  # collectives stay on the main thread
+            if gather is not None:
+                gather.wait()
+
+    def settle(self, *, state: bool = False) -> None:
+        self.stepper.wait_all()
+        for unit in self.units:
+            self._await(unit)
+        if state and self.swapper is not None:
+            self.swapper.materialize()
+
+    def discard(self) -> None:
+        for g in self.groups:
+            g.settle_host_grad()  # a download still in flight must not land in the next window
+        self._to_submit.clear()  # early steps not handed to the worker yet belong to the discarded window
+        self._early_now = False
+
+
+def _same_settings(a: list[dict], b: list[dict]) -> bool:
+    """Param-group settings equal value for value (lr may be a tensor)."""
+    def same(x, y):
+        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            return isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and torch.equal(x, y)
+        return x == y
+    return len(a) == len(b) and all(ga.keys() == gb.keys() and all(same(ga[k], gb[k]) for k in ga)
+                                    for ga, gb in zip(a, b))
