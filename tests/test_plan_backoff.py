@@ -60,7 +60,7 @@ class OomAbove:
 
 
 def train(rank: int, world: int, stage: int, oom: tuple[int, int] | None, oom_rank: int = 0,
-          offload: bool = False, after_backward: bool = False, backoff: bool = True):
+          offload: bool = False, after_backward: bool = False, backoff: bool = True, setup=None):
     torch.manual_seed(0)
     zero = ZeroConfig(stage=stage, offload_optimizer=OffloadConfig(device="cpu" if offload else "none"))
     acc = Accelerator(gradient_accumulation_steps=GAS,
@@ -71,6 +71,8 @@ def train(rank: int, world: int, stage: int, oom: tuple[int, int] | None, oom_ra
     model, opt, dl, sched = acc.prepare(model, opt, DataLoader(Samples(), batch_size=MICRO), sched)
     agreements, agree = [], acc._backoff._agree
     acc._backoff._agree = lambda failed: agreements.append(failed) or agree(failed)  # counts the all-reduces
+    if setup is not None:
+        setup(acc, model)
     if oom is not None and oom_rank in (rank, -1):
         hook = OomAbove(*oom)
         if after_backward:
@@ -137,6 +139,26 @@ def test_bounded_tries_end_in_a_clear_error():
 def test_oom_in_the_optimizer_step_is_not_recoverable():
     with pytest.raises(EngineError, match="out of memory in the optimizer step.*half updated|part of the parameters"):
         train(0, 1, 0, (0, 1), after_backward=True)
+
+
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")  # the block input needs no grad
+def test_oom_in_backward_after_early_host_steps_is_not_recoverable():
+    """With optimizer offload, the host step of a group starts as soon as its gradient is final in the
+    window's last backward: an OOM later in that backward must not replay a window already partly applied."""
+
+    def oom_in_backward(acc, model):
+        calls = []
+
+        def hook(*_):
+            calls.append(1)
+            engine = acc._prepared.trained_engine()
+            if len(calls) == 2 * GAS and engine.update_started:  # the second window's closing backward
+                raise torch.OutOfMemoryError("CUDA out of memory (simulated by the test)")
+
+        model.blocks[0].register_full_backward_hook(hook)  # the first block's backward runs last
+
+    with pytest.raises(EngineError, match="out of memory in backward.*part of the parameters"):
+        train(0, 1, 2, None, offload=True, setup=oom_in_backward)
 
 
 def _two_ranks(rank: int, world: int):

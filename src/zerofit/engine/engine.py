@@ -338,6 +338,12 @@ class ZeroEngine:
         return any(u.sharded for u in self.units)
 
     @property
+    def update_started(self) -> bool:
+        """This window's optimizer update began during backward (host steps started early): throwing the
+        window away now would leave part of the parameters updated."""
+        return self.mode.update_started
+
+    @property
     def forward_communicates(self) -> bool:
         """Forward runs collectives: parameter gathers (stage 3) or the host step's publishing, on several ranks."""
         return self.comm.world > 1 and (self.shards_parameters or self.mode.forward_communicates)

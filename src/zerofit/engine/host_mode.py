@@ -218,6 +218,10 @@ class HostStep(StepMode):
         if state and self.swapper is not None:
             self.swapper.materialize()
 
+    @property
+    def update_started(self) -> bool:
+        return bool(self._early_groups)  # handed to the worker during backward: masters may be updated
+
     def discard(self) -> None:
         for g in self.groups:
             g.settle_host_grad()  # a download still in flight must not land in the next window

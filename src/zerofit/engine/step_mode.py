@@ -59,6 +59,11 @@ class StepMode:
     """This mode runs collectives in forward (parameters published as their unit is first used)."""
 
     @property
+    def update_started(self) -> bool:
+        """Part of this window's update has run already (during backward), so the window cannot be replayed."""
+        return False
+
+    @property
     def compact(self) -> bool:
         """The gradients of the groups stepped on the device are in the compute dtype (until widened)."""
         return False

@@ -30,7 +30,8 @@ That is safe only while nothing collective ran between the start of the micro-st
 - not recoverable, with an error saying so: OOM in backward or the optimizer step on several ranks
   (reductions are mid-sequence), OOM in forward under stage 3 or optimizer offload on several ranks
   (parameter gathers run in forward), and OOM in the optimizer step anywhere (masters may be half
-  updated).
+  updated) - including an OOM late in backward once offloaded groups began their host step early
+  (`engine.update_started`).
 The agreement costs one tiny all-reduce per micro-step, only with several ranks and a silent forward,
 and it is blocking: the host waits for forward to finish on the device before it launches backward.
 A run that would rather end on an out-of-memory error than pay that sets `batch.oom_backoff: false`
@@ -239,11 +240,13 @@ class OomBackoff:
         if not peer:
             traceback.clear_frames(error.__traceback__)  # the failed forward's locals hold its activations
             where = {"forward": "forward", "backward": "backward", "after-backward": "the optimizer step"}[phase]
-            recoverable = phase != "after-backward" and (
+            started = engine is not None and engine.update_started  # host steps began during backward
+            recoverable = phase != "after-backward" and not started and (
                 self._world() == 1 or (phase == "forward" and self._silent_forward(engine)))
             if not recoverable:
+                why = self._why("after-backward" if started else phase)
                 raise EngineError(f"rank {rank}: CUDA out of memory in {where}, where zerofit cannot back off "
-                                  f"safely ({self._why(phase)}). {self._advice(engine)}") from error
+                                  f"safely ({why}). {self._advice(engine)}") from error
             if self._world() > 1:
                 self._agree(True)
         loader = self._loader()
