@@ -12,14 +12,20 @@ from typing import Any
 
 __version__ = "0.1.0"
 
+# Accelerate's top-level names (and zerofit's placeholders), imported on first use.
 _LAZY = {
     "Accelerator": "zerofit.frontend.accelerator",
     "DistributedType": "zerofit.frontend.state",
-    "DummyOptim": "zerofit.frontend.utils",
-    "DummyScheduler": "zerofit.frontend.utils",
+    "PartialState": "zerofit.frontend.processes",
+    **{name: "zerofit.frontend.utils" for name in (
+        "DummyOptim", "DummyScheduler", "ProjectConfiguration", "find_executable_batch_size",
+        "init_empty_weights", "init_on_device")},
+    **{name: "zerofit.frontend.plugins" for name in (
+        "AutocastKwargs", "DataLoaderConfiguration", "DeepSpeedPlugin", "DistributedDataParallelKwargs",
+        "GradScalerKwargs", "GradientAccumulationPlugin", "InitProcessGroupKwargs")},
 }
 
-__all__ = ["Accelerator", "DistributedType", "DummyOptim", "DummyScheduler", "__version__"]
+__all__ = [*_LAZY, "__version__"]
 
 
 def __getattr__(name: str) -> Any:

@@ -20,6 +20,7 @@ dataloaders shard (`zerofit.frontend.data`), the config is completed from the sc
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import os
 import warnings
@@ -32,12 +33,13 @@ from torch import nn
 from zerofit.config import load_config
 from zerofit.config.schema import RunConfig, is_auto
 from zerofit.dist import runtime
-from zerofit.frontend import ops, tracking
+from zerofit.frontend import ops, plugins, tracking
 from zerofit.frontend.backoff import OomBackoff
 from zerofit.frontend.data import ShardedDataLoader
 from zerofit.frontend.persistence import PersistenceMixin
 from zerofit.frontend.prepare import Prepared, PrepareMixin
 from zerofit.frontend.probe import StepProbe
+from zerofit.frontend.processes import ProcessMethods
 from zerofit.frontend.script_config import (
     Facts,
     apply_script_arguments,
@@ -48,12 +50,12 @@ from zerofit.frontend.state import AcceleratorState, DistributedType, GradientSt
 from zerofit.frontend.utils import ProjectConfiguration
 
 # Accelerate arguments zerofit accepts and leaves alone (with a warning when given a value).
-_IGNORED = ("device_placement", "rng_types", "kwargs_handlers", "dynamo_backend", "dynamo_plugin",
-            "deepspeed_plugin", "deepspeed_plugins", "fsdp_plugin", "megatron_lm_plugin", "torch_tp_plugin",
+_IGNORED = ("device_placement", "rng_types", "dynamo_backend", "dynamo_plugin",
+            "deepspeed_plugins", "fsdp_plugin", "megatron_lm_plugin", "torch_tp_plugin",
             "parallelism_config", "even_batches", "dispatch_batches", "use_seedable_sampler")
 
 
-class Accelerator(PrepareMixin, PersistenceMixin):
+class Accelerator(PrepareMixin, PersistenceMixin, ProcessMethods):
     """Accelerate's `Accelerator`, running zerofit's engine with the run's config (see the module doc).
 
     `config` (zerofit only) is a config file or a RunConfig; by default the one `zerofit launch`
@@ -81,6 +83,7 @@ class Accelerator(PrepareMixin, PersistenceMixin):
             gradient_accumulation_steps = getattr(gradient_accumulation_plugin, "num_steps", gradient_accumulation_steps)
         if dataloader_config is not None:
             split_batches = bool(getattr(dataloader_config, "split_batches", split_batches))
+        timeout = plugins.process_group_timeout(kwargs_handlers)
         if not isinstance(gradient_accumulation_steps, int) or gradient_accumulation_steps < 1:
             raise ValueError(f"gradient_accumulation_steps must be a whole number >= 1 (got "
                              f"{gradient_accumulation_steps!r})")
@@ -90,6 +93,10 @@ class Accelerator(PrepareMixin, PersistenceMixin):
             config = runtime.current_config()
         elif not isinstance(config, RunConfig):
             config = load_config(config)
+        if deepspeed_plugin is not None:  # a plugin given in code wins over the launch config, as in Accelerate
+            config = plugins.with_deepspeed_plugin(config, deepspeed_plugin)
+        if timeout is not None:  # InitProcessGroupKwargs(timeout=...)
+            config = config.replace(launch=dataclasses.replace(config.launch, process_group_timeout=timeout))
         self.process = ProcessState.create(config, cpu=cpu)
         self.config = apply_script_arguments(config, gradient_accumulation_steps=gradient_accumulation_steps,
                                              mixed_precision=mixed_precision, world=self.num_processes)
@@ -141,10 +148,6 @@ class Accelerator(PrepareMixin, PersistenceMixin):
         return self.process.is_local_main_process
 
     @property
-    def is_last_process(self) -> bool:
-        return self.process_index == self.num_processes - 1
-
-    @property
     def mixed_precision(self) -> str:
         return self.config.precision.mixed_precision
 
@@ -159,6 +162,20 @@ class Accelerator(PrepareMixin, PersistenceMixin):
         if self.num_processes == 1:
             return DistributedType.NO
         return DistributedType.MULTI_GPU if self.device.type == "cuda" else DistributedType.MULTI_CPU
+
+    @property
+    def deepspeed_plugin(self) -> Any:
+        """`state.deepspeed_plugin`: the run's ZeRO settings in DeepSpeed's spelling when it shards, else None."""
+        return self.state.deepspeed_plugin
+
+    @property
+    def deepspeed_config(self) -> dict[str, Any]:
+        """The run's config in DeepSpeed's JSON spelling (what `deepspeed_plugin.deepspeed_config` holds)."""
+        plugin = self.state.deepspeed_plugin
+        if plugin is None:
+            raise AttributeError("deepspeed_config: this run does not shard (ZeRO stage 0, no optimizer or "
+                                 "scheduler in the config); accelerator.config holds its settings")
+        return plugin.deepspeed_config
 
     @property
     def gradient_accumulation_steps(self) -> int:
@@ -270,31 +287,6 @@ class Accelerator(PrepareMixin, PersistenceMixin):
 
     def pad_across_processes(self, tensor: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False) -> Any:
         return ops.pad_across_processes(tensor, dim=dim, pad_index=pad_index, pad_first=pad_first)
-
-    def wait_for_everyone(self) -> None:
-        self.process.barrier()
-
-    @contextlib.contextmanager
-    def main_process_first(self) -> Iterator[None]:
-        """The main process runs the block first (e.g. to build a dataset cache), then the others."""
-        if not self.is_main_process:
-            self.wait_for_everyone()
-        yield
-        if self.is_main_process:
-            self.wait_for_everyone()
-
-    @contextlib.contextmanager
-    def local_main_process_first(self) -> Iterator[None]:
-        if not self.is_local_main_process:
-            self.wait_for_everyone()
-        yield
-        if self.is_local_main_process:
-            self.wait_for_everyone()
-
-    def print(self, *args: Any, **kwargs: Any) -> None:
-        """`print` on the local main process only."""
-        if self.is_local_main_process:
-            print(*args, **kwargs)
 
     def free_memory(self, *objects: Any) -> list[None]:
         """Forget every prepared object, collect garbage and empty the CUDA cache; returns Nones to rebind."""

@@ -87,6 +87,27 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     return Peers().broadcast_object(obj, src=src)
 
 
+def broadcast(data: Any, from_process: int = 0) -> Any:
+    """Process `from_process`'s tensors (any nesting), in place on every process; returns `data`."""
+    if _world() == 1:
+        return data
+
+    def one(t: torch.Tensor) -> torch.Tensor:
+        with named("broadcast", _rank()):
+            dist.broadcast(t, src=from_process)
+        return t
+
+    return recurse(one, data)
+
+
+def broadcast_object_list(object_list: list[Any], from_process: int = 0) -> list[Any]:
+    """`object_list` filled, in place, with process `from_process`'s picklable objects; returns it."""
+    if _world() > 1:
+        with named("broadcast_object_list", _rank()):
+            dist.broadcast_object_list(object_list, src=from_process)
+    return object_list
+
+
 def reduce(data: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
     """Sum (or mean) of every process's tensors, on every process, times `scale`."""
     if reduction not in ("sum", "mean", "none"):

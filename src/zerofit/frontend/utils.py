@@ -2,41 +2,76 @@
 
 `DummyOptim` and `DummyScheduler` stand for the optimizer and schedule the config names; `prepare()`
 replaces them (see `zerofit.frontend.accelerator`). The signatures match Accelerate's, so scripts only change
-the import.
+the import. The configuration objects scripts pass to `Accelerator(...)` are `zerofit.frontend.plugins`;
+the process helpers (`PartialState`) `zerofit.frontend.processes`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import gc
+import importlib.util
+import inspect
 import os
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from zerofit.frontend.ops import (
+    broadcast,
     broadcast_object,
+    broadcast_object_list,
     gather,
     gather_object,
     pad_across_processes,
     reduce,
     send_to_device,
 )
+from zerofit.frontend.plugins import (
+    AutocastKwargs,
+    DataLoaderConfiguration,
+    DeepSpeedPlugin,
+    DistributedDataParallelKwargs,
+    GradientAccumulationPlugin,
+    GradScalerKwargs,
+    InitProcessGroupKwargs,
+)
+from zerofit.frontend.processes import PartialState
 from zerofit.frontend.state import DistributedType
 
 __all__ = [
+    "AutocastKwargs",
+    "DataLoaderConfiguration",
+    "DeepSpeedPlugin",
+    "DistributedDataParallelKwargs",
     "DistributedType",
     "DummyOptim",
     "DummyScheduler",
+    "GradScalerKwargs",
+    "GradientAccumulationPlugin",
+    "InitProcessGroupKwargs",
+    "PartialState",
     "ProjectConfiguration",
+    "broadcast",
     "broadcast_object",
+    "broadcast_object_list",
+    "find_executable_batch_size",
     "gather",
     "gather_object",
+    "init_empty_weights",
+    "init_on_device",
+    "is_deepspeed_available",
     "pad_across_processes",
     "reduce",
     "send_to_device",
     "set_seed",
+    "tqdm",
+    "write_basic_config",
 ]
 
 
@@ -113,3 +148,90 @@ class ProjectConfiguration:
         self.project_dir = project_dir
         if self.logging_dir is None:
             self.logging_dir = project_dir
+
+
+@contextlib.contextmanager
+def init_on_device(device: torch.device | str, include_buffers: bool | None = None) -> Iterator[None]:
+    """Modules built inside the block put their tensors on `device` (torch's own device context).
+
+    Buffers go to `device` too, whatever `include_buffers` says: zerofit's engine gives a model built on
+    the meta device its buffers back when it materialises it (`zerofit.engine.materialize`)."""
+    with torch.device(device):
+        yield
+
+
+def init_empty_weights(include_buffers: bool | None = None) -> contextlib.AbstractContextManager[None]:
+    """Build a model without allocating its weights: everything is created on the meta device, and
+    `prepare()` materialises only this rank's shards (see `init_on_device` for buffers)."""
+    return init_on_device(torch.device("meta"), include_buffers=include_buffers)
+
+
+def _out_of_memory(error: BaseException) -> bool:
+    if isinstance(error, torch.OutOfMemoryError):
+        return True
+    text = str(error)
+    return isinstance(error, RuntimeError) and ("out of memory" in text.lower() or "CUBLAS_STATUS_ALLOC_FAILED" in text)
+
+
+def find_executable_batch_size(function: Callable | None = None, starting_batch_size: int = 128) -> Callable:
+    """Decorator: call `function(batch_size, ...)` from `starting_batch_size`, halving it after each
+    out-of-memory error (memory freed in between), until a call succeeds; the decorated function is
+    called without the batch size. zerofit's engine also backs off by itself inside `accumulate()`."""
+    if function is None:
+        return functools.partial(find_executable_batch_size, starting_batch_size=starting_batch_size)
+    params = list(inspect.signature(function).parameters)
+    if not params:
+        raise TypeError(f"{function.__name__} must take the batch size as its first argument")
+
+    @functools.wraps(function)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if len(args) + 1 > len(params) and not any(
+                p.kind is p.VAR_POSITIONAL for p in inspect.signature(function).parameters.values()):
+            raise TypeError(f"call {function.__name__}() without the batch size: find_executable_batch_size "
+                            f"passes it as {params[0]!r}")
+        batch_size = starting_batch_size
+        while True:
+            if batch_size < 1:
+                raise RuntimeError(f"{function.__name__}: no batch size fits in memory (tried down to 1 from "
+                                   f"{starting_batch_size})")
+            try:
+                return function(batch_size, *args, **kwargs)
+            except Exception as e:  # noqa: BLE001 - only out-of-memory errors are retried
+                if not _out_of_memory(e):
+                    raise
+                gc.collect()
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+                batch_size //= 2
+
+    return run
+
+
+def tqdm(*args: Any, main_process_only: bool = True, **kwargs: Any) -> Any:
+    """`tqdm.auto.tqdm`, shown on each machine's local main process only (unless `main_process_only=False`)."""
+    from tqdm.auto import tqdm as bar
+
+    if main_process_only and int(os.environ.get("LOCAL_RANK", "0")) != 0:
+        kwargs["disable"] = True
+    return bar(*args, **kwargs)
+
+
+def is_deepspeed_available() -> bool:
+    """Whether the `deepspeed` package can be imported (zerofit itself never needs it)."""
+    return importlib.util.find_spec("deepspeed") is not None
+
+
+def write_basic_config(mixed_precision: str = "no", save_location: str | os.PathLike = "zerofit_config.yaml",
+                       **kwargs: Any) -> Path | bool:
+    """Write a plain zerofit config (DDP, `mixed_precision`) for `zerofit launch --config_file`; returns its
+    path, or False when a file is there already (it is never overwritten)."""
+    from zerofit.config import save_config
+    from zerofit.config.schema import PrecisionConfig, RunConfig
+
+    path = Path(save_location)
+    if path.exists():
+        return False
+    if mixed_precision not in ("no", "fp16", "bf16"):
+        raise ValueError(f"mixed_precision must be 'no', 'fp16' or 'bf16' (got {mixed_precision!r})")
+    save_config(RunConfig(precision=PrecisionConfig(mixed_precision=mixed_precision)), path)
+    return path
