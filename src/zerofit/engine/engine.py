@@ -28,6 +28,7 @@ from torch import nn
 from zerofit.config.schema import PrecisionConfig, ZeroConfig
 from zerofit.engine.comm import Collectives, InFlight
 from zerofit.engine.flat_group import FlatGroup
+from zerofit.engine.full_state import FullStateDict
 from zerofit.engine.host_mode import HostStep
 from zerofit.engine.loss_scale import LossScaler
 from zerofit.engine.materialize import Materializer, has_meta_tensors
@@ -109,8 +110,10 @@ class ZeroEngine:
         self.stepper = self.mode.stepper if isinstance(self.mode, HostStep) else None
         self.swapper = self.mode.swapper if isinstance(self.mode, HostStep) else None
         self.stage3 = Stage3Hooks(self.units[0], self.units, lambda: self._in_backward)
+        self.full_state = FullStateDict(model, self.units)  # model.state_dict() gathers (see its note)
         if self.shards_parameters:
             self.stage3.install()
+            self.full_state.install()
         if self.compute_dtype != torch.float32:
             self._hooks.append(model.register_forward_pre_hook(self._cast_inputs, with_kwargs=True))
 
