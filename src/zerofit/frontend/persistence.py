@@ -95,6 +95,11 @@ class PersistenceMixin:
     def save_state(self, output_dir: str | os.PathLike | None = None, safe_serialization: bool = True,
                    **kwargs: Any) -> str:
         """A resumable sharded checkpoint: engine state plus the loop's state of every rank. Collective."""
+        return self._save(output_dir)
+
+    def _save(self, output_dir: str | os.PathLike | None, *, client_state: dict[str, Any] | None = None,
+              update_latest: bool = True) -> str:
+        """`save_state`, with a DeepSpeed-style `client_state` stored beside the loop state."""
         from zerofit.checkpoint import retention, save_state
 
         engine = self._prepared.any_engine()
@@ -103,7 +108,10 @@ class PersistenceMixin:
         extra = checkpointing.collect(schedulers=self._prepared.schedulers, optimizers=self._prepared.optimizers,
                                       dataloaders=self._prepared.dataloaders, custom=self._prepared.custom,
                                       iteration=self.project_configuration.iteration)
-        path = save_state(self._checkpoint_dir(output_dir), engine, extra_state=extra, config=self.config)
+        if client_state is not None:
+            extra["client_state"] = dict(client_state)
+        path = save_state(self._checkpoint_dir(output_dir), engine, extra_state=extra, config=self.config,
+                          update_latest=update_latest)
         retention.prune(path, config_limit=self.config.checkpoint.total_limit,
                         project_limit=self.project_configuration.total_limit,
                         is_main=self.is_main_process, fixed_dir=self.config.checkpoint.output_dir)
@@ -115,7 +123,8 @@ class PersistenceMixin:
         """Restore what `save_state` wrote (at any world size or stage, see zerofit.checkpoint). Collective."""
         self._load(input_dir, custom_may_follow=False)
 
-    def _load(self, input_dir: str | os.PathLike | None, *, custom_may_follow: bool) -> None:
+    def _load(self, input_dir: str | os.PathLike | None, *, custom_may_follow: bool) -> dict[str, Any]:
+        """`load_state`; returns the checkpoint's extra state (its `client_state`, for one)."""
         from zerofit.checkpoint import load_state
 
         engine = self._prepared.any_engine()
@@ -129,6 +138,7 @@ class PersistenceMixin:
             dataloaders=self._prepared.dataloaders, custom=self._prepared.custom, custom_may_follow=custom_may_follow)
         if self.project_configuration.automatic_checkpoint_naming:
             self.project_configuration.iteration = extra.get("iteration", 0) + 1
+        return extra
 
     def _resume_if_configured(self) -> None:
         """At the end of the first prepare() of the trained model: load the checkpoint `checkpoint.resume`

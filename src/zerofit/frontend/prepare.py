@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 from zerofit.config.schema import SchedulerConfig
 from zerofit.engine import ZeroEngine
 from zerofit.errors import ConfigError
-from zerofit.frontend import ops
+from zerofit.frontend import engine_surface, ops
 from zerofit.frontend.auto_plan import plan_for
 from zerofit.frontend.data import ShardedDataLoader
 from zerofit.frontend.optimizers import AcceleratedOptimizer, build_optimizer
@@ -183,6 +183,8 @@ class PrepareMixin:
         if probe is not None:
             self._probe = probe
             probe.start(engine)
+        if engine.policy.stage >= 1:  # scripts' DeepSpeed branches call DeepSpeedEngine methods on the model
+            engine_surface.attach(model, self, engine.policy.stage)
         if engine.shards_parameters and self.num_processes > 1:
             # [Note: synced generation] Under stage 3 every rank must run the same number of forward
             # passes, or the parameter all-gathers hang when one rank's `generate()` stops early.
