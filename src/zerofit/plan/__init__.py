@@ -1,13 +1,16 @@
-"""The planner: what a run costs in memory per setting, which setting to run, and out-of-memory back-off.
+"""The planner: what a run costs in memory per setting, and which setting to run, offline.
 
 - `sources`: a model without data (fake tensors) from a config file, a config class with sizes, or a name;
 - `activations`: the activation peak of one micro-step, measured on that model;
 - `memory`: the bytes of every engine buffer per setting, from the engine's own layout functions;
 - `choose`: every setting's estimate and the fastest that fits a memory budget;
-- `auto`: `stage: auto` / offload `auto` resolved at `prepare()`;
-- `probe`: the first optimizer step of a planned run, its measured peak against the estimate;
-- `backoff`: a CUDA out-of-memory error in a step halves the micro-batch and doubles accumulation;
-- `advice`: the estimate for the running model, for the error when nothing more can be done.
+- `auto`: the decision behind `stage: auto` / offload `auto`, the same on every rank;
+- `probe`: the judgement of a planned run's first optimizer step, its measured peak against the estimate;
+- `advice`: the estimate for the running model, for the error when memory runs out.
+
+The run-time halves live in the front end: `zerofit.frontend.auto_plan` (the budget over the ranks and
+the first batch, at `prepare()`), `zerofit.frontend.probe` (measuring the first step) and
+`zerofit.frontend.backoff` (a CUDA out-of-memory error halves the micro-batch and doubles accumulation).
 """
 
 from zerofit.plan.choose import Budget, Plan, machine_budget, plan
