@@ -62,11 +62,15 @@ def test_two_process_cpu_launch_runs_all_reduce_on_gloo_with_the_config_file():
 def test_failing_rank_shows_its_traceback_and_fails_the_launch():
     proc = run_zerofit("launch", "--num_processes", "2", "-m", "allreduce_check", "--fail-rank", "1", cwd=SCRIPTS)
     assert proc.returncode == 1
-    summary = proc.stderr[proc.stderr.index("allreduce_check FAILED"):]
-    assert "rank      : 1" in summary
-    assert "Traceback (most recent call last)" in summary
-    assert "RuntimeError: deliberate failure on rank 1" in summary
-    assert "zerofit/cli/worker.py" not in summary  # the bootstrap's frames are trimmed
+    err = proc.stderr
+    assert "[rank1]: Traceback (most recent call last)" in err
+    assert err.count("RuntimeError: deliberate failure on rank 1") == 2  # the traceback once, the summary once
+    assert err.count("Traceback (most recent call last)") == 1  # rank 0 ended cleanly: only rank 1's
+    assert "zerofit/cli/worker.py" not in err and "elastic/multiprocessing/errors" not in err  # bootstrap trimmed
+    summary = err[err.index("zerofit launch: -m allreduce_check failed"):]
+    assert summary.startswith("zerofit launch: -m allreduce_check failed: rank 1 first (local rank 1, exit code 1): "
+                              "RuntimeError: deliberate failure on rank 1")
+    assert "Root Cause" not in err  # torchelastic's summary, which printed every traceback again, is not shown
 
 
 def test_exit_code_of_a_worker_is_the_exit_code_of_the_launch():

@@ -28,7 +28,7 @@ import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from zerofit.cli import rendezvous
+from zerofit.cli import failure_report, rendezvous
 from zerofit.cli.flags import add_flag
 from zerofit.config import load_config, save_config
 from zerofit.config.schema import RunConfig
@@ -337,10 +337,11 @@ def execute(plan: LaunchPlan) -> int:
             try:
                 torchrun.run(torchrun.parse_args(plan.torchrun_argv()))
             except ChildFailedError as e:
-                # The summary holds each failed rank's exit code and, through zerofit.cli.worker, its traceback.
-                e.name = " ".join(plan.target[:2] if plan.target[0] == "-m" else plan.target[:1])
-                print(e.format_msg(), file=sys.stderr, flush=True)
-                code = e.get_first_failure()[1].exitcode
+                # Each rank printed its traceback as it failed; one summary names them (zerofit.cli.failure_report).
+                name = " ".join(plan.target[:2] if plan.target[0] == "-m" else plan.target[:1])
+                first_rank, first = e.get_first_failure()
+                print(failure_report.summary(name, e.failures, first_rank), file=sys.stderr, flush=True)
+                code = first.exitcode
                 return 128 - code if code < 0 else (code or 1)  # killed by signal s: 128 + s, as shells do
             except SignalException as e:
                 print(f"zerofit launch: stopped by {e.sigval.name}; the workers were terminated", file=sys.stderr)

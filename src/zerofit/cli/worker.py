@@ -17,11 +17,14 @@ from __future__ import annotations
 import os
 import runpy
 import sys
+import traceback
 from types import TracebackType
 
+import torch.distributed as dist
+import torch.distributed.elastic.multiprocessing.errors as elastic_errors
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
-_BOOTSTRAP_FILES = (os.path.abspath(__file__), runpy.__file__, "<frozen runpy>")
+_BOOTSTRAP_FILES = (os.path.abspath(__file__), runpy.__file__, "<frozen runpy>", elastic_errors.__file__)
 
 
 def _user_frames(tb: TracebackType | None) -> TracebackType | None:
@@ -73,5 +76,18 @@ def _main(argv: list[str]) -> None:
 main = record(_main, error_handler=_WholeFileErrorHandler())
 
 
+def _excepthook(kind: type[BaseException], error: BaseException, tb: TracebackType | None) -> None:
+    """Python's report of an uncaught exception, from the user's first frame, each line prefixed with the
+    rank; the launcher's summary then names it without printing it again (zerofit.cli.failure_report).
+    Once the process group exists, torch wraps this hook and adds the `[rankN]:` prefix itself."""
+    text = "".join(traceback.format_exception(kind, error, _user_frames(tb)))
+    if not (dist.is_available() and dist.is_initialized()):
+        rank = os.environ.get("RANK", "0")
+        text = "".join(f"[rank{rank}]: {line}\n" for line in text.rstrip("\n").split("\n"))
+    sys.stderr.write(text)
+    sys.stderr.flush()
+
+
 if __name__ == "__main__":
+    sys.excepthook = _excepthook  # set before the script runs, so torch's rank-prefixing hook wraps it
     main(sys.argv[1:])

@@ -1,0 +1,42 @@
+"""What `zerofit launch` prints when ranks fail: one short summary, the tracebacks shown once.
+
+Each failing worker prints its own traceback as it dies, from the user's first frame, its lines
+prefixed `[rankN]:` (zerofit.cli.worker). torchelastic's own summary would
+print every recorded traceback again - the first failure twice - so the launcher prints this
+instead: which rank failed first and with what error, and how each other rank ended (often a
+`CollectiveError` that names the collective it was waiting in when the first rank left).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_MAX_LINE = 400
+
+
+def _error_line(failure: Any) -> str:
+    """The exception line of a failed rank (`Type: message`), or how it ended when it left no record."""
+    data = getattr(failure, "error_file_data", None) or {}
+    message = data.get("message") if isinstance(data, dict) else None
+    if isinstance(message, dict) and message.get("message"):
+        text = str(message["message"])
+    else:
+        lines = [line for line in str(getattr(failure, "message", "") or "").strip().splitlines() if line.strip()]
+        text = lines[-1].strip() if lines else ""
+    if failure.exitcode < 0 and not isinstance(message, dict):
+        return f"stopped by {failure.signal_name()}"
+    text = " ".join(text.split())
+    return text[:_MAX_LINE] + (" ..." if len(text) > _MAX_LINE else "") if text else f"exit code {failure.exitcode}"
+
+
+def summary(name: str, failures: dict[int, Any], first_rank: int) -> str:
+    """The lines printed after a failed run of `name` (`failures`: global rank -> torchelastic's ProcessFailure)."""
+    first = failures[first_rank]
+    lines = [f"zerofit launch: {name} failed: rank {first_rank} first (local rank {first.local_rank}, exit code "
+             f"{first.exitcode}): {_error_line(first)}",
+             f"  its traceback is above, its lines prefixed [rank{first_rank}]"]
+    for rank in sorted(failures):
+        if rank != first_rank:
+            f = failures[rank]
+            lines.append(f"  then rank {rank} (exit code {f.exitcode}): {_error_line(f)}")
+    return "\n".join(lines)
