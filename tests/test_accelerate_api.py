@@ -49,6 +49,14 @@ def test_the_accelerate_names_exist():
     assert [n for n in ACCELERATOR_PROPERTIES if not isinstance(getattr(Accelerator, n, None), property)] == []
 
 
+def test_every_supported_name_is_documented():
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "accelerate.md").read_text(encoding="utf-8")
+    missing = [n for n in TOP_LEVEL + UTILS + ACCELERATOR + ACCELERATOR_PROPERTIES if f"`{n}`" not in doc]
+    assert missing == []
+
+
 def test_distributed_type_has_accelerates_members_and_aliases():
     for name in ("NO", "MULTI_CPU", "MULTI_GPU", "MULTI_NPU", "MULTI_XPU", "DEEPSPEED", "FSDP", "XLA", "MEGATRON_LM"):
         assert getattr(DistributedType, name).value == name
