@@ -45,7 +45,7 @@ from zerofit.engine.step_mode import CompactStep, PlainStep, StepFactors, StepMo
 from zerofit.engine.timing import StepTimes
 from zerofit.engine.unit import Unit
 from zerofit.engine.units import plan_units
-from zerofit.engine.window import AccumulationWindow
+from zerofit.engine.window import AccumulationWindow, InWindow
 from zerofit.errors import EngineError
 
 # Public: the memory model (zerofit.plan) replays these rules, so it must read the same numbers.
@@ -202,13 +202,7 @@ class ZeroEngine:
         return tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()}
 
     # --- backward -------------------------------------------------------------------------------
-    @property
-    def gradient_accumulation_steps(self) -> int:
-        return self.window.steps
-
-    @gradient_accumulation_steps.setter
-    def gradient_accumulation_steps(self, steps: int) -> None:
-        self.window.steps = steps
+    gradient_accumulation_steps = InWindow("steps")
 
     @property
     def at_boundary(self) -> bool:

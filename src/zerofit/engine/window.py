@@ -25,3 +25,17 @@ class AccumulationWindow:
             raise EngineError(f"gradient_accumulation_steps must be a whole number >= 1 (got {value!r}): "
                               "pass 1 for no accumulation")
         super().__setattr__(name, value)
+
+
+class InWindow:
+    """An attribute that reads and writes `owner.window.<field>` (the engine's and `GradientState`'s
+    `gradient_accumulation_steps` and `micro_step`: one value, kept in the shared window)."""
+
+    def __init__(self, field: str):
+        self.field = field
+
+    def __get__(self, owner: Any, kind: type | None = None) -> Any:
+        return self if owner is None else getattr(owner.window, self.field)
+
+    def __set__(self, owner: Any, value: Any) -> None:
+        setattr(owner.window, self.field, value)

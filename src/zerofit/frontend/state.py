@@ -22,7 +22,7 @@ import torch.distributed as dist
 from zerofit.config.schema import RunConfig, is_auto
 from zerofit.dist import process_group, runtime
 from zerofit.dist.collectives import Peers
-from zerofit.engine.window import AccumulationWindow
+from zerofit.engine.window import AccumulationWindow, InWindow
 
 
 class DistributedType(str, enum.Enum):
@@ -115,21 +115,8 @@ class GradientState:
         if not isinstance(self.window, AccumulationWindow):
             self.window = AccumulationWindow(self.window)
 
-    @property
-    def gradient_accumulation_steps(self) -> int:
-        return self.window.steps
-
-    @gradient_accumulation_steps.setter
-    def gradient_accumulation_steps(self, steps: int) -> None:
-        self.window.steps = steps
-
-    @property
-    def micro_step(self) -> int:
-        return self.window.micro_step
-
-    @micro_step.setter
-    def micro_step(self, value: int) -> None:
-        self.window.micro_step = value
+    gradient_accumulation_steps = InWindow("steps")
+    micro_step = InWindow("micro_step")
 
     @property
     def end_of_dataloader(self) -> bool:
