@@ -192,3 +192,25 @@ def test_small_utils(tmp_path, monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         Accelerator(config=RunConfig(), kwargs_handlers=[zerofit.GradScalerKwargs()])  # defaults: silent
+
+
+def test_local_sgd_is_a_plain_loop_on_one_process_and_a_clear_error_on_several():
+    from types import SimpleNamespace
+
+    from zerofit.local_sgd import LocalSGD
+
+    with LocalSGD(accelerator=SimpleNamespace(num_processes=1), model=None, local_sgd_steps=8) as local:
+        local.step()
+    assert local.num_steps == 1
+    LocalSGD(accelerator=SimpleNamespace(num_processes=2), model=None, local_sgd_steps=8, enabled=False)
+    with pytest.raises(NotImplementedError, match="LocalSGD is not supported by zerofit.*raise gradient_accumulation"):
+        LocalSGD(accelerator=SimpleNamespace(num_processes=2), model=None, local_sgd_steps=8)
+
+
+def test_the_prepared_model_has_ddps_no_sync():
+    acc = Accelerator(config=RunConfig())
+    model = nn.Linear(4, 1)
+    model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with model.no_sync():
+        assert acc._no_sync_depth == 1
+    assert acc._no_sync_depth == 0

@@ -21,7 +21,7 @@ LAYERS = [
     ("zerofit.engine",),
     ("zerofit.checkpoint", "zerofit.plan"),
     ("zerofit.frontend",),
-    ("zerofit.utils", "zerofit"),  # the public spellings: zerofit.Accelerator, zerofit.utils.set_seed
+    ("zerofit.utils", "zerofit.local_sgd", "zerofit"),  # the public spellings: zerofit.Accelerator, zerofit.utils.set_seed
     ("zerofit.testing", "zerofit.bench"),
     ("zerofit.cli",),
     ("zerofit.demo",),  # a training script of the library's own, started by `zerofit demo` by module name

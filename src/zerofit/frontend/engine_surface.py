@@ -3,7 +3,7 @@
 Under Accelerate with DeepSpeed, `prepare()` returns a `DeepSpeedEngine`, and scripts written for it
 (the blog's seq2seq and clm scripts, for two) call its methods when `accelerator.state.deepspeed_plugin`
 is set: `model.save_checkpoint(dir, tag, client_state=...)`, `model.load_checkpoint(dir, tag)`,
-`model.zero_optimization_stage()`. zerofit's `prepare()` returns the script's own model, changed in
+`model.zero_optimization_stage()`; scripts written for DDP call `model.no_sync()`. zerofit's `prepare()` returns the script's own model, changed in
 place, so that `model.config`, `generate` and `save_pretrained` keep working; the DeepSpeedEngine
 calls are given to that one object as instance attributes (functions bound to this run's
 Accelerator), never to its class, and only where the model has no attribute of that name already.
@@ -29,13 +29,16 @@ from zerofit.checkpoint.commit import LATEST
 
 
 def attach(model: nn.Module, accelerator: Any, stage: int) -> None:
-    """Give `model` the DeepSpeedEngine calls it lacks (see the module doc)."""
-    calls = {
-        "save_checkpoint": functools.partial(save_checkpoint, accelerator),
-        "load_checkpoint": functools.partial(load_checkpoint, accelerator),
-        "zero_optimization_stage": lambda: stage,
-        "gradient_accumulation_steps": lambda: accelerator.gradient_accumulation_steps,
-    }
+    """Give `model` the DeepSpeedEngine calls it lacks (see the module doc); `no_sync` (DDP's and
+    DeepSpeedEngine's) at every stage, the rest where ZeRO shards (stage >= 1)."""
+    calls = {"no_sync": lambda: accelerator.no_sync(model)}
+    if stage >= 1:
+        calls |= {
+            "save_checkpoint": functools.partial(save_checkpoint, accelerator),
+            "load_checkpoint": functools.partial(load_checkpoint, accelerator),
+            "zero_optimization_stage": lambda: stage,
+            "gradient_accumulation_steps": lambda: accelerator.gradient_accumulation_steps,
+        }
     for name, call in calls.items():
         if not hasattr(model, name):
             setattr(model, name, call)

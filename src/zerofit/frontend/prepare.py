@@ -183,8 +183,7 @@ class PrepareMixin:
         if probe is not None:
             self._probe = probe
             probe.start(engine)
-        if engine.policy.stage >= 1:  # scripts' DeepSpeed branches call DeepSpeedEngine methods on the model
-            engine_surface.attach(model, self, engine.policy.stage)
+        engine_surface.attach(model, self, engine.policy.stage)  # DDP's / DeepSpeedEngine's calls on the model
         if engine.shards_parameters and self.num_processes > 1:
             # [Note: synced generation] Under stage 3 every rank must run the same number of forward
             # passes, or the parameter all-gathers hang when one rank's `generate()` stops early.
