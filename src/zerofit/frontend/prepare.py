@@ -164,7 +164,7 @@ class PrepareMixin:
         if named is not None:
             raise ConfigError(f"the script passes its own optimizer ({type(opt).__name__}) and the config names "
                               f"one too (optimizer.type {named.type}): remove the optimizer section from the config, "
-                              "or pass zerofit.frontend.utils.DummyOptim(params, lr=...) in the script", self.config.source)
+                              "or pass zerofit.utils.DummyOptim(params, lr=...) in the script", self.config.source)
         return opt
 
     def _prepare_model(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
@@ -231,7 +231,7 @@ class PrepareMixin:
             if named is not None:
                 raise ConfigError(f"the script passes its own scheduler ({type(sched).__name__}) and the config names "
                                   f"one too (scheduler.type {named.type}): remove the scheduler section from the "
-                                  "config, or pass zerofit.frontend.utils.DummyScheduler(optimizer, ...) in the script",
+                                  "config, or pass zerofit.utils.DummyScheduler(optimizer, ...) in the script",
                                   self.config.source)
             inner, from_config = sched, False
         steps = 1 if from_config or self.split_batches else self.num_processes
