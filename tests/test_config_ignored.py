@@ -88,6 +88,15 @@ def test_an_older_zerofit_field_still_loads_the_same_way(entry):
         assert got[0].startswith(f"{entry.zerofit} = {_shown(value)} is ignored")
 
 
+def test_the_zero3_templates_auto_gather_flag_loads_quietly():
+    """Accelerate's and the blog's ZeRO-3 JSONs write stage3_gather_16bit_weights_on_model_save: "auto"."""
+    data = {"zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": "auto",
+                                  "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto"},
+            "train_micro_batch_size_per_gpu": "auto"}
+    assert _caught(data) == []
+    assert config_from_dict(data).zero.stage == 3
+
+
 def test_an_ignored_knob_with_a_wrong_type_is_an_error():
     with pytest.raises(ConfigError, match=re.escape("zero_optimization.stage3_max_reuse_distance must be a whole "
                                                     "number (got 'far'): write it like")):

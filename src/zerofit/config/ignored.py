@@ -78,7 +78,7 @@ TABLE: tuple[Ignored, ...] = (
     Ignored(f"{_Z}.contiguous_gradients", True, "zerofit always accumulates gradients in each unit's flat, "
             "contiguous buffer", to_bool, zerofit="zero.contiguous_gradients"),
     Ignored(f"{_Z}.stage3_gather_16bit_weights_on_model_save", False, "zerofit's save_model always writes "
-            "the consolidated weights, at every stage", to_bool, quiet=(True,),
+            "the consolidated weights, at every stage", to_bool, quiet=(True,), allows_auto=True,
             zerofit="zero.gather_16bit_weights_on_model_save", accelerate="deepspeed_config.zero3_save_16bit_model"),
     Ignored(f"{_Z}.offload_param.buffer_size", 100_000_000, _NO_NVME_PARAM, to_int,
             zerofit="zero.offload_param.buffer_size"),
