@@ -18,7 +18,7 @@ def _setup():
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=50, n_positions=16, n_embd=16,
                                                                    n_layer=2, n_head=2))
-    acc = Accelerator(config=RunConfig(zero=ZeroConfig(stage=2)))
+    acc = Accelerator(config=RunConfig(zero=ZeroConfig(stage=2)), cpu=True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
     ids = torch.randint(0, 50, (24, 8), generator=torch.Generator().manual_seed(3))

@@ -22,7 +22,7 @@ def _trained(freeze_base: bool):
     if freeze_base:  # PEFT-style: only the last block and the final norm train
         for name, p in model.named_parameters():
             p.requires_grad = name.startswith(("transformer.h.1.", "transformer.ln_f."))
-    acc = Accelerator(config=RunConfig(zero=ZeroConfig(stage=3, param_persistence_threshold=0)))
+    acc = Accelerator(config=RunConfig(zero=ZeroConfig(stage=3, param_persistence_threshold=0)), cpu=True)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     ids = torch.randint(0, 50, (8, 8), generator=torch.Generator().manual_seed(3))
     model, opt, dl = acc.prepare(model, opt, DataLoader(TensorDataset(ids), batch_size=2))
