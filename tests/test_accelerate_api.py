@@ -23,19 +23,20 @@ from zerofit.testing.distributed import run_distributed
 TOP_LEVEL = ["Accelerator", "PartialState", "DistributedType", "DeepSpeedPlugin", "DataLoaderConfiguration",
              "DistributedDataParallelKwargs", "GradScalerKwargs", "InitProcessGroupKwargs", "AutocastKwargs",
              "GradientAccumulationPlugin", "ProjectConfiguration", "find_executable_batch_size",
-             "init_empty_weights", "init_on_device"]
+             "init_empty_weights", "init_on_device", "ProfileKwargs"]
 UTILS = ["set_seed", "DummyOptim", "DummyScheduler", "ProjectConfiguration", "DistributedType", "DeepSpeedPlugin",
          "DataLoaderConfiguration", "DistributedDataParallelKwargs", "InitProcessGroupKwargs",
          "GradientAccumulationPlugin", "GradScalerKwargs", "broadcast", "broadcast_object_list", "gather",
          "gather_object", "pad_across_processes", "reduce", "send_to_device", "tqdm", "is_deepspeed_available",
-         "write_basic_config", "find_executable_batch_size", "init_empty_weights"]
+         "write_basic_config", "find_executable_batch_size", "init_empty_weights", "ProfileKwargs",
+         "DDPCommunicationHookType", "is_schedulefree_available"]
 ACCELERATOR = ["prepare", "prepare_model", "prepare_data_loader", "prepare_optimizer", "prepare_scheduler",
                "backward", "accumulate", "no_sync", "clip_grad_norm_", "autocast", "skip_first_batches", "gather",
                "gather_for_metrics", "reduce", "pad_across_processes", "wait_for_everyone", "main_process_first",
                "local_main_process_first", "print", "free_memory", "clear", "init_trackers", "get_tracker", "log",
                "end_training", "unwrap_model", "save_state", "load_state", "save_model", "save",
                "register_for_checkpointing", "get_state_dict", "on_main_process", "on_local_main_process",
-               "on_last_process", "on_process", "split_between_processes", "set_trigger", "check_trigger"]
+               "on_last_process", "on_process", "split_between_processes", "set_trigger", "check_trigger", "profile"]
 ACCELERATOR_PROPERTIES = ["device", "process_index", "local_process_index", "num_processes", "is_main_process",
                           "is_local_main_process", "is_last_process", "mixed_precision", "distributed_type",
                           "gradient_accumulation_steps", "sync_gradients", "use_distributed", "deepspeed_plugin",
@@ -214,3 +215,15 @@ def test_the_prepared_model_has_ddps_no_sync():
     with model.no_sync():
         assert acc._no_sync_depth == 1
     assert acc._no_sync_depth == 0
+
+
+def test_profile_runs_torch_profiler_and_writes_a_trace_per_process(tmp_path):
+    acc = Accelerator(config=RunConfig(), kwargs_handlers=[zerofit.ProfileKwargs(
+        activities=["cpu"], record_shapes=True, output_trace_dir=str(tmp_path / "traces"))])
+    with acc.profile() as prof:
+        torch.ones(8, 8) @ torch.ones(8, 8)
+    assert any("mm" in e.key for e in prof.key_averages())
+    assert (tmp_path / "traces" / "trace_rank_0.json").is_file()
+    with pytest.raises(ValueError, match=r"\['tpu'\] not known: use 'cpu' and/or 'cuda'"):
+        with acc.profile(zerofit.ProfileKwargs(activities=["tpu"])):
+            pass

@@ -84,6 +84,7 @@ class Accelerator(PrepareMixin, PersistenceMixin, ProcessMethods):
         if dataloader_config is not None:
             split_batches = bool(getattr(dataloader_config, "split_batches", split_batches))
         timeout = plugins.process_group_timeout(kwargs_handlers)
+        self._profile_kwargs = next((h for h in kwargs_handlers or () if isinstance(h, plugins.ProfileKwargs)), None)
         if not isinstance(gradient_accumulation_steps, int) or gradient_accumulation_steps < 1:
             raise ValueError(f"gradient_accumulation_steps must be a whole number >= 1 (got "
                              f"{gradient_accumulation_steps!r})")
@@ -255,6 +256,17 @@ class Accelerator(PrepareMixin, PersistenceMixin, ProcessMethods):
     def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
         raise NotImplementedError("clip_grad_value_ is not supported by zerofit (gradients are sharded): use "
                                   "clip_grad_norm_(parameters, max_norm)")
+
+    @contextlib.contextmanager
+    def profile(self, profile_handler: plugins.ProfileKwargs | None = None) -> Iterator[Any]:
+        """torch.profiler over the block, set by `profile_handler` (else the `ProfileKwargs` given to
+        `Accelerator(kwargs_handlers=...)`); with `output_trace_dir`, each process writes its Chrome trace."""
+        handler = profile_handler or self._profile_kwargs or plugins.ProfileKwargs()
+        with handler.build() as prof:
+            yield prof
+        if handler.output_trace_dir:
+            os.makedirs(handler.output_trace_dir, exist_ok=True)
+            prof.export_chrome_trace(os.path.join(handler.output_trace_dir, f"trace_rank_{self.process_index}.json"))
 
     @contextlib.contextmanager
     def autocast(self, autocast_handler: Any = None) -> Iterator[None]:

@@ -8,6 +8,7 @@ What each becomes in zerofit:
 - `DeepSpeedPlugin(...)`: the ZeRO settings of the run, read as the `deepspeed_config` section of an
   Accelerate launch YAML would be (`hf_ds_config`: a DeepSpeed JSON path or dict), in place of the
   launcher's - as under Accelerate, a plugin given in code wins over the launch config.
+- `ProfileKwargs(...)`: the settings of `accelerator.profile()` (torch.profiler).
 - `DistributedDataParallelKwargs`, `GradScalerKwargs`, `AutocastKwargs`: zerofit's engine does not
   use torch DDP, a GradScaler or autocast (it reduces gradients itself, scales fp16 losses as
   DeepSpeed does, and computes in the configured dtype); with default fields they are accepted
@@ -17,6 +18,7 @@ What each becomes in zerofit:
 from __future__ import annotations
 
 import dataclasses
+import enum
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -150,10 +152,12 @@ _INSTEAD = {
 
 def process_group_timeout(handlers: list[Any] | tuple[Any, ...] | None) -> float | None:
     """The timeout in seconds an `InitProcessGroupKwargs` among `handlers` asks for; warns on handlers
-    zerofit does not apply (see the module doc)."""
+    zerofit does not apply (see the module doc). A `ProfileKwargs` is read by `accelerator.profile()`."""
     timeout = None
     for handler in handlers or ():
         name = type(handler).__name__
+        if isinstance(handler, ProfileKwargs):
+            continue
         if isinstance(handler, InitProcessGroupKwargs):
             if handler.timeout is not None:
                 timeout = handler.timeout.total_seconds()
@@ -184,3 +188,46 @@ def with_deepspeed_plugin(config: RunConfig, plugin: DeepSpeedPlugin) -> RunConf
     return config.replace(zero=given.zero, batch=given.batch, precision=precision,
                           gradient_clipping=given.gradient_clipping, optimizer=given.optimizer,
                           scheduler=given.scheduler, source_format=given.source_format, source=given.source)
+
+
+class DDPCommunicationHookType(str, enum.Enum):
+    """Accelerate's DDP gradient-compression hooks; zerofit's engine reduces in fp32 and takes none."""
+
+    NO = "no"
+    FP16 = "fp16"
+    BF16 = "bf16"
+    POWER_SGD = "power_sgd"
+    BATCHED_POWER_SGD = "batched_power_sgd"
+
+
+@dataclass
+class ProfileKwargs:
+    """torch.profiler's settings for `accelerator.profile()` (Accelerate's fields)."""
+
+    activities: list[str] | None = None
+    """"cpu", "cuda" (default: the CPU, and CUDA when there is a GPU)."""
+    schedule_option: dict[str, int] | None = None
+    """`torch.profiler.schedule` arguments (wait, warmup, active, repeat, skip_first)."""
+    on_trace_ready: Any = None
+    record_shapes: bool = False
+    profile_memory: bool = False
+    with_stack: bool = False
+    with_flops: bool = False
+    with_modules: bool = False
+    output_trace_dir: str | None = None
+    """Where each process writes its Chrome trace (`<dir>/trace_rank_<i>.json`) when profiling ends."""
+
+    def build(self) -> Any:
+        """The `torch.profiler.profile` these settings describe (not started)."""
+        import torch
+
+        names = self.activities or (["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"])
+        kinds = {"cpu": torch.profiler.ProfilerActivity.CPU, "cuda": torch.profiler.ProfilerActivity.CUDA}
+        unknown = [a for a in names if a not in kinds]
+        if unknown:
+            raise ValueError(f"ProfileKwargs(activities={names}): {unknown} not known: use 'cpu' and/or 'cuda'")
+        schedule = torch.profiler.schedule(**self.schedule_option) if self.schedule_option else None
+        return torch.profiler.profile(activities=[kinds[a] for a in names], schedule=schedule,
+                                      on_trace_ready=self.on_trace_ready, record_shapes=self.record_shapes,
+                                      profile_memory=self.profile_memory, with_stack=self.with_stack,
+                                      with_flops=self.with_flops, with_modules=self.with_modules)

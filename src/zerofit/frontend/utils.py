@@ -35,17 +35,20 @@ from zerofit.frontend.ops import (
 from zerofit.frontend.plugins import (
     AutocastKwargs,
     DataLoaderConfiguration,
+    DDPCommunicationHookType,
     DeepSpeedPlugin,
     DistributedDataParallelKwargs,
     GradientAccumulationPlugin,
     GradScalerKwargs,
     InitProcessGroupKwargs,
+    ProfileKwargs,
 )
 from zerofit.frontend.processes import PartialState
 from zerofit.frontend.state import DistributedType
 
 __all__ = [
     "AutocastKwargs",
+    "DDPCommunicationHookType",
     "DataLoaderConfiguration",
     "DeepSpeedPlugin",
     "DistributedDataParallelKwargs",
@@ -56,6 +59,7 @@ __all__ = [
     "GradientAccumulationPlugin",
     "InitProcessGroupKwargs",
     "PartialState",
+    "ProfileKwargs",
     "ProjectConfiguration",
     "broadcast",
     "broadcast_object",
@@ -66,6 +70,7 @@ __all__ = [
     "init_empty_weights",
     "init_on_device",
     "is_deepspeed_available",
+    "is_schedulefree_available",
     "pad_across_processes",
     "reduce",
     "send_to_device",
@@ -219,6 +224,11 @@ def tqdm(*args: Any, main_process_only: bool = True, **kwargs: Any) -> Any:
 def is_deepspeed_available() -> bool:
     """Whether the `deepspeed` package can be imported (zerofit itself never needs it)."""
     return importlib.util.find_spec("deepspeed") is not None
+
+
+def is_schedulefree_available() -> bool:
+    """Whether the `schedulefree` package (schedule-free optimizers) can be imported."""
+    return importlib.util.find_spec("schedulefree") is not None
 
 
 def write_basic_config(mixed_precision: str = "no", save_location: str | os.PathLike = "zerofit_config.yaml",
