@@ -227,3 +227,16 @@ def test_profile_runs_torch_profiler_and_writes_a_trace_per_process(tmp_path):
     with pytest.raises(ValueError, match=r"\['tpu'\] not known: use 'cpu' and/or 'cuda'"):
         with acc.profile(zerofit.ProfileKwargs(activities=["tpu"])):
             pass
+
+
+def test_gradient_accumulation_steps_can_be_set_before_prepare():
+    acc = Accelerator(config=RunConfig())
+    acc.gradient_accumulation_steps = 4  # as Accelerate's automatic_gradient_accumulation example does
+    assert acc.gradient_accumulation_steps == 4 and acc.config.batch.gradient_accumulation_steps == 4
+    with pytest.raises(ValueError, match="must be a whole number >= 1"):
+        acc.gradient_accumulation_steps = 0
+    model = nn.Linear(4, 1)
+    model, _ = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert acc._prepared.trained_engine().gradient_accumulation_steps == 4
+    with pytest.raises(ValueError, match="set it before prepare"):
+        acc.gradient_accumulation_steps = 2

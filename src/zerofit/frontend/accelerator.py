@@ -99,6 +99,7 @@ class Accelerator(PrepareMixin, PersistenceMixin, ProcessMethods):
         if timeout is not None:  # InitProcessGroupKwargs(timeout=...)
             config = config.replace(launch=dataclasses.replace(config.launch, process_group_timeout=timeout))
         self.process = ProcessState.create(config, cpu=cpu)
+        self._before_script = (config, mixed_precision)  # for a later `gradient_accumulation_steps = n`
         self.config = apply_script_arguments(config, gradient_accumulation_steps=gradient_accumulation_steps,
                                              mixed_precision=mixed_precision, world=self.num_processes)
         self.gradient_state = GradientState(early_accumulation(self.config, self.num_processes))
@@ -181,6 +182,19 @@ class Accelerator(PrepareMixin, PersistenceMixin, ProcessMethods):
     @property
     def gradient_accumulation_steps(self) -> int:
         return self.gradient_state.gradient_accumulation_steps
+
+    @gradient_accumulation_steps.setter
+    def gradient_accumulation_steps(self, steps: int) -> None:
+        """As if `Accelerator(gradient_accumulation_steps=steps)` had been passed (before `prepare()`)."""
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+            raise ValueError(f"gradient_accumulation_steps must be a whole number >= 1 (got {steps!r})")
+        if self._prepared.engines:
+            raise ValueError("accelerator.gradient_accumulation_steps = ... after prepare(): set it before "
+                             "prepare() (or pass Accelerator(gradient_accumulation_steps=...))")
+        config, mixed_precision = self._before_script
+        self.config = apply_script_arguments(config, gradient_accumulation_steps=steps,
+                                             mixed_precision=mixed_precision, world=self.num_processes)
+        self.gradient_state.gradient_accumulation_steps = early_accumulation(self.config, self.num_processes)
 
     @property
     def sync_gradients(self) -> bool:
