@@ -193,6 +193,8 @@ def test_small_utils(tmp_path, monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         Accelerator(config=RunConfig(), kwargs_handlers=[zerofit.GradScalerKwargs()])  # defaults: silent
+        Accelerator(config=RunConfig(), kwargs_handlers=[zerofit.DistributedDataParallelKwargs(
+            comm_hook=zerofit.utils.DDPCommunicationHookType.NO)])  # Accelerate's ddp_comm_hook example, hook off
 
 
 def test_local_sgd_is_a_plain_loop_on_one_process_and_a_clear_error_on_several():

@@ -61,6 +61,16 @@ class InitProcessGroupKwargs:
     timeout: timedelta | None = None
 
 
+class DDPCommunicationHookType(str, enum.Enum):
+    """Accelerate's DDP gradient-compression hooks; zerofit's engine reduces in fp32 and takes none."""
+
+    NO = "no"
+    FP16 = "fp16"
+    BF16 = "bf16"
+    POWER_SGD = "power_sgd"
+    BATCHED_POWER_SGD = "batched_power_sgd"
+
+
 @dataclass
 class DistributedDataParallelKwargs:
     """torch DDP's arguments; zerofit's engine reduces gradients itself (see the module doc)."""
@@ -72,8 +82,8 @@ class DistributedDataParallelKwargs:
     check_reduction: bool = False
     gradient_as_bucket_view: bool = False
     static_graph: bool = False
-    comm_hook: Any = None
-    comm_wrapper: Any = None
+    comm_hook: DDPCommunicationHookType = DDPCommunicationHookType.NO
+    comm_wrapper: DDPCommunicationHookType = DDPCommunicationHookType.NO
     comm_state_option: dict = field(default_factory=dict)
 
 
@@ -188,16 +198,6 @@ def with_deepspeed_plugin(config: RunConfig, plugin: DeepSpeedPlugin) -> RunConf
     return config.replace(zero=given.zero, batch=given.batch, precision=precision,
                           gradient_clipping=given.gradient_clipping, optimizer=given.optimizer,
                           scheduler=given.scheduler, source_format=given.source_format, source=given.source)
-
-
-class DDPCommunicationHookType(str, enum.Enum):
-    """Accelerate's DDP gradient-compression hooks; zerofit's engine reduces in fp32 and takes none."""
-
-    NO = "no"
-    FP16 = "fp16"
-    BF16 = "bf16"
-    POWER_SGD = "power_sgd"
-    BATCHED_POWER_SGD = "batched_power_sgd"
 
 
 @dataclass
