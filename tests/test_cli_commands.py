@@ -62,6 +62,12 @@ def test_missing_script_is_one_clear_error(capsys, tmp_path):
     assert "zerofit launch: error:" in err and "nope.py' does not exist" in err and "-m NAME" in err
 
 
+def test_a_directory_as_the_script_is_named_as_a_directory(capsys, tmp_path):
+    assert main(["launch", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "is a directory, not a Python file: pass the script inside it" in err and "does not exist" not in err
+
+
 def test_missing_module_is_one_clear_error(capsys):
     assert main(["launch", "-m", "zerofit_no_such_module.train"]) == 2
     assert "no module named 'zerofit_no_such_module.train'" in capsys.readouterr().err

@@ -269,6 +269,9 @@ def check_target(target: tuple[str, ...]) -> None:
         if not found:
             raise ConfigError(f"-m {name}: no module named {name!r} is importable from {os.getcwd()}: "
                               "check the name, install its package, or run from the directory that holds it")
+    elif os.path.isdir(target[0]):
+        raise ConfigError(f"script {target[0]!r} is a directory, not a Python file: pass the script inside it "
+                          "(e.g. DIR/train.py), or -m NAME for a module")
     elif not os.path.isfile(target[0]):
         raise ConfigError(f"script {target[0]!r} does not exist (from {os.getcwd()}): pass the path of a "
                           "Python file, or -m NAME for a module")
