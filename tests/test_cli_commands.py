@@ -167,3 +167,16 @@ def test_demo_is_a_two_process_cpu_launch_of_the_demo_module(monkeypatch):
     plan = seen["plan"]
     assert plan.world_size == 2 and plan.backend == "gloo" and plan.config.launch.use_cpu
     assert plan.target == ("-m", "zerofit.demo.train", "--stage", "3", "--steps", "20")
+
+
+def test_a_taken_rendezvous_port_is_named_with_the_option_that_moves_it(capsys):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["launch", "--cpu", "--num_processes", "2", "--main_process_port", str(port), str(CHECK)]) == 1
+    err = capsys.readouterr().err
+    assert f"port {port} on 127.0.0.1 is already in use" in err and "--main_process_port PORT" in err
+    assert "Traceback" not in err and "Errno 98" not in err

@@ -349,6 +349,9 @@ def execute(plan: LaunchPlan) -> int:
             except SignalException as e:
                 print(f"zerofit launch: stopped by {e.sigval.name}; the workers were terminated", file=sys.stderr)
                 return 128 + int(e.sigval)
+            except rendezvous.PortInUse as e:
+                print(f"zerofit launch: error: {e}", file=sys.stderr)
+                return 1
             except RendezvousError as e:
                 print(f"zerofit launch: rendezvous {plan.rendezvous()} failed: {e}\n"
                       "  check that machine 0 is started, that --main_process_ip/--main_process_port match on "

@@ -14,6 +14,7 @@ The backend is registered under `BACKEND` through torch's public rendezvous hand
 
 from __future__ import annotations
 
+import errno
 import socket
 from datetime import timedelta
 
@@ -25,6 +26,7 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousStoreInfo,
     rendezvous_handler_registry,
 )
+from torch.distributed.elastic.rendezvous.api import RendezvousError
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
 BACKEND = "zerofit-loopback"
@@ -33,11 +35,23 @@ _STORE_TIMEOUT = timedelta(seconds=600)
 """How long a worker may take to reach the store (the same bound torchrun's static rendezvous uses)."""
 
 
+class PortInUse(RendezvousError):
+    """The rendezvous port is taken; the message names it and the option that moves it."""
+
+
 def listen_on_loopback(port: int) -> socket.socket:
     """A TCP socket listening on 127.0.0.1:`port` (0: a port the OS picks)."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((LOOPBACK, port))
+    try:
+        sock.bind((LOOPBACK, port))
+    except OSError as e:
+        sock.close()
+        if e.errno != errno.EADDRINUSE:
+            raise
+        raise PortInUse(f"port {port} on {LOOPBACK} is already in use (another run, or another program, listens "
+                        "there): pass another with --main_process_port PORT (launch.main_process_port), or leave "
+                        "it unset and zerofit picks a free one") from e
     sock.listen(128)
     return sock
 
