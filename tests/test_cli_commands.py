@@ -180,3 +180,12 @@ def test_a_taken_rendezvous_port_is_named_with_the_option_that_moves_it(capsys):
     err = capsys.readouterr().err
     assert f"port {port} on 127.0.0.1 is already in use" in err and "--main_process_port PORT" in err
     assert "Traceback" not in err and "Errno 98" not in err
+
+
+def test_resume_auto_is_read_from_a_file_and_from_the_flag(tmp_path, capsys):
+    """"auto" is one of checkpoint.resume's modes, not the placeholder that "auto" means elsewhere."""
+    path = tmp_path / "run.yaml"
+    path.write_text("checkpoint:\n  resume: auto\n  output_dir: ckpt\n")
+    assert load_config(path).checkpoint.resume == "auto"
+    assert main(["launch", "--dry-run", "--resume", "auto", str(CHECK)]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["checkpoint"]["resume"] == "auto"

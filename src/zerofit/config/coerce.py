@@ -136,6 +136,9 @@ def convert(value: Any, hint: Any) -> Any:
     members = typing.get_args(hint) if _is_union(hint) else (hint,)
     allows_auto = Any in members
     allows_none = type(None) in members
+    if isinstance(value, str) and value.strip().lower() == "auto" and any(
+            typing.get_origin(m) is typing.Literal and "auto" in typing.get_args(m) for m in members):
+        return "auto"  # a choice named "auto" (checkpoint.resume), not the AUTO placeholder
     if is_auto_text(value):
         if allows_auto:
             return AUTO
