@@ -144,6 +144,27 @@ def test_bad_latest_pointer_and_missing_directory(tmp_path, engine):
         load_state(tmp_path / "nope", engine)
 
 
+def test_a_latest_that_is_not_ours_is_refused_without_echoing_it(tmp_path, engine):
+    """#18: a symlink to a file printed that file; a 5 MB or non-UTF-8 pointer crashed or flooded the error."""
+    from zerofit.checkpoint.resume import latest_complete
+
+    secret = tmp_path / "secret.txt"
+    secret.write_text("password=hunter2\n")
+    (tmp_path / "latest").symlink_to(secret)
+    for read in (lambda: load_state(tmp_path, engine), lambda: latest_complete(tmp_path)):
+        with pytest.raises(CheckpointError, match="latest is not a regular file") as caught:
+            read()
+        assert "hunter2" not in str(caught.value)
+    (tmp_path / "latest").unlink()
+    (tmp_path / "latest").write_bytes(b"x" * 5_000_000)
+    with pytest.raises(CheckpointError, match="not a checkpoint directory name") as caught:
+        latest_complete(tmp_path)
+    assert len(str(caught.value)) < 400
+    (tmp_path / "latest").write_bytes(b"\xff\xfe step")
+    with pytest.raises(CheckpointError, match="not a checkpoint directory name"):
+        load_state(tmp_path, engine)
+
+
 def test_checkpoint_of_another_model_is_refused(failed_saves, tmp_path):
     from engine_cases import TinyLM
 

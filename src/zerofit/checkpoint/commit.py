@@ -72,17 +72,43 @@ def point_latest(final: Path, token: str) -> None:
     _fsync_dir(final.parent)
 
 
+LATEST_MAX_BYTES = 4096
+"""A `latest` file holds one directory name; anything longer is not one of ours."""
+
+
+def read_latest(folder: Path) -> str | None:
+    """The checkpoint name `folder/latest` holds (None: no such file), checked: a regular file (not a
+    symlink, FIFO or directory), at most LATEST_MAX_BYTES, UTF-8, one sibling directory name. A bad one is a
+    CheckpointError that never echoes more than a short prefix of what the file holds."""
+    pointer = folder / LATEST
+    if not pointer.is_symlink() and not pointer.exists():
+        return None
+    if pointer.is_symlink() or not pointer.is_file():
+        raise CheckpointError(f"{pointer} is not a regular file (a symlink, directory or device): zerofit writes "
+                              f"{LATEST} as a plain file naming a checkpoint; delete it, or pass the checkpoint's "
+                              "directory itself")
+    with open(pointer, "rb") as f:
+        raw = f.read(LATEST_MAX_BYTES + 1)
+    try:
+        name = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        name = None
+    if name is None or len(raw) > LATEST_MAX_BYTES or not name or "/" in name or "\\" in name \
+            or name in (".", "..") or "\n" in name or "\0" in name:
+        shown = repr(raw[:60].decode("utf-8", "replace")) + ("..." if len(raw) > 60 else "")
+        raise CheckpointError(f"{pointer}: names {shown}, which is not a checkpoint directory name: "
+                              "write the name of a sibling checkpoint directory into it")
+    return name
+
+
 def resolve(directory: str | os.PathLike[str]) -> Path:
     """The checkpoint directory `directory` means: itself, or the one its `latest` file names."""
     path = Path(directory)
     if (path / MANIFEST).is_file():
         return path
     pointer = path / LATEST
-    if pointer.is_file():
-        name = pointer.read_text().strip()
-        if not name or "/" in name or "\\" in name or name in (".", ".."):
-            raise CheckpointError(f"{pointer}: names {name!r}, which is not a checkpoint directory name: "
-                                  "write the name of a sibling checkpoint directory into it")
+    name = read_latest(path)
+    if name is not None:
         target = path / name
         if not target.is_dir():
             raise CheckpointError(f"{pointer}: names {name!r}, but {target} does not exist: point it at an "

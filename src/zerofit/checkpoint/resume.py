@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from zerofit.checkpoint.commit import LATEST
+from zerofit.checkpoint.commit import LATEST, read_latest
 from zerofit.checkpoint.manifest import MANIFEST
 from zerofit.errors import CheckpointError, ConfigError
 
@@ -44,11 +44,11 @@ def latest_complete(root: Path) -> Path | None:
     if (root / MANIFEST).is_file():
         return root
     pointer = root / LATEST
-    if not pointer.is_file():
+    name = read_latest(root)
+    if name is None:
         return None
-    name = pointer.read_text().strip()
     target = root / name
-    if not name or "/" in name or not (target / MANIFEST).is_file():
+    if not (target / MANIFEST).is_file():
         raise CheckpointError(f"{pointer} names {name!r}, which is not a complete checkpoint (no {MANIFEST}): "
                               f"point {LATEST} at a complete checkpoint directory under {root}, or delete it "
                               f"to start from scratch")

@@ -26,8 +26,9 @@ import shutil
 import warnings
 from pathlib import Path
 
-from zerofit.checkpoint.commit import LATEST
+from zerofit.checkpoint.commit import read_latest
 from zerofit.checkpoint.manifest import FORMAT, MANIFEST
+from zerofit.errors import CheckpointError
 
 _warned_conflicts: set[tuple[int, int]] = set()
 
@@ -58,10 +59,10 @@ def is_zerofit_checkpoint(path: Path) -> bool:
 
 def _named_by_latest(folder: Path) -> Path | None:
     try:
-        name = (folder / LATEST).read_text().strip()
-    except (OSError, UnicodeDecodeError):
+        name = read_latest(folder)
+    except (OSError, CheckpointError):  # an unreadable pointer protects nothing, and deletes nothing either
         return None
-    return folder / name if name and "/" not in name and name not in (".", "..") else None
+    return folder / name if name is not None else None
 
 
 def _written_at(path: Path) -> tuple:
