@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 
@@ -514,3 +515,27 @@ def test_validate_config_on_a_config_built_in_python():
     ):
         validate_config(cfg)
     validate_config(RunConfig())
+
+
+def test_a_config_path_that_is_not_a_small_text_file_is_one_clear_error(tmp_path):
+    """#18: /dev/zero or a FIFO as deepspeed_config_file read forever; a directory, "", non-UTF-8, deep
+    nesting and a 12 MB file of comments gave tracebacks or took minutes."""
+    import os
+
+    cases = [(tmp_path, "is a directory: pass the config file inside it"), (Path(""), "config file path is empty")]
+    (tmp_path / "bin.yaml").write_bytes(b"\xff\xfe")
+    cases.append((tmp_path / "bin.yaml", "is not UTF-8 text (byte 0): save it as UTF-8"))
+    (tmp_path / "deep.json").write_text("[" * 100_000 + "]" * 100_000)
+    cases.append((tmp_path / "deep.json", "is nested too deeply to be a config"))
+    (tmp_path / "big.yaml").write_text("a: 1\n" + "# comment\n" * 1_300_000)
+    cases.append((tmp_path / "big.yaml", "is larger than 1024 KiB, which no config is"))
+    for path, message in cases:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            load_config(path)
+    fifo = tmp_path / "ds.json"
+    os.mkfifo(fifo)
+    for target in ("/dev/zero", str(fifo)):
+        (tmp_path / "acc.yaml").write_text(f"distributed_type: DEEPSPEED\ndeepspeed_config:\n  deepspeed_config_file: {target}\n")
+        with pytest.raises(ConfigError, match=re.escape(f"deepspeed_config.deepspeed_config_file: {target!r} is not a "
+                                                        "regular file (a pipe or device)")):
+            load_config(tmp_path / "acc.yaml")

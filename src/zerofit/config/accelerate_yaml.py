@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from . import deepspeed_json, ignored
+from . import deepspeed_json, files, ignored
 from .coerce import to_bool, to_choice, to_int, to_str
 from .reading import INVALID, Reading, dig, unknown_key, walk
 from .schema import AUTO
@@ -333,8 +333,10 @@ def _merge_file(
         path = Path(base_dir or ".") / path
     name = f"{_DS}.deepspeed_config_file"
     try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+        data = files.load(path, as_json=True)
+    except files.BadFile as bad:
+        reading.error(f"{name}: {bad}")
+        return
     except FileNotFoundError:
         reading.error(
             f"{name} {ds_file!r} does not exist (looked for {path}): fix the path (relative paths start at the YAML's folder)"

@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 
 from ..errors import ConfigError
-from . import accelerate_yaml, catalog, deepspeed_json, tree, validate, zerofit_yaml
+from . import accelerate_yaml, catalog, deepspeed_json, files, tree, validate, zerofit_yaml
 from .reading import Reading, did_you_mean
 from .schema import AUTO, RunConfig, is_auto
 
@@ -57,8 +57,9 @@ def detect_format(data: Mapping[str, Any], *, suffix: str = "") -> str:
 
 def _parse(path: Path) -> Any:
     try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f) if path.suffix == ".json" else yaml.safe_load(f)
+        return files.load(path, as_json=path.suffix == ".json")
+    except files.BadFile as bad:
+        raise ConfigError([f"config file {bad}"], str(path) if str(path) not in ("", ".") else None) from None
     except FileNotFoundError:
         raise ConfigError(
             [f"config file {str(path)!r} does not exist: check the path given to --config_file"]
