@@ -189,3 +189,34 @@ def test_resume_auto_is_read_from_a_file_and_from_the_flag(tmp_path, capsys):
     assert load_config(path).checkpoint.resume == "auto"
     assert main(["launch", "--dry-run", "--resume", "auto", str(CHECK)]) == 0
     assert yaml.safe_load(capsys.readouterr().out)["checkpoint"]["resume"] == "auto"
+
+
+def test_script_arguments_that_look_like_torchrun_options_reach_the_script(tmp_path):
+    """#18: `--n`, `--max`, `--log`, `--local`, `--master` after the script were taken by torchrun's parser."""
+    script = tmp_path / "args.py"
+    out = tmp_path / "argv.json"
+    script.write_text(f"import json, sys\njson.dump(sys.argv[1:], open({str(out)!r}, 'w'))\n")
+    given = ["--n", "3", "--max", "2", "--log", "x", "--local", "1", "--master", "y", "--", "--nproc-per-node", "9"]
+    assert main(["launch", "--cpu", "--num_processes", "1", str(script), *given]) == 0
+    assert json.loads(out.read_text()) == given
+
+
+def test_the_failure_summary_names_the_first_rank_and_how_the_others_ended():
+    from types import SimpleNamespace
+
+    from zerofit.cli.failure_report import summary
+
+    def failure(exitcode, message=None, local_rank=0):
+        data = {"message": {"message": message}} if message else {}
+        return SimpleNamespace(exitcode=exitcode, error_file_data=data, message="", local_rank=local_rank,
+                               signal_name=lambda: "SIGTERM")
+
+    text = summary("train.py", {0: failure(-15), 1: failure(1, "ValueError: bad\nsecond line", 1),
+                                2: failure(2)}, first_rank=1)
+    assert text.splitlines() == [
+        "zerofit launch: train.py failed: rank 1 first (local rank 1, exit code 1): ValueError: bad second line",
+        "  its traceback is above, its lines prefixed [rank1]",
+        "  then rank 0 (exit code -15): stopped by SIGTERM",
+        "  then rank 2 (exit code 2): exited with code 2 without an exception (the script called sys.exit, or "
+        "rejected its arguments): see its output above"]
+    assert "x" * 401 not in summary("t.py", {0: failure(1, "E: " + "x" * 5000)}, first_rank=0)

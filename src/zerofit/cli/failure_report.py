@@ -14,17 +14,24 @@ from typing import Any
 _MAX_LINE = 400
 
 
+def _recorded(failure: Any) -> bool:
+    """The rank left a Python exception in its error file (zerofit.cli.worker records uncaught ones)."""
+    data = getattr(failure, "error_file_data", None) or {}
+    return isinstance(data, dict) and isinstance(data.get("message"), dict)
+
+
 def _error_line(failure: Any) -> str:
     """The exception line of a failed rank (`Type: message`), or how it ended when it left no record."""
-    data = getattr(failure, "error_file_data", None) or {}
-    message = data.get("message") if isinstance(data, dict) else None
-    if isinstance(message, dict) and message.get("message"):
-        text = str(message["message"])
-    else:
+    if not _recorded(failure):
+        if failure.exitcode < 0:
+            return f"stopped by {failure.signal_name()}"
+        return (f"exited with code {failure.exitcode} without an exception (the script called sys.exit, or "
+                "rejected its arguments): see its output above")
+    message = failure.error_file_data["message"]
+    text = str(message.get("message") or "")
+    if not text:
         lines = [line for line in str(getattr(failure, "message", "") or "").strip().splitlines() if line.strip()]
         text = lines[-1].strip() if lines else ""
-    if failure.exitcode < 0 and not isinstance(message, dict):
-        return f"stopped by {failure.signal_name()}"
     text = " ".join(text.split())
     return text[:_MAX_LINE] + (" ..." if len(text) > _MAX_LINE else "") if text else f"exit code {failure.exitcode}"
 
@@ -33,8 +40,9 @@ def summary(name: str, failures: dict[int, Any], first_rank: int) -> str:
     """The lines printed after a failed run of `name` (`failures`: global rank -> torchelastic's ProcessFailure)."""
     first = failures[first_rank]
     lines = [f"zerofit launch: {name} failed: rank {first_rank} first (local rank {first.local_rank}, exit code "
-             f"{first.exitcode}): {_error_line(first)}",
-             f"  its traceback is above, its lines prefixed [rank{first_rank}]"]
+             f"{first.exitcode}): {_error_line(first)}"]
+    if _recorded(first):
+        lines.append(f"  its traceback is above, its lines prefixed [rank{first_rank}]")
     for rank in sorted(failures):
         if rank != first_rank:
             f = failures[rank]

@@ -27,6 +27,7 @@ import sys
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from zerofit.cli import failure_report, rendezvous
 from zerofit.cli.flags import add_flag
@@ -159,6 +160,14 @@ class LaunchPlan:
             argv += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{la.main_process_ip}:{la.main_process_port}",
                      "--rdzv-id", f"zerofit-{la.main_process_port}"]
         return [*argv, "--module", WORKER_MODULE, *self.target]
+
+    def torchrun_args(self, torchrun: Any) -> argparse.Namespace:
+        """torchrun's parsed arguments for this plan. The script's own arguments are set after parsing, never
+        parsed by torchrun: its parser would take `--n`, `--max`, `--log` ... for abbreviations of its own options."""
+        argv = self.torchrun_argv()
+        args = torchrun.parse_args(argv[: len(argv) - len(self.target)])  # ends with `--module <worker>`
+        args.training_script_args = list(self.target)  # what the worker runs, untouched
+        return args
 
 
 def is_loopback(address: str | None) -> bool:
@@ -338,7 +347,7 @@ def execute(plan: LaunchPlan) -> int:
         rendezvous.register()
         with _environ(env):
             try:
-                torchrun.run(torchrun.parse_args(plan.torchrun_argv()))
+                torchrun.run(plan.torchrun_args(torchrun))
             except ChildFailedError as e:
                 # Each rank printed its traceback as it failed; one summary names them (zerofit.cli.failure_report).
                 name = " ".join(plan.target[:2] if plan.target[0] == "-m" else plan.target[:1])
