@@ -539,3 +539,34 @@ def test_a_config_path_that_is_not_a_small_text_file_is_one_clear_error(tmp_path
         with pytest.raises(ConfigError, match=re.escape(f"deepspeed_config.deepspeed_config_file: {target!r} is not a "
                                                         "regular file (a pipe or device)")):
             load_config(tmp_path / "acc.yaml")
+
+
+@pytest.mark.parametrize(("data", "message"), [
+    ({"gradient_clipping": float("nan"), "zero_optimization": {"stage": 2}},
+     "gradient_clipping must be a finite number (got nan)"),
+    ({"launch": {"process_group_timeout": float("inf")}}, "launch.process_group_timeout must be a finite number"),
+    ({"launch": {"process_group_timeout": float("nan")}}, "launch.process_group_timeout must be a finite number"),
+    ({"launch": {"process_group_timeout": 1e300}},
+     "launch.process_group_timeout is 1e+300, more than the 2592000 zerofit accepts"),
+    ({"gradient_accumulation_steps": 1e308, "train_micro_batch_size_per_gpu": 1},
+     "gradient_accumulation_steps is 1e+308, more than the 1048576 zerofit accepts"),
+    ({"launch": {"num_processes": 100_000_000}}, "launch.num_processes is 100000000, more than the 1048576"),
+    ({"optimizer": {"type": "AdamW", "params": {"lr": -1}}}, "optimizer.params.lr must be 0 or more (got -1)"),
+    ({"optimizer": {"type": "AdamW", "params": {"betas": [0.9, 2]}}},
+     "optimizer.params.betas must be two numbers in [0, 1) (got [0.9, 2])"),
+    ({"optimizer": {"type": "AdamW", "params": {"lr": float("nan")}}}, "optimizer.params.lr must be a finite number"),
+], ids=["clip-nan", "timeout-inf", "timeout-nan", "timeout-huge", "accumulation-huge", "processes-huge", "lr-negative",
+        "betas", "lr-nan"])
+def test_values_out_of_range_are_errors(data, message):
+    """#18: these passed validation and then crashed every worker, or silently turned clipping off."""
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        config_from_dict(data)
+
+
+def test_an_nvme_path_that_is_a_file_and_a_5000_digit_number_are_errors(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigError, match="nvme_path .* is a file: point it at a directory"):
+        config_from_dict({"zero": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path / "file")}}})
+    (tmp_path / "huge.json").write_text('{"train_batch_size": ' + "9" * 5000 + "}")
+    with pytest.raises(ConfigError, match="holds a number with thousands of digits"):
+        load_config(tmp_path / "huge.json")

@@ -49,3 +49,8 @@ def load(path: Path, *, as_json: bool) -> Any:
         return json.loads(text) if as_json else yaml.safe_load(text)
     except RecursionError:
         raise BadFile(f"{str(path)!r} is nested too deeply to be a config: check the file") from None
+    except ValueError as e:  # not a syntax error: a number with more digits than Python converts (4300)
+        if isinstance(e, json.JSONDecodeError) or "digits" not in str(e):
+            raise
+        raise BadFile(f"{str(path)!r} holds a number with thousands of digits, which no setting has: check the "
+                      "file") from None

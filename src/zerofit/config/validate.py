@@ -9,6 +9,8 @@ and validates again.
 
 from __future__ import annotations
 
+import math
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -88,7 +90,11 @@ def _offload(c: _Checker) -> None:
                 "zero.stage",
                 f"{key}.device",
             )
-        if device == "nvme" and not c.values[f"{key}.nvme_path"]:
+        nvme_path = c.values[f"{key}.nvme_path"]
+        if device == "nvme" and isinstance(nvme_path, str) and os.path.isfile(nvme_path):
+            c.add(f"{c.name(key + '.nvme_path')} {nvme_path!r} is a file: point it at a directory on a fast "
+                  "local NVMe drive", f"{key}.nvme_path")
+        if device == "nvme" and not nvme_path:
             c.add(
                 f"{c.name(key + '.nvme_path')} is required when {c.name(key + '.device')} is nvme: "
                 "set it to a directory on a fast local NVMe drive",
@@ -137,6 +143,49 @@ def _minimums(c: _Checker) -> None:
             # "positive" would be wrong for a float such as 0.5 seconds below a minimum of 1
             rule = "positive" if least == 1 and isinstance(value, int) else f"at least {least}"
             c.add(f"{c.name(key)} must be {rule} (got {value}): set it to {least} or more", key)
+
+
+# Largest values that are still a setting rather than a typo (and that torch accepts: a timedelta of
+# 1e300 seconds overflows in every worker).
+_MAXIMUMS: dict[str, int] = {
+    "launch.process_group_timeout": 30 * 24 * 3600,
+    "launch.num_processes": 1 << 20,
+    "launch.num_machines": 1 << 16,
+    "launch.max_restarts": 1 << 16,
+    "launch.main_process_port": 65535,
+    "batch.train_batch_size": 1 << 30,
+    "batch.train_micro_batch_size_per_gpu": 1 << 24,
+    "batch.gradient_accumulation_steps": 1 << 20,
+}
+
+
+def _finite_and_bounded(c: _Checker) -> None:
+    for key, value in c.values.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            c.add(f"{c.name(key)} must be a finite number (got {value}): write a number", key)
+    for key, most in _MAXIMUMS.items():
+        value = c.known(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > most:
+            shown = f"{value:.3g}" if isinstance(value, float) or value > 10**12 else str(value)
+            c.add(f"{c.name(key)} is {shown}, more than the {most} zerofit accepts: set a smaller value", key)
+
+
+def _optimizer_values(c: _Checker) -> None:
+    optimizer = c.config.optimizer
+    for arg, value in (optimizer.params.items() if optimizer is not None else ()):
+        name = f"optimizer.params.{arg}"
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if is_auto(value) or (not number and arg != "betas"):
+            continue
+        if number and not math.isfinite(value):
+            c.add(f"{name} must be a finite number (got {value})", "optimizer.params")
+        elif arg in ("lr", "weight_decay", "eps") and number and value < 0:
+            c.add(f"{name} must be 0 or more (got {value}): {'1e-4 is a usual lr' if arg == 'lr' else 'write it'}",
+                  "optimizer.params")
+        elif arg == "betas" and not (isinstance(value, (list, tuple)) and len(value) == 2 and all(
+                isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in value)):
+            c.add(f"optimizer.params.betas must be two numbers in [0, 1) (got {value!r}): [0.9, 0.999] is usual",
+                  "optimizer.params")
 
 
 def _launch(c: _Checker) -> None:
@@ -314,10 +363,12 @@ _RULES: tuple[Callable[[_Checker], None], ...] = (
     _stage,
     _offload,
     _minimums,
+    _finite_and_bounded,
     _launch,
     _precision,
     _clipping,
     _optimizer,
+    _optimizer_values,
     _scheduler,
 )
 
