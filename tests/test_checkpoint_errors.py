@@ -190,3 +190,19 @@ def test_common_file_tampering_is_caught(failed_saves, tmp_path, engine):
 
 def test_checkpoint_error_is_an_ordinary_exception():
     assert issubclass(CheckpointError, ZerofitError) and issubclass(CheckpointError, Exception)
+
+
+def test_files_the_manifest_does_not_list_are_named_and_never_read(failed_saves, tmp_path, engine):
+    """#18: load read every *.safetensors in state/: a FIFO blocked it, a stale rank file from another run
+    gave 'chunks cover ... does not match this model'."""
+    ckpt = _damaged(failed_saves[0], tmp_path, "stale")
+    shutil.copy(_state_file(ckpt), ckpt / "state" / "rank-00007.safetensors")
+    with pytest.raises(CheckpointError, match=r"rank-00007.safetensors: not in the checkpoint's manifest \(left from "
+                                              r"another run"):
+        load_state(ckpt, engine)
+    (ckpt / "state" / "rank-00007.safetensors").unlink()
+    os.mkfifo(ckpt / "state" / "pipe.safetensors")
+    with pytest.raises(CheckpointError, match=r"pipe.safetensors: not in the checkpoint's manifest"):
+        load_state(ckpt, engine)
+    (ckpt / "state" / "pipe.safetensors").unlink()
+    load_state(ckpt, engine)  # clean again: loads

@@ -81,6 +81,16 @@ def check_sizes(directory: Path, files: dict[str, dict]) -> list[str]:
     return problems
 
 
+def unlisted(directory: Path, files: dict[str, dict], folder: str) -> list[str]:
+    """Problems for entries of `directory/folder` the manifest does not list (the tensor reader would read
+    every `.safetensors` there: a stale file from another run, or a FIFO that blocks it forever)."""
+    root = directory / folder
+    extra = sorted(f"{folder}/{p.name}" for p in root.iterdir() if f"{folder}/{p.name}" not in files) \
+        if root.is_dir() else []
+    return [f"{directory / name}: not in the checkpoint's manifest (left from another run, e.g. a cp -r of another "
+            f"checkpoint over this one): delete it, or load a clean copy of the checkpoint" for name in extra]
+
+
 def check_hashes(directory: Path, files: dict[str, dict], names: list[str]) -> list[str]:
     """Problems with the SHA-256 of `names` (a subset of `files`, so ranks can share the reading)."""
     problems = []

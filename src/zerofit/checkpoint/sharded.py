@@ -39,6 +39,7 @@ from zerofit.checkpoint.manifest import (
     describe,
     list_files,
     read_manifest,
+    unlisted,
     write_manifest,
 )
 from zerofit.checkpoint.ranks import Ranks
@@ -184,7 +185,7 @@ def verify(path: Path, ranks: Ranks) -> None:
     error, manifest = None, {}
     try:
         manifest = read_manifest(path)
-        error = "\n".join(check_sizes(path, manifest)) or None
+        error = "\n".join(check_sizes(path, manifest) + unlisted(path, manifest, STATE_DIR)) or None
     except CheckpointError as e:
         error = str(e)
     ranks.agree(error)
