@@ -206,3 +206,20 @@ def test_files_the_manifest_does_not_list_are_named_and_never_read(failed_saves,
         load_state(ckpt, engine)
     (ckpt / "state" / "pipe.safetensors").unlink()
     load_state(ckpt, engine)  # clean again: loads
+
+
+def test_a_manifest_is_not_trusted_to_switch_checks_off_or_point_outside(failed_saves, tmp_path, engine):
+    """#18: `"files": {}` turned every integrity check off; `../../etc/passwd` entries were followed."""
+    ckpt = _damaged(failed_saves[0], tmp_path, "edited")
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    (ckpt / "manifest.json").write_text(json.dumps({**manifest, "files": {}}))
+    with pytest.raises(CheckpointError, match=r"manifest.json does not list common.json, state/\*.safetensors, which "
+                                              r"every checkpoint holds"):
+        load_state(ckpt, engine)
+    outside = {**manifest["files"], "../../etc/passwd": {"bytes": 1, "sha256": "0" * 64}}
+    (ckpt / "manifest.json").write_text(json.dumps({**manifest, "files": outside}))
+    with pytest.raises(CheckpointError, match=r"lists '../../etc/passwd', a path outside the checkpoint"):
+        load_state(ckpt, engine)
+    (ckpt / "manifest.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(CheckpointError, match="unreadable manifest"):
+        load_state(ckpt, engine)

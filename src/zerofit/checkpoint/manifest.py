@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from zerofit.checkpoint.tree import write_durable
 from zerofit.errors import CheckpointError
@@ -61,10 +61,25 @@ def read_manifest(directory: Path) -> dict[str, dict]:
                 isinstance(v, dict) and isinstance(v.get("bytes"), int) and isinstance(v.get("sha256"), str)
                 for v in files.values()):
             raise ValueError(f"format {doc.get('format')!r}")
-    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise CheckpointError(f"{path}: unreadable manifest ({e}): the checkpoint is damaged; load an "
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
+        raise CheckpointError(f"{path}: unreadable manifest ({str(e)[:200]}): the checkpoint is damaged; load an "
                               "earlier one") from None
+    for name in files:
+        parts = PurePosixPath(name).parts
+        if not name or name.startswith("/") or "\\" in name or ".." in parts or "\0" in name:
+            raise CheckpointError(f"{path}: lists {name[:100]!r}, a path outside the checkpoint: the manifest is "
+                                  "damaged or was edited; load an earlier checkpoint")
     return files
+
+
+def missing_required(files: dict[str, dict], required: tuple[str, ...], folder: str) -> list[str]:
+    """Problems for a manifest that leaves out files every checkpoint has (an emptied `files` would
+    otherwise switch every integrity check off)."""
+    absent = [n for n in required if n not in files]
+    if not any(n.startswith(folder + "/") for n in files):
+        absent.append(f"{folder}/*.safetensors")
+    return [f"{MANIFEST} does not list {', '.join(absent)}, which every checkpoint holds: the manifest is damaged "
+            "or was edited; load an earlier checkpoint"] if absent else []
 
 
 def check_sizes(directory: Path, files: dict[str, dict]) -> list[str]:

@@ -38,6 +38,7 @@ from zerofit.checkpoint.manifest import (
     check_sizes,
     describe,
     list_files,
+    missing_required,
     read_manifest,
     unlisted,
     write_manifest,
@@ -185,7 +186,8 @@ def verify(path: Path, ranks: Ranks) -> None:
     error, manifest = None, {}
     try:
         manifest = read_manifest(path)
-        error = "\n".join(check_sizes(path, manifest) + unlisted(path, manifest, STATE_DIR)) or None
+        error = "\n".join(missing_required(manifest, (f"{COMMON}.json",), STATE_DIR) + check_sizes(path, manifest)
+                          + unlisted(path, manifest, STATE_DIR)) or None
     except CheckpointError as e:
         error = str(e)
     ranks.agree(error)
