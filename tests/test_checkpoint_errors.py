@@ -223,3 +223,27 @@ def test_a_manifest_is_not_trusted_to_switch_checks_off_or_point_outside(failed_
     (ckpt / "manifest.json").write_text("[" * 100_000 + "]" * 100_000)
     with pytest.raises(CheckpointError, match="unreadable manifest"):
         load_state(ckpt, engine)
+
+
+def test_a_save_never_replaces_what_zerofit_did_not_write(tmp_path, engine):
+    """#18: save_state on a directory that is not a checkpoint deleted everything in it, exit 0, and
+    overwrote a file named `latest` beside it."""
+    mine = tmp_path / "notes"
+    mine.mkdir()
+    (mine / "thesis.txt").write_text("years of work")
+    with pytest.raises(CheckpointError, match="exists and is not a zerofit checkpoint .* save to a new or empty"):
+        save_state(mine, engine)
+    assert (mine / "thesis.txt").read_text() == "years of work" and sorted(p.name for p in tmp_path.iterdir()) == [
+        "notes"]
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(CheckpointError, match="exists and is not a directory"):
+        save_state(tmp_path / "file", engine)
+    (tmp_path / "latest").write_text("my shopping list\nmilk\n")
+    with pytest.raises(CheckpointError, match="zerofit will not overwrite it"):
+        save_state(tmp_path / "ckpt", engine)
+    assert (tmp_path / "latest").read_text() == "my shopping list\nmilk\n" and not (tmp_path / "ckpt").exists()
+    (tmp_path / "latest").unlink()
+    (tmp_path / "empty").mkdir()
+    save_state(tmp_path / "empty", engine)  # an empty directory, then a checkpoint: both may be replaced
+    save_state(tmp_path / "empty", engine)
+    assert (tmp_path / "latest").read_text().strip() == "empty"

@@ -12,10 +12,12 @@ temporary file, fsync, `os.replace`): it always names a complete checkpoint.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
 
+from zerofit.checkpoint.manifest import FORMAT as MANIFEST_FORMAT
 from zerofit.checkpoint.manifest import MANIFEST
 from zerofit.checkpoint.tree import write_durable
 from zerofit.errors import CheckpointError
@@ -50,6 +52,35 @@ def _fsync_dir(directory: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def check_replaceable(final: Path, *, update_latest: bool) -> None:
+    """Refuse, before anything is written, a save that would replace what zerofit did not write: `final`
+    must be absent, an empty directory, or a zerofit checkpoint (its manifest names our format), and
+    with `update_latest` the `latest` beside it must be absent or a pointer zerofit could have written."""
+    if final.is_symlink() or final.exists():
+        if not final.is_dir() or final.is_symlink():
+            raise CheckpointError(f"{final} exists and is not a directory: save the checkpoint somewhere else")
+        if any(final.iterdir()) and not is_checkpoint(final):
+            raise CheckpointError(f"{final} exists and is not a zerofit checkpoint (it holds other files): a save "
+                                  "replaces its directory as a whole, so zerofit will not write there; save to a "
+                                  "new or empty directory")
+    if update_latest:
+        try:
+            read_latest(final.parent)
+        except CheckpointError as e:
+            raise CheckpointError(f"{e} - zerofit will not overwrite it: rename it, or save elsewhere") from None
+
+
+def is_checkpoint(directory: Path) -> bool:
+    """True for a real directory holding a manifest of zerofit's format (a committed zerofit checkpoint)."""
+    manifest = directory / MANIFEST
+    if directory.is_symlink() or not directory.is_dir() or manifest.is_symlink() or not manifest.is_file():
+        return False
+    try:
+        return json.loads(manifest.read_text()).get("format") == MANIFEST_FORMAT
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError, RecursionError):
+        return False
 
 
 def commit(tmp: Path, final: Path, token: str) -> None:

@@ -19,15 +19,14 @@ that fails gives a warning; the save itself has succeeded.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
 import warnings
 from pathlib import Path
 
-from zerofit.checkpoint.commit import read_latest
-from zerofit.checkpoint.manifest import FORMAT, MANIFEST
+from zerofit.checkpoint.commit import is_checkpoint, read_latest
+from zerofit.checkpoint.manifest import MANIFEST
 from zerofit.errors import CheckpointError
 
 _warned_conflicts: set[tuple[int, int]] = set()
@@ -46,15 +45,7 @@ def limit_of(config_limit: int | None, project_limit: int | None) -> int | None:
 
 def is_zerofit_checkpoint(path: Path) -> bool:
     """True for a committed checkpoint written by zerofit (see [Note: what retention may delete])."""
-    if path.is_symlink() or not path.is_dir() or ".tmp-" in path.name or ".old-" in path.name:
-        return False
-    manifest = path / MANIFEST
-    if manifest.is_symlink() or not manifest.is_file():
-        return False
-    try:
-        return json.loads(manifest.read_text()).get("format") == FORMAT
-    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
-        return False
+    return ".tmp-" not in path.name and ".old-" not in path.name and is_checkpoint(path)
 
 
 def _named_by_latest(folder: Path) -> Path | None:

@@ -93,8 +93,11 @@ def save_state(directory: str | os.PathLike[str], engine, *, extra_state: dict |
     error = None
     if ranks.is_main:
         try:
+            files.check_replaceable(final, update_latest=update_latest)
             files.remove_stale(final)
             tmp.mkdir(parents=True)
+        except CheckpointError as e:
+            error = str(e)
         except Exception as e:
             error = f"{tmp}: cannot create the checkpoint directory ({e}): check the path and free space"
     ranks.agree(error)
