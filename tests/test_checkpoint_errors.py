@@ -247,3 +247,34 @@ def test_a_save_never_replaces_what_zerofit_did_not_write(tmp_path, engine):
     save_state(tmp_path / "empty", engine)  # an empty directory, then a checkpoint: both may be replaced
     save_state(tmp_path / "empty", engine)
     assert (tmp_path / "latest").read_text().strip() == "empty"
+
+
+def test_a_commit_killed_at_any_step_resumes_from_the_newest_complete_copy(tmp_path, engine):
+    """#18: a SIGKILL between the two renames of a re-save left `<name>.old-*` and `<name>.tmp-*` and the
+    restart refused to start. Each step of the commit is stood in for by the directories it leaves."""
+    from zerofit.checkpoint.resume import latest_complete
+
+    def saved(tag: float) -> Path:
+        with torch.no_grad():
+            for g in engine.groups:
+                g.master.fill_(tag)
+        return Path(save_state(tmp_path / "src" / f"v{tag}", engine, update_latest=False))
+
+    old, new = saved(1.0), saved(2.0)
+    steps = {"before the first rename": ("final:old", "tmp:new"),
+             "between the renames": ("old:old", "tmp:new"),
+             "after the second rename": ("final:new", "old:old"),
+             "only the old copy moved aside": ("old:old",)}
+    expect = {"before the first rename": 1.0, "between the renames": 2.0, "after the second rename": 2.0,
+              "only the old copy moved aside": 1.0}
+    for i, (step, layout) in enumerate(steps.items()):
+        root = tmp_path / f"case{i}"
+        root.mkdir()
+        for item in layout:
+            kind, which = item.split(":")
+            name = {"final": "ckpt", "tmp": "ckpt.tmp-abc123", "old": "ckpt.old-def456"}[kind]
+            shutil.copytree(old if which == "old" else new, root / name)
+        (root / "latest").write_text("ckpt\n")
+        assert latest_complete(root) == root / "ckpt", step
+        load_state(root, engine)
+        assert all(float(g.master.flatten()[0]) == expect[step] for g in engine.groups), step

@@ -6,8 +6,10 @@ files and then the manifest are on disk (`commit`). Replacing an existing `<name
 aside first (`<name>.old-<token>`) and deletes it after the rename, so there is never a moment when a
 half-written directory carries the final name. A crash, an exception or a full disk at any point
 before the rename leaves only a `.tmp-` directory behind, which no loader opens and the next save of
-the same name removes. After the commit, the parent's `latest` file is replaced atomically (write a
-temporary file, fsync, `os.replace`): it always names a complete checkpoint.
+the same name removes. A kill between the two renames leaves no `<name>`, but two complete copies
+beside it: loading and resuming put the newer (`.tmp-`, the save being committed) back in its place
+(`recover`). After the commit, the parent's `latest` file is replaced atomically (write a temporary
+file, fsync, `os.replace`): it always names a complete checkpoint.
 """
 
 from __future__ import annotations
@@ -39,6 +41,26 @@ def remove_stale(final: Path) -> None:
             p.name.startswith(f"{final.name}.old-") and final.exists())
         if stale and p.is_dir():
             shutil.rmtree(p, ignore_errors=True)
+
+
+def recover(final: Path) -> None:
+    """Put back `final` when a commit died between its two renames (see the module note): of the complete
+    copies beside it, the `.tmp-` one (the save being committed) wins over the `.old-` one (the previous
+    save), the newest manifest among several; the other copies are left for the next save to clear.
+    Safe to run on several ranks at once: a rank that loses the race finds `final` in place."""
+    if final.exists() or not final.parent.is_dir():
+        return
+    copies = [p for p in final.parent.iterdir()
+              if p.name.startswith((f"{final.name}.tmp-", f"{final.name}.old-")) and is_checkpoint(p)]
+    if not copies:
+        return
+    best = max(copies, key=lambda p: (".tmp-" in p.name[len(final.name):], (p / MANIFEST).stat().st_mtime_ns))
+    try:
+        os.rename(best, final)
+        _fsync_dir(final.parent)
+    except OSError:
+        if not final.exists():
+            raise
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -135,12 +157,14 @@ def read_latest(folder: Path) -> str | None:
 def resolve(directory: str | os.PathLike[str]) -> Path:
     """The checkpoint directory `directory` means: itself, or the one its `latest` file names."""
     path = Path(directory)
+    recover(path)
     if (path / MANIFEST).is_file():
         return path
     pointer = path / LATEST
     name = read_latest(path)
     if name is not None:
         target = path / name
+        recover(target)
         if not target.is_dir():
             raise CheckpointError(f"{pointer}: names {name!r}, but {target} does not exist: point it at an "
                                   "existing checkpoint or pass that checkpoint's directory")

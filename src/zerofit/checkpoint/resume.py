@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from zerofit.checkpoint.commit import LATEST, read_latest
+from zerofit.checkpoint.commit import LATEST, read_latest, recover
 from zerofit.checkpoint.manifest import MANIFEST
 from zerofit.errors import CheckpointError, ConfigError
 
@@ -41,6 +41,7 @@ def checkpoint_root(project_dir: str | None, automatic_naming: bool, output_dir:
 
 def latest_complete(root: Path) -> Path | None:
     """The newest complete checkpoint under `root`, or None when none was committed there yet."""
+    recover(root)
     if (root / MANIFEST).is_file():
         return root
     pointer = root / LATEST
@@ -48,6 +49,7 @@ def latest_complete(root: Path) -> Path | None:
     if name is None:
         return None
     target = root / name
+    recover(target)  # a commit that died between its renames leaves the copies beside it
     if not (target / MANIFEST).is_file():
         raise CheckpointError(f"{pointer} names {name!r}, which is not a complete checkpoint (no {MANIFEST}): "
                               f"point {LATEST} at a complete checkpoint directory under {root}, or delete it "
