@@ -570,3 +570,19 @@ def test_an_nvme_path_that_is_a_file_and_a_5000_digit_number_are_errors(tmp_path
     (tmp_path / "huge.json").write_text('{"train_batch_size": ' + "9" * 5000 + "}")
     with pytest.raises(ConfigError, match="holds a number with thousands of digits"):
         load_config(tmp_path / "huge.json")
+
+
+def test_an_alias_bomb_and_a_huge_value_give_short_errors_quickly(tmp_path):
+    """#18: a YAML alias bomb took 4 min, 11 GB and printed 2 GB; a 100 KB string gave a 100 KB message."""
+    lines = ['a0: &a0 ["x", "x", "x", "x", "x", "x", "x", "x", "x"]']
+    lines += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, 9)]
+    (tmp_path / "bomb.yaml").write_text("\n".join(lines) + "\nzero: {stage: *a8}\n")
+    with pytest.raises(ConfigError, match="expands to more than 100000 values \\(YAML aliases") as caught:
+        load_config(tmp_path / "bomb.yaml")
+    assert len(str(caught.value)) < 1000
+    (tmp_path / "long.yaml").write_text(f"zero:\n  stage: {'x' * 100_000}\n")
+    with pytest.raises(ConfigError, match="more characters not shown") as caught:
+        load_config(tmp_path / "long.yaml")
+    assert len(str(caught.value)) < 2000
+    with pytest.raises(ConfigError, match="holds a NUL byte"):
+        load_config("conf\0ig.yaml")

@@ -5,11 +5,28 @@ class ZerofitError(Exception):
     """Base class of every error zerofit raises on purpose."""
 
 
+MAX_PROBLEM_CHARS = 600
+"""A problem's message quotes the value it is about; a 100 KB string value must not become a 100 KB error."""
+
+MAX_PROBLEMS = 50
+
+
+def _capped(text: str) -> str:
+    if len(text) <= MAX_PROBLEM_CHARS:
+        return text
+    return f"{text[:MAX_PROBLEM_CHARS]} ... ({len(text) - MAX_PROBLEM_CHARS} more characters not shown)"
+
+
 class ConfigError(ZerofitError, ValueError):
-    """A config problem; the message lists every problem found, each naming the dotted key, value and fix."""
+    """A config problem; the message lists every problem found, each naming the dotted key, value and fix
+    (each capped at MAX_PROBLEM_CHARS, at most MAX_PROBLEMS of them)."""
 
     def __init__(self, problems: list[str] | str, source: str | None = None):
-        self.problems = [problems] if isinstance(problems, str) else list(problems)
+        found = [problems] if isinstance(problems, str) else list(problems)
+        self.problems = [_capped(str(p)) for p in found[:MAX_PROBLEMS]]
+        if len(found) > MAX_PROBLEMS:
+            self.problems.append(f"... and {len(found) - MAX_PROBLEMS} more problems")
+        source = _capped(source) if source else source
         where = f" in {source}" if source else ""
         head = f"{len(self.problems)} problem(s){where}:"
         super().__init__("\n".join([head] + [f"  - {p}" for p in self.problems]))

@@ -18,6 +18,9 @@ import yaml
 MAX_BYTES = 1 << 20
 """1 MiB: far beyond any real config, small enough to parse at once."""
 
+MAX_VALUES = 100_000
+"""Values a config may hold once YAML aliases are expanded (a few nested `*name`s can make billions)."""
+
 
 class BadFile(Exception):
     """A config file that cannot be read as one (the message says why and what to do)."""
@@ -27,6 +30,8 @@ def read_text(path: Path) -> str:
     """The UTF-8 text of the regular file at `path` (FileNotFoundError when there is none)."""
     if str(path) in ("", "."):
         raise BadFile("path is empty: pass the config file's path")
+    if "\0" in str(path):
+        raise BadFile(f"path {str(path)[:200]!r} holds a NUL byte: pass the config file's path")
     info = path.stat()  # FileNotFoundError for the caller's own message
     if stat.S_ISDIR(info.st_mode):
         raise BadFile(f"{str(path)!r} is a directory: pass the config file inside it")
@@ -46,7 +51,7 @@ def load(path: Path, *, as_json: bool) -> Any:
     """The file at `path` parsed as JSON or YAML (yaml.safe_load); nesting too deep to parse is a BadFile."""
     text = read_text(path)
     try:
-        return json.loads(text) if as_json else yaml.safe_load(text)
+        data = json.loads(text) if as_json else yaml.safe_load(text)
     except RecursionError:
         raise BadFile(f"{str(path)!r} is nested too deeply to be a config: check the file") from None
     except ValueError as e:  # not a syntax error: a number with more digits than Python converts (4300)
@@ -54,3 +59,21 @@ def load(path: Path, *, as_json: bool) -> Any:
             raise
         raise BadFile(f"{str(path)!r} holds a number with thousands of digits, which no setting has: check the "
                       "file") from None
+    if _expanded_size(data, MAX_VALUES + 1) > MAX_VALUES:
+        raise BadFile(f"{str(path)!r} expands to more than {MAX_VALUES} values (YAML aliases repeating each "
+                      "other), which no config holds: write the values out")
+    return data
+
+
+def _expanded_size(data: Any, budget: int) -> int:
+    """How many values `data` holds with shared (aliased) parts counted each time, counting up to `budget`."""
+    count, stack = 0, [data]
+    while stack and count < budget:
+        item = stack.pop()
+        count += 1
+        if isinstance(item, dict):
+            stack.extend(item.values())
+            stack.extend(item.keys())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return count
