@@ -130,3 +130,40 @@ def _is_loopback(hex_address: str) -> bool:
     if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
         address = address.ipv4_mapped
     return address.is_loopback
+
+
+def test_killing_the_launcher_kills_its_workers_and_the_next_launch_clears_what_it_left(tmp_path):
+    """#18: a SIGKILL of the launcher left the workers running (one would sleep for an hour) and
+    /tmp/zerofit-run-* behind; every launch left a /tmp/torchelastic_* directory."""
+    import signal
+
+    script = tmp_path / "sleeper.py"
+    script.write_text("import os, sys, time\nfrom zerofit import Accelerator\nacc = Accelerator()\n"
+                      f"open(os.path.join({str(tmp_path)!r}, f'pid-{{acc.process_index}}'), 'w').write(str(os.getpid()))\n"
+                      "time.sleep(3600)\n")
+    temp = tmp_path / "tmp"  # this test's own temporary directory: what the launches leave there is theirs
+    temp.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("ZEROFIT_CONFIG_FILE", "OMP_NUM_THREADS")}
+    env["TMPDIR"] = str(temp)
+    launcher = subprocess.Popen([sys.executable, "-m", "zerofit.cli.main", "launch", "--cpu", "--num_processes", "2",
+                                 str(script)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+    while len(worker_pids(tmp_path)) < 2 and time.monotonic() < deadline and launcher.poll() is None:
+        time.sleep(0.2)
+    pids = worker_pids(tmp_path)
+    run_dirs = list(temp.glob(f"zerofit-run-{launcher.pid}-*"))
+    assert len(pids) == 2 and len(run_dirs) == 1
+    launcher.send_signal(signal.SIGKILL)
+    launcher.wait()
+    for _ in range(100):  # the kernel delivers the parent-death signal at once; allow for a loaded machine
+        if not any(Path(f"/proc/{p}").exists() and "zombie" not in Path(f"/proc/{p}/status").read_text().lower()
+                   for p in pids if Path(f"/proc/{p}").exists()):
+            break
+        time.sleep(0.1)
+    assert_all_gone(pids)
+    assert run_dirs[0].exists()  # a killed process cannot clean up; the next launch does
+    proc = subprocess.run([sys.executable, "-m", "zerofit.cli.main", "launch", "--cpu", "--num_processes", "1",
+                           str(SCRIPTS / "allreduce_check.py")], env=env, capture_output=True, text=True,
+                          timeout=LAUNCH_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stderr
+    assert list(temp.iterdir()) == []  # the killed launch's run directory cleared; no torchelastic_* left

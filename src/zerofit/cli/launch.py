@@ -22,11 +22,13 @@ import dataclasses
 import importlib.util
 import ipaddress
 import os
+import shutil
 import socket
 import sys
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from zerofit.cli import failure_report, rendezvous
@@ -161,11 +163,14 @@ class LaunchPlan:
                      "--rdzv-id", f"zerofit-{la.main_process_port}"]
         return [*argv, "--module", WORKER_MODULE, *self.target]
 
-    def torchrun_args(self, torchrun: Any) -> argparse.Namespace:
-        """torchrun's parsed arguments for this plan. The script's own arguments are set after parsing, never
-        parsed by torchrun: its parser would take `--n`, `--max`, `--log` ... for abbreviations of its own options."""
+    def torchrun_args(self, torchrun: Any, log_dir: str) -> argparse.Namespace:
+        """torchrun's parsed arguments for this plan, its logs under `log_dir` (the run's own temporary
+        directory, removed with it: else each launch leaves a /tmp/torchelastic_* behind). The script's own
+        arguments are set after parsing, never parsed by torchrun: its parser would take `--n`, `--max`,
+        `--log` ... for abbreviations of its own options."""
         argv = self.torchrun_argv()
-        args = torchrun.parse_args(argv[: len(argv) - len(self.target)])  # ends with `--module <worker>`
+        head = argv[: len(argv) - len(self.target)]  # ends with `--module <worker>`
+        args = torchrun.parse_args(["--log-dir", log_dir, *head])
         args.training_script_args = list(self.target)  # what the worker runs, untouched
         return args
 
@@ -324,6 +329,25 @@ def _environ(values: dict[str, str]) -> Iterator[None]:
                 os.environ[k] = v
 
 
+RUN_DIR_PREFIX = "zerofit-run-"
+"""A launch's temporary directory (its resolved config, torchrun's logs) is `<tmp>/zerofit-run-<pid>-*`."""
+
+
+def remove_orphaned_run_dirs() -> None:
+    """Delete the run directories of launchers that were killed (their pid no longer runs), so a SIGKILL
+    leaves nothing behind for long: the next launch on this machine clears it."""
+    for path in Path(tempfile.gettempdir()).glob(f"{RUN_DIR_PREFIX}*-*"):
+        pid = path.name[len(RUN_DIR_PREFIX):].split("-", 1)[0]
+        if not pid.isdigit() or not path.is_dir() or path.is_symlink() or path.stat().st_uid != os.getuid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+        except PermissionError:  # a live process of another user
+            continue
+
+
 def execute(plan: LaunchPlan) -> int:
     """Run the plan through torchrun; return the exit code (the first failing rank's, else 0)."""
     # Imported here: torch.distributed.run is slow to import and `--dry-run` does not need it.
@@ -332,7 +356,8 @@ def execute(plan: LaunchPlan) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
 
-    with tempfile.TemporaryDirectory(prefix="zerofit-run-") as run_dir:
+    remove_orphaned_run_dirs()
+    with tempfile.TemporaryDirectory(prefix=f"{RUN_DIR_PREFIX}{os.getpid()}-") as run_dir:
         config_path = os.path.join(run_dir, "config.json")  # JSON: exact and fast for every worker to read
         save_config(plan.config, config_path)
         env = {CONFIG_FILE_ENV: config_path}
@@ -347,7 +372,7 @@ def execute(plan: LaunchPlan) -> int:
         rendezvous.register()
         with _environ(env):
             try:
-                torchrun.run(plan.torchrun_args(torchrun))
+                torchrun.run(plan.torchrun_args(torchrun, os.path.join(run_dir, "logs")))
             except ChildFailedError as e:
                 # Each rank printed its traceback as it failed; one summary names them (zerofit.cli.failure_report).
                 name = " ".join(plan.target[:2] if plan.target[0] == "-m" else plan.target[:1])

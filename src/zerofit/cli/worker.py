@@ -14,8 +14,10 @@ is written to a file beside it and renamed over it: the agent sees the whole rec
 
 from __future__ import annotations
 
+import ctypes
 import os
 import runpy
+import signal
 import sys
 import traceback
 from types import TracebackType
@@ -65,6 +67,21 @@ class _WholeFileErrorHandler(ErrorHandler):
             os.replace(partial, path)
 
 
+def die_with_launcher() -> None:
+    """Ask Linux to kill this worker when its parent (the launcher's torchrun agent) dies, even by SIGKILL:
+    otherwise a killed launcher leaves its workers running, one of them possibly sleeping for an hour."""
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the launcher died before the request took effect
+        os._exit(1)
+
+
 def _main(argv: list[str]) -> None:
     try:
         _run_target(argv)
@@ -89,5 +106,6 @@ def _excepthook(kind: type[BaseException], error: BaseException, tb: TracebackTy
 
 
 if __name__ == "__main__":
+    die_with_launcher()
     sys.excepthook = _excepthook  # set before the script runs, so torch's rank-prefixing hook wraps it
     main(sys.argv[1:])
