@@ -123,6 +123,8 @@ class PrecisionConfig:
     """no: fp32 compute; bf16 or fp16: compute in that dtype."""
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
     """Used when mixed_precision is fp16."""
+    skip_nonfinite_steps: bool = False
+    """zerofit only: in fp32 / bf16, a step whose gradient norm is NaN or inf is skipped on every rank (as fp16's loss scaler skips overflows; costs one host sync per step when clipping is off); false: the step is applied and a warning names it."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -18,6 +18,7 @@ zerofit.engine.step_mode).
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable
 from functools import partial
 
@@ -103,6 +104,11 @@ class ZeroEngine:
         """The last backward closed its accumulation window (or none ran since the last step / zero_grad)."""
         self.times = StepTimes()
         self.last_grad_norm: torch.Tensor | None = None
+        self.steps_called = 0
+        """step() calls so far (skipped steps included): the step number warnings name."""
+        self._pending_finite: tuple[int, torch.Tensor] | None = None
+        """(step, whether its gradient norm was finite), read at the next step (no stall)."""
+        self._warned_nonfinite = False
         self._hooks = [p.register_post_accumulate_grad_hook(partial(self._on_grad, u, gi, i))
                        for u in self.units for gi, g in enumerate(u.trainable) for i, p in enumerate(g.params)]
         self.mode: StepMode = self._step_mode()  # before the stage-3 hooks: see HostStep
@@ -280,16 +286,28 @@ class ZeroEngine:
         return StepFactors(norm, factor)
 
     def step(self) -> bool:
-        """Apply the accumulated gradients; returns False when an fp16 overflow skipped the step."""
+        """Apply the accumulated gradients; returns False when the step was skipped (an fp16 overflow, or a
+        non-finite norm with `precision.skip_nonfinite_steps`)."""
         self.reductions.drain()
+        self._warn_if_nonfinite()  # the previous step's norm: long computed, so reading it stalls nothing
+        skip_nonfinite = self.precision.skip_nonfinite_steps and not self.scaler.enabled
         if self.mode.begin_step():
             factors = StepFactors()  # the update began during backward, with a factor of exactly 1
         elif self._prepared is not None:
             factors = self._prepared
         else:
-            factors = self._unscale_and_clip(self.gradient_clipping, need_norm=False)
+            factors = self._unscale_and_clip(self.gradient_clipping, need_norm=skip_nonfinite)
         self._prepared = None
         self.last_grad_norm = factors.norm
+        self.steps_called += 1
+        if skip_nonfinite and factors.norm is not None and not bool(torch.isfinite(factors.norm)):
+            # Host sync on purpose, as for fp16 below: the norm was all-reduced, so every rank skips alike.
+            warnings.warn(f"optimizer step {self.steps_called}: the gradient norm is {float(factors.norm)}; the "
+                          "step was skipped on every rank (precision.skip_nonfinite_steps)", stacklevel=2)
+            self.zero_grad()
+            return False
+        if not self.scaler.enabled and factors.norm is not None:
+            self._pending_finite = (self.steps_called, torch.isfinite(factors.norm))
         if self.scaler.enabled:
             # Host sync on purpose: every rank must agree to skip. The norm was all-reduced, so an
             # overflow on any one rank is an overflow everywhere.
@@ -301,6 +319,15 @@ class ZeroEngine:
         self.mode.step(factors)
         self.zero_grad()
         return True
+
+    def _warn_if_nonfinite(self) -> None:
+        """Warn, once per run, about the last step whose gradient norm was NaN or inf (fp32 / bf16)."""
+        pending, self._pending_finite = self._pending_finite, None
+        if pending is not None and not self._warned_nonfinite and not bool(pending[1]):
+            self._warned_nonfinite = True
+            warnings.warn(f"optimizer step {pending[0]}: the gradient norm was NaN or inf, and the step was applied, "
+                          "so the weights are likely NaN now: find the bad batch or loss; set "
+                          "precision.skip_nonfinite_steps: true to skip such steps on every rank", stacklevel=3)
 
     def refresh_params(self) -> None:
         """Rebuild the compute-dtype parameters from the fp32 masters (after a checkpoint wrote into them)."""
