@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from zerofit.config.schema import PrecisionConfig, ZeroConfig
+from zerofit.config.schema import OffloadConfig, PrecisionConfig, ZeroConfig
 from zerofit.engine import ZeroEngine
 from zerofit.testing.distributed import run_distributed
 
@@ -68,3 +68,11 @@ def _two_ranks(rank, world):
 def test_one_ranks_bad_gradient_skips_the_step_on_every_rank():
     (steps0, params0), (steps1, params1) = run_distributed(_two_ranks, 2, timeout=120)
     assert steps0 == steps1 == [True, False, True] and params0 == params1
+
+
+def test_offloaded_groups_do_not_start_stepping_before_the_norm_is_known():
+    model = nn.Linear(4, 1)
+    engine = ZeroEngine(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                        zero=ZeroConfig(stage=2, offload_optimizer=OffloadConfig(device="cpu")),
+                        precision=PrecisionConfig(skip_nonfinite_steps=True), device=torch.device("cpu"))
+    assert "skip_nonfinite_steps" in engine._early_off

@@ -132,7 +132,8 @@ class ZeroEngine:
         return HostStep(self.optimizer, self._host_grads, device_part, model=self.model, units=self.units,
                         trainable=self._trainable, comm=self.comm, reductions=self.reductions, times=self.times,
                         offload=self.zero.offload_optimizer, aio=self.zero.aio,
-                        needs_norm=self.gradient_clipping > 0 or self.scaler.enabled)
+                        needs_norm=self.gradient_clipping > 0 or self.scaler.enabled
+                        or self.precision.skip_nonfinite_steps)
 
     def _device_step(self, plain: PlainStep) -> StepMode:
         return CompactStep(self.optimizer, plain) if any(g.compact for g in plain.groups) else plain

@@ -83,7 +83,7 @@ class HostStep(StepMode):
         if self.swapper is not None:
             self.early_off = "NVMe offload"
         elif needs_norm:
-            self.early_off = "the step depends on the global gradient norm (clipping or fp16)"
+            self.early_off = "the step depends on the global gradient norm (clipping, fp16 or skip_nonfinite_steps)"
         self._early_now = False
         """This backward closes the window and hands groups to the worker as their gradients arrive."""
         self._early_groups: set[int] = set()
