@@ -14,6 +14,7 @@ is written to a file beside it and renamed over it: the agent sees the whole rec
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import os
 import runpy
@@ -105,7 +106,22 @@ def _excepthook(kind: type[BaseException], error: BaseException, tb: TracebackTy
     sys.stderr.flush()
 
 
+def _exit_failed(error: BaseException) -> None:
+    """Report `error` (already recorded by `record`) and end the process with exit code 1, as Python does,
+    but without the interpreter's teardown: a process group whose peer left can abort in its C++
+    destructors there ("terminate called without an active exception", exit -6), which would replace
+    the script's exit code. atexit handlers (NVMe swap files, trackers) still run."""
+    sys.excepthook(type(error), error, error.__traceback__)  # torch's rank-prefixing hook wraps ours
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
+
+
 if __name__ == "__main__":
     die_with_launcher()
     sys.excepthook = _excepthook  # set before the script runs, so torch's rank-prefixing hook wraps it
-    main(sys.argv[1:])
+    try:
+        main(sys.argv[1:])
+    except Exception as failure:
+        _exit_failed(failure)
