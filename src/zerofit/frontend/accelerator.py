@@ -85,9 +85,7 @@ class Accelerator(PrepareMixin, PersistenceMixin, ProcessMethods):
             split_batches = bool(getattr(dataloader_config, "split_batches", split_batches))
         timeout = plugins.process_group_timeout(kwargs_handlers)
         self._profile_kwargs = next((h for h in kwargs_handlers or () if isinstance(h, plugins.ProfileKwargs)), None)
-        if not isinstance(gradient_accumulation_steps, int) or gradient_accumulation_steps < 1:
-            raise ValueError(f"gradient_accumulation_steps must be a whole number >= 1 (got "
-                             f"{gradient_accumulation_steps!r})")
+        _check_accumulation_steps(gradient_accumulation_steps)
         if mixed_precision not in (None, "no", "fp16", "bf16"):
             raise ValueError(f"mixed_precision must be 'no', 'fp16' or 'bf16' (got {mixed_precision!r})")
         if config is None:
@@ -124,31 +122,6 @@ class Accelerator(PrepareMixin, PersistenceMixin, ProcessMethods):
                                    gradient_state=self.gradient_state, prepared=self._prepared)
         self._probe: StepProbe | None = None  # checks an "auto" choice on the first step (zerofit.frontend.probe)
 
-    # --- who and where --------------------------------------------------------------------------
-    @property
-    def device(self) -> torch.device:
-        return self.process.device
-
-    @property
-    def process_index(self) -> int:
-        return self.process.process_index
-
-    @property
-    def local_process_index(self) -> int:
-        return self.process.local_process_index
-
-    @property
-    def num_processes(self) -> int:
-        return self.process.num_processes
-
-    @property
-    def is_main_process(self) -> bool:
-        return self.process.is_main_process
-
-    @property
-    def is_local_main_process(self) -> bool:
-        return self.process.is_local_main_process
-
     @property
     def mixed_precision(self) -> str:
         return self.config.precision.mixed_precision
@@ -161,9 +134,7 @@ class Accelerator(PrepareMixin, PersistenceMixin, ProcessMethods):
     def distributed_type(self) -> DistributedType:
         if is_auto(self.config.zero.stage) or self.config.zero.stage >= 1:  # "auto": decided at prepare()
             return DistributedType.DEEPSPEED
-        if self.num_processes == 1:
-            return DistributedType.NO
-        return DistributedType.MULTI_GPU if self.device.type == "cuda" else DistributedType.MULTI_CPU
+        return self._data_parallel_type()
 
     @property
     def deepspeed_plugin(self) -> Any:
@@ -186,8 +157,7 @@ class Accelerator(PrepareMixin, PersistenceMixin, ProcessMethods):
     @gradient_accumulation_steps.setter
     def gradient_accumulation_steps(self, steps: int) -> None:
         """As if `Accelerator(gradient_accumulation_steps=steps)` had been passed (before `prepare()`)."""
-        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
-            raise ValueError(f"gradient_accumulation_steps must be a whole number >= 1 (got {steps!r})")
+        _check_accumulation_steps(steps)
         if self._prepared.engines:
             raise ValueError("accelerator.gradient_accumulation_steps = ... after prepare(): set it before "
                              "prepare() (or pass Accelerator(gradient_accumulation_steps=...))")
@@ -359,6 +329,11 @@ class Accelerator(PrepareMixin, PersistenceMixin, ProcessMethods):
         if message not in self._warned:
             self._warned.add(message)
             warnings.warn(message, stacklevel=3)
+
+
+def _check_accumulation_steps(steps: Any) -> None:
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+        raise ValueError(f"gradient_accumulation_steps must be a whole number >= 1 (got {steps!r})")
 
 
 def _only_tensors(data: Any) -> bool:

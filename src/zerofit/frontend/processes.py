@@ -29,6 +29,20 @@ class ProcessMethods:
     process: ProcessState
     _trigger: torch.Tensor | None = None
 
+    # --- who and where --------------------------------------------------------------------------
+    device = property(lambda self: self.process.device)
+    process_index = property(lambda self: self.process.process_index)
+    local_process_index = property(lambda self: self.process.local_process_index)
+    num_processes = property(lambda self: self.process.num_processes)
+    is_main_process = property(lambda self: self.process.is_main_process)
+    is_local_main_process = property(lambda self: self.process.is_local_main_process)
+
+    def _data_parallel_type(self) -> DistributedType:
+        """NO on one process, MULTI_CPU / MULTI_GPU on several (what a run that does not shard reports)."""
+        if not self.use_distributed:
+            return DistributedType.NO
+        return DistributedType.MULTI_GPU if self.process.device.type == "cuda" else DistributedType.MULTI_CPU
+
     @property
     def use_distributed(self) -> bool:
         """More than one process runs the script."""
@@ -160,20 +174,12 @@ class PartialState(ProcessMethods):
             _SHARED = ProcessState.create(runtime.current_config(), cpu=cpu)
         self.process = _SHARED
 
-    device = property(lambda self: self.process.device)
-    process_index = property(lambda self: self.process.process_index)
-    local_process_index = property(lambda self: self.process.local_process_index)
-    num_processes = property(lambda self: self.process.num_processes)
-    is_main_process = property(lambda self: self.process.is_main_process)
-    is_local_main_process = property(lambda self: self.process.is_local_main_process)
     backend = property(lambda self: self.process.backend)
 
     @property
     def distributed_type(self) -> DistributedType:
         """NO on one process, MULTI_CPU / MULTI_GPU on several (the ZeRO stage is the Accelerator's to know)."""
-        if not self.use_distributed:
-            return DistributedType.NO
-        return DistributedType.MULTI_GPU if self.device.type == "cuda" else DistributedType.MULTI_CPU
+        return self._data_parallel_type()
 
     def destroy_process_group(self, group: Any = None) -> None:
         """End the process group this state joined (what Accelerate's `PartialState` offers at exit)."""
