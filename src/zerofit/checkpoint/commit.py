@@ -154,20 +154,27 @@ def read_latest(folder: Path) -> str | None:
     return name
 
 
-def resolve(directory: str | os.PathLike[str]) -> Path:
-    """The checkpoint directory `directory` means: itself, or the one its `latest` file names."""
-    path = Path(directory)
+def pointed_to(path: Path) -> Path | None:
+    """The checkpoint `path` stands for - itself when it holds a manifest, else the one its `latest`
+    names (which may not exist) - after recovering an interrupted commit of either; None: neither."""
     recover(path)
     if (path / MANIFEST).is_file():
         return path
-    pointer = path / LATEST
     name = read_latest(path)
-    if name is not None:
-        target = path / name
-        recover(target)
-        if not target.is_dir():
-            raise CheckpointError(f"{pointer}: names {name!r}, but {target} does not exist: point it at an "
-                                  "existing checkpoint or pass that checkpoint's directory")
+    if name is None:
+        return None
+    recover(path / name)
+    return path / name
+
+
+def resolve(directory: str | os.PathLike[str]) -> Path:
+    """The checkpoint directory `directory` means: itself, or the one its `latest` file names."""
+    path = Path(directory)
+    target = pointed_to(path)
+    if target is not None and target != path and not target.is_dir():
+        raise CheckpointError(f"{path / LATEST}: names {target.name!r}, but {target} does not exist: point it at an "
+                              "existing checkpoint or pass that checkpoint's directory")
+    if target is not None:
         return target
     if not path.exists():
         raise CheckpointError(f"{path}: no such checkpoint directory: check the path")

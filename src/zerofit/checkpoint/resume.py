@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from zerofit.checkpoint.commit import LATEST, read_latest, recover
+from zerofit.checkpoint.commit import LATEST, pointed_to
 from zerofit.checkpoint.manifest import MANIFEST
 from zerofit.errors import CheckpointError, ConfigError
 
@@ -41,19 +41,13 @@ def checkpoint_root(project_dir: str | None, automatic_naming: bool, output_dir:
 
 def latest_complete(root: Path) -> Path | None:
     """The newest complete checkpoint under `root`, or None when none was committed there yet."""
-    recover(root)
-    if (root / MANIFEST).is_file():
-        return root
-    pointer = root / LATEST
-    name = read_latest(root)
-    if name is None:
-        return None
-    target = root / name
-    recover(target)  # a commit that died between its renames leaves the copies beside it
+    target = pointed_to(root)  # also recovers a commit that died between its renames
+    if target is None or target == root:
+        return target
     if not (target / MANIFEST).is_file():
-        raise CheckpointError(f"{pointer} names {name!r}, which is not a complete checkpoint (no {MANIFEST}): "
-                              f"point {LATEST} at a complete checkpoint directory under {root}, or delete it "
-                              f"to start from scratch")
+        raise CheckpointError(f"{root / LATEST} names {target.name!r}, which is not a complete checkpoint (no "
+                              f"{MANIFEST}): point {LATEST} at a complete checkpoint directory under {root}, or "
+                              "delete it to start from scratch")
     return target
 
 
