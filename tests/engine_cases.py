@@ -8,7 +8,9 @@ import torch
 from torch import nn
 
 from zerofit.config.schema import LossScaleConfig, OffloadConfig, PrecisionConfig, ZeroConfig
-from zerofit.engine import ZeroEngine
+from zerofit.engine import ZeroEngine, stream_step
+
+DEFAULT_CHUNK = stream_step.STREAM_CHUNK
 
 VOCAB, DIM, SEQ = 37, 13, 5  # prime sizes: nothing divides evenly by the world size
 
@@ -61,6 +63,8 @@ class Case:
     offload_param: str = "none"
     sched: bool = False  # a LambdaLR stepped right after every optimizer step
     nvme_path: str | None = None  # offload_optimizer.nvme_path (with offload="nvme")
+    step_on: str = "auto"  # offload_optimizer.step_on ("device": GPU-stepped, the CPU standing in for the GPU)
+    chunk: int = 0  # elements per streamed chunk (0: the engine's default)
 
 
 def batches(case: Case):
@@ -113,8 +117,9 @@ def run_engine(rank: int, world: int, case: Case, record_grads: bool = True):
                                 loss_scale=LossScaleConfig(initial_scale_power=8, hysteresis=1))
     zero = ZeroConfig(stage=case.stage, param_persistence_threshold=case.persistence,
                       offload_optimizer=OffloadConfig(device=case.offload, ratio=case.ratio,
-                                                      nvme_path=case.nvme_path),
+                                                      nvme_path=case.nvme_path, step_on=case.step_on),
                       offload_param=OffloadConfig(device=case.offload_param))
+    stream_step.STREAM_CHUNK = case.chunk or DEFAULT_CHUNK  # read when the engine builds its step mode
     engine = ZeroEngine(model, opt, zero=zero,
                         precision=precision, gradient_accumulation_steps=case.gas,
                         gradient_clipping=case.clip, device=torch.device("cpu"))
@@ -144,5 +149,6 @@ def run_engine(rank: int, world: int, case: Case, record_grads: bool = True):
     return {"losses": losses, "grads": grads, "params": params, "skipped": skipped,
             "micro_comm": micro_comm, "scale": engine.scaler.scale,
             "offloaded": sum(g.placement.offload_state for g in engine.groups),
+            "streamed": sum(g.placement.stream_state for g in engine.groups),
             "early": engine.times.host_steps_in_backward,
             "param_offloaded": sum(g.placement.offload_params for g in engine.groups)}

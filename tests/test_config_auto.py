@@ -14,15 +14,19 @@ from zerofit.errors import ConfigError
 FIXTURES = Path(__file__).parent / "fixtures" / "configs"
 
 
-def _no_auto_left(cfg: RunConfig) -> bool:
-    def walk(value):
-        if isinstance(value, dict):
-            return all(walk(v) for v in value.values())
-        if isinstance(value, list):
-            return all(walk(v) for v in value)
-        return value != "auto"
+# Choices named "auto" (decided at run time by the engine), not placeholders for prepare() to fill.
+_AUTO_CHOICES = {"zero.offload_optimizer.step_on", "zero.offload_param.step_on", "checkpoint.resume"}
 
-    return walk(to_dict(cfg))
+
+def _no_auto_left(cfg: RunConfig) -> bool:
+    def walk(value, path):
+        if isinstance(value, dict):
+            return all(walk(v, f"{path}.{k}".lstrip(".")) for k, v in value.items())
+        if isinstance(value, list):
+            return all(walk(v, path) for v in value)
+        return value != "auto" or path in _AUTO_CHOICES
+
+    return walk(to_dict(cfg), "")
 
 
 def test_accelerate_plugin_yaml_resolves():

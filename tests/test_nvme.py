@@ -49,7 +49,7 @@ def parity_and_memory(rank, world, path):
         out[(stage, gas)] = (cpu, nvme)
     # memory: a pool of 2 buffers, more groups than that
     case, model, _, engine = _nvme_engine(2, path, buffer_count=2)
-    swapper, groups = engine.swapper, engine._host_grads
+    swapper, groups = engine.swapper, [g for g in engine._trainable if g.placement.offload_state]
     files = sorted(os.listdir(swapper.dir))
     resident = []
     for step in range(3):

@@ -52,6 +52,7 @@ TABLE: dict[str, str] = {
             "pin_memory",
             "buffer_count",
             "ratio",
+            "step_on",  # zerofit's own (DeepSpeed has no such key)
         )
     },
     **{

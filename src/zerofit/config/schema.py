@@ -44,6 +44,7 @@ def is_auto(value: Any) -> bool:
 
 
 OffloadDevice = Literal["none", "cpu", "nvme"]
+StepOn = Literal["auto", "host", "device"]
 MixedPrecision = Literal["no", "fp16", "bf16"]
 
 
@@ -60,7 +61,9 @@ class OffloadConfig:
     buffer_count: int = 4
     """Number of staging buffers in the NVMe pool (at least 2: one group steps while the next is read)."""
     ratio: float = 1.0
-    """Fraction of communication units whose optimizer step runs on the CPU (the rest stay on GPU)."""
+    """Fraction of the parameters whose optimizer state is offloaded, whole units from the last one back (the rest stay on the GPU)."""
+    step_on: StepOn = "auto"
+    """Where offloaded optimizer state is stepped: host (the CPU optimizer, on host memory) or device (streamed through the GPU in chunks and stepped there by the same fused kernel as without offload); auto: device on a CUDA machine, host on CPU-only ones and for NVMe. offload_optimizer only."""
 
     @property
     def enabled(self) -> bool:

@@ -40,9 +40,10 @@ from zerofit.engine.optim import (
     rebind_optimizer,
     scale_grads,
 )
-from zerofit.engine.policy import COMPUTE_DTYPES, StagePolicy, keeps_compact_grads, offloaded_units
+from zerofit.engine.policy import COMPUTE_DTYPES, StagePolicy, keeps_compact_grads, offloaded_units, step_on_for
 from zerofit.engine.stage3 import Stage3Hooks
 from zerofit.engine.step_mode import CompactStep, PlainStep, StepFactors, StepMode, publish
+from zerofit.engine.stream_step import StreamStep
 from zerofit.engine.timing import StepTimes
 from zerofit.engine.unit import Unit
 from zerofit.engine.units import plan_units
@@ -82,6 +83,13 @@ class ZeroEngine:
             raise EngineError("zero_optimization.offload_param.device 'nvme' is not supported by this zerofit "
                               "version yet: use 'cpu' (optimizer state can go to NVMe: offload_optimizer)")
         self.device = device or default_device()
+        off = self.zero.offload_optimizer
+        self.step_on = step_on_for(off.step_on, cuda=self.device.type == "cuda", nvme=off.device == "nvme")
+        """Where offloaded optimizer state is stepped: "host" or "device" (see `step_on_for`)."""
+        if self.step_on == "device" and off.device == "nvme":
+            raise EngineError("zero_optimization.offload_optimizer.step_on 'device' with device 'nvme' is not "
+                              "supported by this zerofit version yet: set step_on to 'auto' or 'host' "
+                              "(NVMe-homed state is stepped on the host)")
         self.comm = Collectives(group, self.device)
         self.compute_dtype = COMPUTE_DTYPES[self.precision.mixed_precision]
         self.scaler = LossScaler(self.precision.loss_scale, enabled=self.precision.mixed_precision == "fp16")
@@ -92,7 +100,6 @@ class ZeroEngine:
         self.units = self._build_units(init_fn)
         self.groups = [g for u in self.units for g in u.groups]
         self._trainable = [g for g in self.groups if g.trainable]
-        self._host_grads = [g for g in self._trainable if g.placement.offload_state]
         if optimizer is not None:
             rebind_optimizer(optimizer, self._trainable, self.comm.rank)
         self._sync = True
@@ -125,11 +132,18 @@ class ZeroEngine:
 
     def _step_mode(self) -> StepMode:
         """How the optimizer step runs (see [Note: step modes] in zerofit.engine.step_mode)."""
-        if not (self._host_grads and self.optimizer is not None):
+        hosted = [g for g in self._trainable if g.placement.offload_state]
+        streamed = [g for g in self._trainable if g.placement.stream_state]
+        if self.optimizer is None or not (hosted or streamed):
             return self._device_step(PlainStep(self.optimizer, self._trainable, self.comm))
-        on_device = [g for g in self._trainable if not g.placement.offload_state]
-        device_part = self._device_step(PlainStep.part_of(self.optimizer, on_device, self.comm))
-        return HostStep(self.optimizer, self._host_grads, device_part, model=self.model, units=self.units,
+        on_device = [g for g in self._trainable if not (g.placement.offload_state or g.placement.stream_state)]
+        mode = self._device_step(PlainStep.part_of(self.optimizer, on_device, self.comm))
+        if streamed:
+            mode = StreamStep(self.optimizer, streamed, mode, model=self.model, units=self.units, comm=self.comm,
+                              times=self.times)
+        if not hosted:
+            return mode
+        return HostStep(self.optimizer, hosted, mode, model=self.model, units=self.units,
                         trainable=self._trainable, comm=self.comm, reductions=self.reductions, times=self.times,
                         offload=self.zero.offload_optimizer, aio=self.zero.aio,
                         needs_norm=self.gradient_clipping > 0 or self.scaler.enabled
@@ -181,7 +195,7 @@ class ZeroEngine:
                 if not members:
                     continue
                 placement = self.policy.placement(trainable=trainable, unit_numel=spec.numel,
-                                                  offload_state=id(spec.module) in offloaded)
+                                                  offload_state=id(spec.module) in offloaded, step_on=self.step_on)
                 groups.append(FlatGroup(
                     spec.name, [n for n, _ in members], [p for _, p in members],
                     [group_of[id(p)] if trainable else 0 for _, p in members], trainable=trainable,

@@ -78,6 +78,9 @@ class FlatGroup:
         (only while the window has had one micro-step): saves the norm a pass over host memory."""
         self._grad_fresh = True
         """No gradient has reached `grad_shard` in this accumulation window (its contents are stale)."""
+        self.step_in_flight = False
+        """A GPU-stepped update of this group is queued on side streams; it zeroes the gradient shard
+        itself once it has read it, so `zero_grads` must not touch it (see zerofit.engine.stream_step)."""
         self.before_read: Callable[[], None] | None = None
         """Set by the engine when `master` and optimizer state are not in memory between steps (NVMe):
         call it before reading them outside a step (see [Note: NVMe residency] in zerofit.engine.nvme)."""
@@ -210,8 +213,8 @@ class FlatGroup:
     def zero_grads(self) -> None:
         self._grad_fresh = True
         self.device_sumsq = None
-        if self.grad_shard is not None and not self.placement.offload_state:
-            self.grad_shard.zero_()  # offloaded shards are overwritten by the window's first gradient
+        if self.grad_shard is not None and not self.placement.offload_state and not self.step_in_flight:
+            self.grad_shard.zero_()  # host-stepped shards are overwritten by the window's first gradient
         if self.grad_flat is not None and self.grad_flat is not self.grad_shard:
             self.grad_flat.zero_()
 

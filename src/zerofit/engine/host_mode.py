@@ -108,12 +108,14 @@ class HostStep(StepMode):
         self._early_now = sync and self.early_off is None and self._steps_taken > 0 and not self._clip_seen
 
     def reduced(self, unit: Unit, pendings: list[Pending]) -> None:
+        self.device.reduced(unit, pendings)
         hosted = [g for g in unit.trainable if g.placement.offload_state]
         if self._early_now and hosted:
             self._to_submit.append((pendings, hosted))
         self._submit_ready()
 
     def end_backward(self) -> None:
+        self.device.end_backward()
         # Offloaded gradients: the staging buffers are reused by the next micro-step, so their
         # contents must reach the host gradient shards now (waits for the downloads in flight).
         self.reductions.drain()
@@ -167,6 +169,7 @@ class HostStep(StepMode):
         return norm
 
     def prepare_grads(self) -> None:
+        self.device.prepare_grads()
         self.settle()
         for g in self.groups:
             g.grads_for_step()
@@ -212,6 +215,7 @@ class HostStep(StepMode):
                 gather.wait()
 
     def settle(self, *, state: bool = False) -> None:
+        self.device.settle(state=state)
         self.stepper.wait_all()
         for unit in self.units:
             self._await(unit)
@@ -223,6 +227,7 @@ class HostStep(StepMode):
         return bool(self._early_groups)  # handed to the worker during backward: masters may be updated
 
     def discard(self) -> None:
+        self.device.discard()
         for g in self.groups:
             g.settle_host_grad()  # a download still in flight must not land in the next window
         self._to_submit.clear()  # early steps not handed to the worker yet belong to the discarded window

@@ -39,7 +39,12 @@ class GroupPlacement:
     keep_full_grads: bool
     """Full gradients persist across micro-steps (stages 0-1); else reduced every micro-step."""
     offload_state: bool = False
-    """fp32 master, gradient shard and optimizer state live in host memory; the optimizer steps there."""
+    """Host-stepped offload: fp32 master, gradient shard and optimizer state live in host memory; the
+    optimizer steps there."""
+    stream_state: bool = False
+    """GPU-stepped offload: fp32 master and optimizer state live in host memory and are streamed through
+    the device to be stepped there, chunk by chunk; the gradient shard stays on the device (see
+    [Note: GPU-stepped offload] in zerofit.engine.stream_step). Never together with `offload_state`."""
     offload_params: bool = False
     """The parameter shard lives in host memory and is uploaded for each gather (stage 3)."""
 
@@ -71,17 +76,34 @@ class StagePolicy:
         return (self.stage == 3 and (self.world > 1 or self.offload_param)
                 and unit_numel >= self.persistence_threshold)
 
-    def placement(self, *, trainable: bool, unit_numel: int, offload_state: bool = False) -> GroupPlacement:
-        """`offload_state`: this unit's optimizer runs on the host (chosen per unit by offload ratio)."""
+    def placement(self, *, trainable: bool, unit_numel: int, offload_state: bool = False,
+                  step_on: str = "host") -> GroupPlacement:
+        """`offload_state`: this unit's optimizer state lives in host memory (chosen per unit by the offload
+        ratio); `step_on` ("host" or "device", see `step_on_for`): where that state is stepped."""
         shard_params = self.shards_params_of(unit_numel)
         shard_world = self.world if (shard_params or (trainable and self.shards_optimizer)) else 1
-        offload_state = trainable and offload_state
+        offloaded = trainable and offload_state
+        host_stepped = offloaded and step_on == "host"
         return GroupPlacement(shard_world=shard_world, rank=self.rank if shard_world > 1 else 0,
                               shard_params=shard_params,
-                              # offloaded gradients go to the host as soon as they are reduced
-                              keep_full_grads=trainable and not self.reduces_every_micro_step and not offload_state,
-                              offload_state=offload_state,
+                              # host-stepped gradients go to the host as soon as they are reduced
+                              keep_full_grads=trainable and not self.reduces_every_micro_step and not host_stepped,
+                              offload_state=host_stepped, stream_state=offloaded and not host_stepped,
                               offload_params=shard_params and self.offload_param)
+
+
+STEP_ON = ("auto", "host", "device")
+"""Values of `offload_optimizer.step_on`."""
+
+
+def step_on_for(step_on: str, *, cuda: bool, nvme: bool) -> str:
+    """Where offloaded optimizer state is stepped: "host" (the CPU optimizer on host memory) or "device"
+    (streamed through the accelerator). "auto": the device on a CUDA machine - the same fused kernel
+    as without offload, no gradient download, no parameter upload, the CPU cores left free - else the
+    host; NVMe-homed state is stepped on the host. The engine and the planner both ask this."""
+    if step_on == "auto":
+        return "device" if cuda and not nvme else "host"
+    return step_on
 
 
 def keeps_compact_grads(placement: GroupPlacement, *, world: int, gradient_accumulation_steps: int,

@@ -27,6 +27,8 @@ class StepTimes:
     """Main thread: forward (or a read of the state) blocked until a group's host step finished."""
     wait_grad_download: float = 0.0
     """Main thread: end of backward blocked until the gradient shards reached host memory."""
+    stream_issue: float = 0.0
+    """Main thread: queuing the chunks of GPU-stepped groups on their streams (the work itself runs async)."""
     host_steps_in_backward: int = 0
     """Groups whose host step started during backward ([Note: host steps during backward], host_mode)."""
 

@@ -1,0 +1,384 @@
+"""`StreamStep`: GPU-stepped optimizer offload - state in host memory, stepped on the device in chunks.
+
+[Note: GPU-stepped offload]
+A GPU-stepped group keeps its fp32 master and optimizer state in page-locked host memory and its
+gradient shard on the device. `step()` streams that state through a small pool of device buffers
+(`STREAM_SLOTS` slots of up to `STREAM_CHUNK` elements), group by group in forward order, chunk by
+chunk, on three side streams:
+  upload:   master and state chunk, host -> slot        (once the slot's previous download is done)
+  step:     the script's optimizer class steps the slot from the gradient chunk, with the window's
+            unscale/clip factor applied as on the device; the updated master is cast into the
+            parameter shard and the gradient chunk is zeroed
+  download: master and state chunk, slot -> host        (then the slot is free again)
+so copies both ways and the kernels overlap, and the main stream goes on to the next forward, which
+waits per unit (a forward pre-hook, as with host steps) only for the groups it is about to use. The
+kernel is the one the no-offload path runs on the same elements, gradients and factor, so the update
+is the same bit for bit. Only the state crosses the bus (no gradient download, no parameter upload),
+and the CPU cores stay free.
+
+A chunk lies inside one optimizer piece (one param group), so it steps with that group's settings
+and from a copy of the piece's scalar state (Adam's `step`); the piece keeps the last chunk's. On a
+piece's first step its chunks start with no state and the optimizer creates it as it would on the
+whole piece (zeros for Adam's moments, the gradient for SGD's momentum); it is kept in host memory
+from then on, where checkpoints find it. Host-side readers call `settle(state=True)`, which waits for
+the downloads in flight; gradients are zeroed by the step itself (`FlatGroup.step_in_flight`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+from torch import nn
+
+from zerofit.engine.comm import Collectives, Pending
+from zerofit.engine.flat_group import FlatGroup
+from zerofit.engine.optim import folds_grad_scale, mark_stepped, step_with_factor
+from zerofit.engine.pinned import pinned_copy, pinned_empty
+from zerofit.engine.step_mode import StepFactors, StepMode, gather_params
+from zerofit.engine.timing import StepTimes
+from zerofit.engine.unit import Unit
+
+# Public: the memory model (zerofit.plan) counts the pool from these.
+STREAM_CHUNK = 1 << 24  # elements per chunk: large enough that copies run at full bandwidth
+STREAM_SLOTS = 3  # chunks in flight: one uploading, one stepping, one downloading
+_FUSED_ON_CUDA = ("Adam", "AdamW", "SGD")  # optimizer classes whose fused kernels exist on CUDA
+
+
+@dataclass(frozen=True)
+class ChunkSpan:
+    """One chunk of a group's shard: `length` elements from `start`, inside piece `piece`."""
+
+    piece: int
+    start: int
+    """Offset in the group's shard."""
+    length: int
+
+
+def plan_chunks(pieces: list[tuple[int, int]], chunk: int) -> list[list[ChunkSpan]]:
+    """The chunks of each piece (given as (shard offset, length)), in order: each inside its piece,
+    at most `chunk` elements, covering the piece exactly once."""
+    if chunk < 1:
+        raise ValueError(f"chunk must be at least 1 element (got {chunk})")
+    return [[ChunkSpan(i, offset + lo, min(chunk, length - lo)) for lo in range(0, length, chunk)]
+            for i, (offset, length) in enumerate(pieces)]
+
+
+def stream_pool_bytes(largest_piece: int, *, state_tensors: int, compact: bool,
+                      offload_params: bool, compute_bytes: int) -> int:
+    """Device bytes of the chunk pool: per slot, fp32 master + state chunks (+ the fp32 gradient upcast
+    when gradients are compact, + the compute-dtype parameter chunk on its way down with param offload)."""
+    n = min(STREAM_CHUNK, largest_piece)
+    per_slot = n * 4 * (1 + state_tensors + (1 if compact else 0)) + (n * compute_bytes if offload_params else 0)
+    return STREAM_SLOTS * per_slot
+
+
+def _is_streamed(value, numel: int) -> bool:
+    """A per-element state tensor (streamed with the master), as opposed to scalar state."""
+    return isinstance(value, torch.Tensor) and value.ndim == 1 and value.numel() == numel
+
+
+class _Slot:
+    """One chunk's worth of device buffers, and the events that order their reuse."""
+
+    def __init__(self, capacity: int, device: torch.device):
+        self.capacity = capacity
+        self.device = device
+        self._buffers: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+        self.free = None
+        """Event: the last download from this slot is done (None: never used, or CPU)."""
+
+    def buf(self, name: str, dtype: torch.dtype, n: int) -> torch.Tensor:
+        key = (name, dtype)
+        if key not in self._buffers:
+            self._buffers[key] = torch.empty(self.capacity, dtype=dtype, device=self.device)
+        return self._buffers[key][:n]
+
+
+class _Piece:
+    """One optimizer piece of a group: its host master tensor (the optimizer's key) and param group."""
+
+    def __init__(self, master: torch.Tensor, group: int, offset: int, chunks: list[ChunkSpan]):
+        self.master = master
+        self.group = group
+        self.offset = offset
+        self.chunks = chunks
+
+
+class StreamStep(StepMode):
+    """GPU-stepped offload of `groups`; `inner` steps the groups that stay on the device (module doc)."""
+
+    forward_communicates = True  # a unit's first use after a step all-gathers its groups (stages 1-2)
+
+    def __init__(self, optimizer: torch.optim.Optimizer, groups: list[FlatGroup], inner: StepMode, *,
+                 model: nn.Module, units: list[Unit], comm: Collectives, times: StepTimes,
+                 chunk: int | None = None, slots: int = STREAM_SLOTS):
+        """`chunk`: elements per chunk (default `STREAM_CHUNK`, read when the mode is built)."""
+        chunk = chunk or STREAM_CHUNK
+        self.optimizer = optimizer
+        self.groups = groups
+        self.inner = inner
+        self.comm = comm
+        self.device = comm.device
+        self.times = times
+        self._cuda = self.device.type == "cuda"
+        # One stream per direction and one for the kernels, so the three overlap (none is the main stream).
+        self._up, self._work, self._down = ([torch.cuda.Stream(device=self.device) for _ in range(3)]
+                                            if self._cuda else (None, None, None))
+        by_ptr = {t.data_ptr(): (i, t) for i, pg in enumerate(optimizer.param_groups) for t in pg["params"]}
+        self._pieces: dict[int, list[_Piece]] = {}
+        largest = 1
+        for g in groups:
+            spans = [(p.shard_offset, p.length) for p in g.layout.pieces(g.placement.rank)]
+            pieces = []
+            for (offset, length), chunks in zip(spans, plan_chunks(spans, chunk)):
+                index, master = by_ptr[g.master[offset:].data_ptr()]
+                pieces.append(_Piece(master, index, offset, chunks))
+                largest = max(largest, length)
+            self._pieces[id(g)] = pieces
+        self._slots = [_Slot(min(chunk, largest), self.device) for _ in range(max(1, slots))]
+        self._next_slot = 0
+        self._opts: dict[int, torch.optim.Optimizer] = {}
+        """A one-tensor optimizer of the script's class per param group, re-pointed at each chunk."""
+        self._done: dict[int, object] = {}
+        """Per group in flight: the event after which its parameters are published and gradient zeroed."""
+        self._written = None
+        """Event: every download of the last step is done (host master and state hold its values)."""
+        self._keep: list = []
+        """Tensors the side streams still read (the step's factor), held until the next step."""
+        self._pinned: set[int] = set()
+        """data_ptr of host state tensors known to be page-locked."""
+        self._backward_ran = False
+        for unit in units:
+            if any(g.placement.stream_state for g in unit.trainable):
+                unit.before_use = partial(self._await, unit)
+                target = model if unit is units[0] else unit.module
+                # registered before the stage-3 hooks, so a unit is stepped before it is gathered
+                target.register_forward_pre_hook(lambda *_a, u=unit: self._await(u))
+        for g in groups:
+            g.before_read = self._settle_state  # checkpoints read and write host state: no copy in flight
+
+    # --- delegated to the device part -----------------------------------------------------------
+    @property
+    def compact(self) -> bool:
+        return self.inner.compact or any(g.compact for g in self.groups)
+
+    def begin_backward(self, sync: bool) -> None:
+        self.inner.begin_backward(sync)
+        self._await_all()  # units forward did not use: backward (or its end) may touch their gradients
+        if self._backward_ran:  # a second backward in this window: sums must not round (see CompactStep)
+            self.widen()
+        self._backward_ran = True
+
+    def reduced(self, unit: Unit, pendings: list[Pending]) -> None:
+        self.inner.reduced(unit, pendings)
+
+    def end_backward(self) -> None:
+        self.inner.end_backward()
+
+    def clip_requested(self, max_norm: float) -> torch.Tensor | None:
+        return self.inner.clip_requested(max_norm)
+
+    def prepare_grads(self) -> None:
+        self.inner.prepare_grads()
+
+    def begin_step(self) -> bool:
+        return self.inner.begin_step()
+
+    def zero_grad(self) -> None:
+        self.inner.zero_grad()
+        self._backward_ran = False
+
+    def discard(self) -> None:
+        self.inner.discard()
+
+    def widen(self) -> None:
+        self.inner.widen()
+        for g in self.groups:
+            if g.compact:
+                self._await_group(g)
+                g.widen()
+
+    # --- the step -------------------------------------------------------------------------------
+    def step(self, factors: StepFactors) -> None:
+        self.inner.step(factors)
+        mark_stepped(self.optimizer)
+        self._await_all()  # a group still in flight (never used since the last step) finishes first
+        self._keep = [f for f in (factors.whole, factors.remaining) if isinstance(f, torch.Tensor)]
+        with self.times.measure("stream_issue"):
+            ready = self._record(None)  # the gradients and the factor are final on the main stream
+            if self._written is not None:
+                self._up.wait_event(self._written)  # host state holds the last step's values
+            if ready is not None:
+                self._work.wait_event(ready)
+            folded = folds_grad_scale(self.optimizer)
+            for g in self.groups:
+                if g.compact:  # upcast chunk by chunk; the whole factor goes with it
+                    scale, kernel = (None, factors.whole) if folded else (factors.whole, None)
+                else:  # fp32 gradients were scaled in place already unless the kernel folds the factor
+                    scale, kernel = None, factors.remaining
+                for piece in self._pieces[id(g)]:
+                    self._step_piece(g, piece, scale, kernel)
+                self._done[id(g)] = self._record(self._down if g.placement.offload_params else self._work)
+                g.step_in_flight = True
+            self._written = self._record(self._down)
+
+    def _step_piece(self, g: FlatGroup, piece: _Piece, scale, kernel) -> None:
+        state = self.optimizer.state[piece.master]
+        length = piece.master.numel()
+        keys = [k for k, v in state.items() if _is_streamed(v, length)]
+        """Per-element state streamed with the master; none yet: the piece's first step creates it."""
+        scalars = {k: v for k, v in state.items() if k not in keys}
+        if keys and self._cuda:
+            for k in keys:  # state a checkpoint load allocated in pageable memory: page-lock it once
+                if state[k].data_ptr() not in self._pinned:
+                    if not state[k].is_pinned():
+                        state[k] = pinned_copy(state[k])
+                    self._pinned.add(state[k].data_ptr())
+        opt = self._optimizer_for(piece.group)
+        last: dict = {}
+        for span in piece.chunks:
+            slot = self._slots[self._next_slot]
+            self._next_slot = (self._next_slot + 1) % len(self._slots)
+            lo, n = span.start - piece.offset, span.length
+            with self._on(self._up):
+                if slot.free is not None:
+                    self._up.wait_event(slot.free)
+                master = slot.buf("master", torch.float32, n)
+                master.copy_(piece.master[lo:lo + n], non_blocking=True)
+                chunk_state = {}
+                for k in keys:
+                    chunk_state[k] = slot.buf(k, state[k].dtype, n)
+                    chunk_state[k].copy_(state[k][lo:lo + n], non_blocking=True)
+                loaded = self._record(self._up)
+            with self._on(self._work):
+                if loaded is not None:
+                    self._work.wait_event(loaded)
+                if keys:  # every chunk starts from the piece's scalar state (a fresh piece has none)
+                    chunk_state.update({k: self._scalar_copy(v, opt) for k, v in scalars.items()})
+                created, last = self._step_chunk(g, opt, span, master, chunk_state, scale, kernel, slot)
+                stepped = self._record(self._work)
+            with self._on(self._down):
+                if stepped is not None:
+                    self._down.wait_event(stepped)
+                for k, v in created.items():  # a fresh piece's per-element state gets its home in host memory
+                    if not _is_streamed(state.get(k), length):
+                        state[k] = self._host_tensor(length, v.dtype)
+                piece.master[lo:lo + n].copy_(master, non_blocking=True)
+                for k in {*keys, *created}:  # every per-element state tensor of the chunk is in its slot
+                    state[k][lo:lo + n].copy_(slot.buf(k, state[k].dtype, n), non_blocking=True)
+                if g.placement.offload_params:
+                    g.param_shard[span.start:span.start + n].copy_(slot.buf("param", g.compute_dtype, n),
+                                                                   non_blocking=True)
+                slot.free = self._record(self._down)
+        state.update(last)  # the piece's scalar state moves on as its last chunk's did
+
+    def _step_chunk(self, g: FlatGroup, opt: torch.optim.Optimizer, span: ChunkSpan, master: torch.Tensor,
+                    chunk_state: dict, scale, kernel, slot: _Slot) -> tuple[dict, dict]:
+        """Step one chunk (on the step stream): publish it into the parameters, zero its gradient.
+        Returns (per-element state the optimizer created, now in slot buffers; the chunk's scalar state)."""
+        n = span.length
+        grad = g.grad_shard[span.start:span.start + n]
+        if grad.dtype != torch.float32:  # compact gradient: upcast, exactly, into the slot
+            grad = slot.buf("grad", torch.float32, n).copy_(grad)
+            if isinstance(scale, torch.Tensor):
+                grad.mul_(scale.to(grad.device))
+            elif scale is not None and scale != 1.0:
+                grad.mul_(scale)
+        before = dict(chunk_state)
+        opt.param_groups[0]["params"] = [master]
+        opt.state.clear()
+        opt.state[master] = chunk_state
+        master.grad = grad
+        try:
+            step_with_factor(opt, kernel)
+        finally:
+            master.grad = None
+            new = opt.state.pop(master, {})
+            opt.param_groups[0]["params"] = []
+        created, scalars = {}, {}
+        for k, v in new.items():
+            if not _is_streamed(v, n):
+                scalars[k] = v
+            elif before.get(k) is not v:  # new (a fresh piece), or replaced rather than updated in place
+                created[k] = slot.buf(k, v.dtype, n).copy_(v)  # into the slot: downloads are ordered on it
+        if g.placement.offload_params:
+            slot.buf("param", g.compute_dtype, n).copy_(master)
+        else:
+            g.param_shard[span.start:span.start + n].copy_(master)
+        g.grad_shard[span.start:span.start + n].zero_()
+        return created, scalars
+
+    def _optimizer_for(self, index: int) -> torch.optim.Optimizer:
+        """The one-tensor optimizer of param group `index`, with that group's current settings."""
+        settings = {k: v for k, v in self.optimizer.param_groups[index].items() if k != "params"}
+        if self._cuda and settings.get("fused") and type(self.optimizer).__name__ not in _FUSED_ON_CUDA:
+            settings["fused"] = None  # a CPU-only fused kernel: the default implementation on the device
+        opt = self._opts.get(index)
+        if opt is None:
+            placeholder = torch.zeros(1, device=self.device)
+            opt = type(self.optimizer)([{**settings, "params": [placeholder]}], lr=settings.get("lr", 1e-3))
+            self._opts[index] = opt
+        opt.param_groups[0].update(settings)
+        return opt
+
+    def _scalar_copy(self, value, opt: torch.optim.Optimizer):
+        """A chunk's own copy of a piece's scalar state, where the chunk's kernel wants it."""
+        if not isinstance(value, torch.Tensor):
+            return value
+        group = opt.param_groups[0]
+        if self._cuda and (group.get("fused") or group.get("capturable")) and value.device != self.device:
+            return value.to(self.device)  # once after a checkpoint load; the piece keeps the device copy
+        return value.clone()
+
+    def _host_tensor(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        t = pinned_empty(numel, dtype) if self._cuda else torch.empty(numel, dtype=dtype)
+        self._pinned.add(t.data_ptr())
+        return t
+
+    # --- streams ----------------------------------------------------------------------------------
+    def _on(self, stream):
+        return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+    def _record(self, stream):
+        """An event recorded now on `stream` (None: the current stream); None on CPU (all synchronous)."""
+        if not self._cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record(stream if stream is not None else torch.cuda.current_stream(self.device))
+        return event
+
+    # --- settling ---------------------------------------------------------------------------------
+    def _await_group(self, g: FlatGroup) -> Pending | None:
+        """The main stream waits for `g`'s update; returns the all-gather of its parameters, if any."""
+        if not g.step_in_flight:
+            return None
+        g.step_in_flight = False
+        event = self._done.pop(id(g), None)
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
+        return gather_params(g, self.comm)  # collectives stay on the main thread, in unit order
+
+    def _await(self, unit: Unit) -> None:
+        """Before `unit` is used: wait for its groups' updates and publish their parameters."""
+        for g in unit.trainable:
+            gather = self._await_group(g)
+            if gather is not None:
+                gather.wait()
+
+    def _await_all(self) -> None:
+        for g in self.groups:
+            gather = self._await_group(g)
+            if gather is not None:
+                gather.wait()
+
+    def settle(self, *, state: bool = False) -> None:
+        self.inner.settle(state=state)
+        self._await_all()
+        if state and self._written is not None:
+            self._written.synchronize()  # host masters and state hold the last step's values
+
+    def _settle_state(self) -> None:
+        self.settle(state=True)
