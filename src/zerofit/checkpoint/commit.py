@@ -14,14 +14,13 @@ file, fsync, `os.replace`): it always names a complete checkpoint.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
 
 from zerofit.checkpoint.manifest import FORMAT as MANIFEST_FORMAT
 from zerofit.checkpoint.manifest import MANIFEST
-from zerofit.checkpoint.tree import write_durable
+from zerofit.checkpoint.tree import read_json, write_durable
 from zerofit.errors import CheckpointError
 
 LATEST = "latest"
@@ -100,9 +99,10 @@ def is_checkpoint(directory: Path) -> bool:
     if directory.is_symlink() or not directory.is_dir() or manifest.is_symlink() or not manifest.is_file():
         return False
     try:
-        return json.loads(manifest.read_text()).get("format") == MANIFEST_FORMAT
-    except (OSError, UnicodeDecodeError, ValueError, AttributeError, RecursionError):
+        doc = read_json(manifest)
+    except (OSError, CheckpointError):
         return False
+    return isinstance(doc, dict) and doc.get("format") == MANIFEST_FORMAT
 
 
 def commit(tmp: Path, final: Path, token: str) -> None:
@@ -127,6 +127,8 @@ def point_latest(final: Path, token: str) -> None:
 
 LATEST_MAX_BYTES = 4096
 """A `latest` file holds one directory name; anything longer is not one of ours."""
+_NAME_MAX_BYTES = 255
+"""The longest directory name file systems take: a longer name in `latest` would fail every look-up."""
 
 
 def read_latest(folder: Path) -> str | None:
@@ -147,7 +149,7 @@ def read_latest(folder: Path) -> str | None:
     except UnicodeDecodeError:
         name = None
     if name is None or len(raw) > LATEST_MAX_BYTES or not name or "/" in name or "\\" in name \
-            or name in (".", "..") or "\n" in name or "\0" in name:
+            or name in (".", "..") or "\n" in name or "\0" in name or len(name.encode()) > _NAME_MAX_BYTES:
         shown = repr(raw[:60].decode("utf-8", "replace")) + ("..." if len(raw) > 60 else "")
         raise CheckpointError(f"{pointer}: names {shown}, which is not a checkpoint directory name: "
                               "write the name of a sibling checkpoint directory into it")
