@@ -9,7 +9,9 @@ before the rename leaves only a `.tmp-` directory behind, which no loader opens 
 the same name removes. A kill between the two renames leaves no `<name>`, but two complete copies
 beside it: loading and resuming put the newer (`.tmp-`, the save being committed) back in its place
 (`recover`). After the commit, the parent's `latest` file is replaced atomically (write a temporary
-file, fsync, `os.replace`): it always names a complete checkpoint.
+file, fsync, `os.replace`): it always names a complete checkpoint; a kill before the replace leaves the
+temporary `.latest.tmp-<token>`, which the next save removes. tests/test_checkpoint_commit_kill.py
+SIGKILLs a save at each of these steps.
 """
 
 from __future__ import annotations
@@ -31,15 +33,18 @@ def temp_dir(final: Path, token: str) -> Path:
 
 
 def remove_stale(final: Path) -> None:
-    """Delete what earlier failed saves of `final` left behind."""
+    """Delete what earlier failed saves of `final` left behind, and the temporary `latest` of a save killed
+    before it replaced `latest` (`point_latest`)."""
     if not final.parent.is_dir():
         return
     for p in final.parent.iterdir():
         # An `.old-` copy is the only good one if a commit died between its two renames: keep it then.
         stale = p.name.startswith(f"{final.name}.tmp-") or (
             p.name.startswith(f"{final.name}.old-") and final.exists())
-        if stale and p.is_dir():
+        if stale and p.is_dir() and not p.is_symlink():
             shutil.rmtree(p, ignore_errors=True)
+        elif p.name.startswith(f".{LATEST}.tmp-") and p.is_file() and not p.is_symlink():
+            p.unlink(missing_ok=True)
 
 
 def recover(final: Path) -> None:
