@@ -278,3 +278,115 @@ def test_a_commit_killed_at_any_step_resumes_from_the_newest_complete_copy(tmp_p
         assert latest_complete(root) == root / "ckpt", step
         load_state(root, engine)
         assert all(float(g.master.flatten()[0]) == expect[step] for g in engine.groups), step
+
+
+# --- rank files that cannot be parsed, on two ranks (#18) ------------------------------------------
+MAX_JSON = 64 << 20  # zerofit.checkpoint.tree.MAX_JSON_BYTES
+RANK_FILE_DAMAGE = {
+    "deep": (b"[" * 100_000 + b"]" * 100_000, "is nested too deeply to be a zerofit checkpoint file"),
+    "deep-but-parsed": (b'{"format": "zerofit-tree/1", "value": ' + b"[" * 900 + b"]" * 900 + b"}",
+                        "nested too deeply to be a zerofit checkpoint file"),
+    "not-utf8": (b'{"format": "zerofit-tree/1", "value": "\xff\xfe"}', "is not UTF-8 text (byte 39)"),
+    "huge": (b'{"format": "zerofit-tree/1", "value": {"rank": 0}}' + b" " * MAX_JSON,
+             "is larger than 65536 KiB, which no zerofit checkpoint file is"),
+}
+
+
+def _edit(ckpt: Path, name: str, data: bytes) -> None:
+    """Replace `name` and update the manifest to match: an edited (or hand-copied) checkpoint that passes
+    the integrity check, so only the reader stands between the file and a traceback."""
+    from zerofit.checkpoint.manifest import describe
+
+    (ckpt / name).write_bytes(data)
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    manifest["files"].update(describe(ckpt, [name]))
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+
+
+def load_damaged_rank_files(rank, world, root):
+    """Save through the Accelerator, then for each damage of rank 0's file: load_state, and an automatic
+    resume in a fresh Accelerator (`checkpoint.resume: auto`); every rank reports what it raised."""
+    from engine_cases import SEQ, VOCAB, TinyLM, loss_fn
+
+    from zerofit import Accelerator
+    from zerofit.config.schema import CheckpointConfig, RunConfig, ZeroConfig
+    from zerofit.utils import ProjectConfiguration
+
+    def prepared(mode: str):
+        acc = Accelerator(config=RunConfig(zero=ZeroConfig(stage=2), checkpoint=CheckpointConfig(resume=mode)),
+                          project_config=ProjectConfiguration(project_dir=root, automatic_checkpoint_naming=True))
+        torch.manual_seed(0)
+        model = TinyLM()
+        return acc, *acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+    acc, model, opt = prepared("never")
+    x = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(rank))
+    acc.backward(loss_fn(model(x), x))
+    opt.step()
+    ckpt = Path(acc.save_state())
+    good = (ckpt / "rank-00000.json").read_bytes()
+    out = {}
+    for kind, (data, _) in RANK_FILE_DAMAGE.items():
+        if rank == 0:
+            _edit(ckpt, "rank-00000.json", data)
+        acc.wait_for_everyone()
+        out[kind] = (_error_of(lambda: acc.load_state(ckpt)), _error_of(lambda: prepared("auto")))
+        acc.wait_for_everyone()
+    if rank == 0:
+        _edit(ckpt, "rank-00000.json", good)
+    acc.wait_for_everyone()
+    acc.load_state(ckpt)  # whole again: loads
+    out["resumed_from"] = prepared("auto")[0].resumed_from
+    return out
+
+
+def test_a_rank_file_that_cannot_be_parsed_is_one_error_on_every_rank(tmp_path):
+    """#18: a deeply nested rank-00000.json gave rank 0 a RecursionError traceback while rank 1 waited in the
+    next collective (in load_state and in the automatic resume); a 64 MiB one was read whole on every load."""
+    ranks = run_distributed(load_damaged_rank_files, 2, str(tmp_path))
+    for kind, (_, message) in RANK_FILE_DAMAGE.items():
+        for loaded, resumed in (r[kind] for r in ranks):
+            for error in (loaded, resumed):
+                assert error is not None, kind
+                assert error.startswith("rank 0: ") and "rank-00000.json" in error and message in error, error
+                assert error.endswith("the checkpoint is damaged or was edited; load an earlier checkpoint"), error
+                assert len(error) < 600
+        assert ranks[0][kind] == ranks[1][kind]  # the same verdict on both ranks
+    assert all(r["resumed_from"].endswith("checkpoint_0") for r in ranks)
+
+
+def test_a_latest_naming_a_name_too_long_for_the_file_system_is_refused(tmp_path):
+    """A 300-character name in `latest` made the automatic resume's look-up raise OSError (ENAMETOOLONG)
+    on rank 0 only."""
+    from zerofit.checkpoint.resume import choose
+
+    (tmp_path / "latest").write_text("c" * 300 + "\n")
+    with pytest.raises(CheckpointError, match=r"latest: names 'c{60}'\.\.\., which is not a checkpoint directory"):
+        choose("auto", 1, tmp_path)
+
+
+# --- the echo cap (#18) ----------------------------------------------------------------------------
+def test_a_checkpoint_error_never_echoes_a_huge_value_whole():
+    """ConfigError's cap, one rule (zerofit.errors.capped) for both: the start and the fix stay."""
+    from zerofit.errors import MAX_PROBLEM_CHARS, ConfigError
+
+    value = "x" * 5_000_000
+    error = str(CheckpointError(f"/ckpt/latest: names {value!r}: write a checkpoint name into it"))
+    assert len(error) <= MAX_PROBLEM_CHARS and "more characters not shown" in error
+    assert error.startswith("/ckpt/latest: names 'xxx") and error.endswith(": write a checkpoint name into it")
+    many = str(CheckpointError("\n".join(f"rank {r}: {value}: fix {r}" for r in range(200))))
+    assert len(many) < 60 * MAX_PROBLEM_CHARS and many.endswith("... and 150 more problems")
+    assert str(CheckpointError(many)) == many  # a verdict re-raised from another's message is unchanged
+    assert str(ConfigError([f"zero.stage is {value}: fix it"])).endswith(": fix it")
+
+
+def test_a_manifest_listing_a_100_kb_name_is_refused_shortly(failed_saves, tmp_path, engine):
+    """#18: the name reached the file checks, which raised OSError (File name too long) with it in full."""
+    ckpt = _damaged(failed_saves[0], tmp_path, "long-name")
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    manifest["files"]["state/" + "n" * 100_000] = {"bytes": 1, "sha256": "0" * 64}
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match=r"lists a name of 100006 characters .* longer than any file of a "
+                                              r"checkpoint") as caught:
+        load_state(ckpt, engine)
+    assert len(str(caught.value)) < 600

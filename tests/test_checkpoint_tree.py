@@ -92,3 +92,13 @@ def test_one_process_save_and_load_without_process_group(tmp_path):
     assert load_state(tmp_path, other) == {"n": 1}
     want, got = assemble([owned_state(engine, 0)]), assemble([owned_state(other, 0)])
     assert sorted(want) == sorted(got) and all(torch.equal(want[k], got[k]) for k in want)
+
+
+def test_a_save_refuses_json_larger_than_a_load_reads_back(tmp_path):
+    """A load refuses a JSON file over MAX_JSON_BYTES (#18), so a save must not write one."""
+    from zerofit.checkpoint.tree import MAX_JSON_BYTES
+
+    with pytest.raises(CheckpointError, match=r"x.json: would hold 64 MiB of JSON, more than the 64 MiB a load reads "
+                                              r"back: keep large values in tensors or numpy arrays"):
+        write_tree(tmp_path, "x", {"rows": "r" * MAX_JSON_BYTES}, "extra_state")
+    assert not (tmp_path / "x.json").exists()

@@ -9,19 +9,20 @@ before the rename leaves only a `.tmp-` directory behind, which no loader opens 
 the same name removes. A kill between the two renames leaves no `<name>`, but two complete copies
 beside it: loading and resuming put the newer (`.tmp-`, the save being committed) back in its place
 (`recover`). After the commit, the parent's `latest` file is replaced atomically (write a temporary
-file, fsync, `os.replace`): it always names a complete checkpoint.
+file, fsync, `os.replace`): it always names a complete checkpoint; a kill before the replace leaves the
+temporary `.latest.tmp-<token>`, which the next save removes. tests/test_checkpoint_commit_kill.py
+SIGKILLs a save at each of these steps.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
 
 from zerofit.checkpoint.manifest import FORMAT as MANIFEST_FORMAT
 from zerofit.checkpoint.manifest import MANIFEST
-from zerofit.checkpoint.tree import write_durable
+from zerofit.checkpoint.tree import read_json, write_durable
 from zerofit.errors import CheckpointError
 
 LATEST = "latest"
@@ -32,15 +33,18 @@ def temp_dir(final: Path, token: str) -> Path:
 
 
 def remove_stale(final: Path) -> None:
-    """Delete what earlier failed saves of `final` left behind."""
+    """Delete what earlier failed saves of `final` left behind, and the temporary `latest` of a save killed
+    before it replaced `latest` (`point_latest`)."""
     if not final.parent.is_dir():
         return
     for p in final.parent.iterdir():
         # An `.old-` copy is the only good one if a commit died between its two renames: keep it then.
         stale = p.name.startswith(f"{final.name}.tmp-") or (
             p.name.startswith(f"{final.name}.old-") and final.exists())
-        if stale and p.is_dir():
+        if stale and p.is_dir() and not p.is_symlink():
             shutil.rmtree(p, ignore_errors=True)
+        elif p.name.startswith(f".{LATEST}.tmp-") and p.is_file() and not p.is_symlink():
+            p.unlink(missing_ok=True)
 
 
 def recover(final: Path) -> None:
@@ -100,9 +104,10 @@ def is_checkpoint(directory: Path) -> bool:
     if directory.is_symlink() or not directory.is_dir() or manifest.is_symlink() or not manifest.is_file():
         return False
     try:
-        return json.loads(manifest.read_text()).get("format") == MANIFEST_FORMAT
-    except (OSError, UnicodeDecodeError, ValueError, AttributeError, RecursionError):
+        doc = read_json(manifest)
+    except (OSError, CheckpointError):
         return False
+    return isinstance(doc, dict) and doc.get("format") == MANIFEST_FORMAT
 
 
 def commit(tmp: Path, final: Path, token: str) -> None:
@@ -127,6 +132,8 @@ def point_latest(final: Path, token: str) -> None:
 
 LATEST_MAX_BYTES = 4096
 """A `latest` file holds one directory name; anything longer is not one of ours."""
+_NAME_MAX_BYTES = 255
+"""The longest directory name file systems take: a longer name in `latest` would fail every look-up."""
 
 
 def read_latest(folder: Path) -> str | None:
@@ -147,7 +154,7 @@ def read_latest(folder: Path) -> str | None:
     except UnicodeDecodeError:
         name = None
     if name is None or len(raw) > LATEST_MAX_BYTES or not name or "/" in name or "\\" in name \
-            or name in (".", "..") or "\n" in name or "\0" in name:
+            or name in (".", "..") or "\n" in name or "\0" in name or len(name.encode()) > _NAME_MAX_BYTES:
         shown = repr(raw[:60].decode("utf-8", "replace")) + ("..." if len(raw) > 60 else "")
         raise CheckpointError(f"{pointer}: names {shown}, which is not a checkpoint directory name: "
                               "write the name of a sibling checkpoint directory into it")

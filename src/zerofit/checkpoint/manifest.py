@@ -15,12 +15,15 @@ import hashlib
 import json
 from pathlib import Path, PurePosixPath
 
-from zerofit.checkpoint.tree import write_durable
+from zerofit.checkpoint.tree import read_json, write_durable
 from zerofit.errors import CheckpointError
 
 MANIFEST = "manifest.json"
 FORMAT = "zerofit-manifest/1"
 _BLOCK = 1 << 22
+_MAX_NAME_CHARS = 1024
+"""A checkpoint's files have short names (`state/shard-00001-model-00001-of-00001.safetensors`); a longer
+one is an edit, and one past the file system's limit would fail every check with an OSError."""
 
 
 def sha256_file(path: Path) -> str:
@@ -55,13 +58,13 @@ def read_manifest(directory: Path) -> dict[str, dict]:
             "or the copy is partial); load an earlier checkpoint or point at the directory holding "
             "manifest.json")
     try:
-        doc = json.loads(path.read_text())
+        doc = read_json(path)
         files = doc["files"]
         if doc.get("format") != FORMAT or not all(
                 isinstance(v, dict) and isinstance(v.get("bytes"), int) and isinstance(v.get("sha256"), str)
                 for v in files.values()):
             raise ValueError(f"format {doc.get('format')!r}")
-    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
+    except (CheckpointError, OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise CheckpointError(f"{path}: unreadable manifest ({str(e)[:200]}): the checkpoint is damaged; load an "
                               "earlier one") from None
     for name in files:
@@ -69,6 +72,10 @@ def read_manifest(directory: Path) -> dict[str, dict]:
         if not name or name.startswith("/") or "\\" in name or ".." in parts or "\0" in name:
             raise CheckpointError(f"{path}: lists {name[:100]!r}, a path outside the checkpoint: the manifest is "
                                   "damaged or was edited; load an earlier checkpoint")
+        if len(name) > _MAX_NAME_CHARS or any(len(part) > 255 for part in parts):
+            raise CheckpointError(f"{path}: lists a name of {len(name)} characters ({name[:60]!r}...), longer than "
+                                  "any file of a checkpoint: the manifest is damaged or was edited; load an earlier "
+                                  "checkpoint")
     return files
 
 

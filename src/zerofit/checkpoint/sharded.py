@@ -193,9 +193,15 @@ def verify(path: Path, ranks: Ranks) -> None:
                           + unlisted(path, manifest, STATE_DIR)) or None
     except CheckpointError as e:
         error = str(e)
+    except OSError as e:  # e.g. a file the manifest lists that this rank may not read
+        error = f"rank {ranks.rank}: {path}: cannot check the checkpoint's files ({e}): check their permissions"
     ranks.agree(error)
     names = sorted(manifest)
-    ranks.agree("\n".join(check_hashes(path, manifest, names[ranks.rank::ranks.world])) or None)
+    try:
+        error = "\n".join(check_hashes(path, manifest, names[ranks.rank::ranks.world])) or None
+    except OSError as e:
+        error = f"rank {ranks.rank}: {path}: cannot read the checkpoint's files ({e}): check their permissions"
+    ranks.agree(error)
 
 
 def read_common(path: Path) -> dict:
@@ -253,10 +259,13 @@ def load_state(directory: str | os.PathLike[str], engine) -> dict:
         warnings.warn(f"the checkpoint was saved by {saved_world} ranks: rank {ranks.rank} gets the "
                       f"extra_state of rank {source} (per-rank RNG streams repeat)", stacklevel=2)
     error, extra = None, {}
-    try:
+    try:  # each rank reads its own file: a failure here must reach the agreement, or the others would wait
         extra = read_tree(path, rank_stem(source))
     except CheckpointError as e:
         error = f"rank {ranks.rank}: {e}"
+    except Exception as e:  # noqa: BLE001 - read_tree names what it expects; anything else still agrees
+        error = f"rank {ranks.rank}: {path / rank_stem(source)}.json: unreadable ({type(e).__name__}: {e}): " \
+                "the checkpoint is damaged or was edited; load an earlier checkpoint"
     ranks.agree(error)
     return extra
 

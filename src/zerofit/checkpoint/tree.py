@@ -16,7 +16,11 @@ training loop has, so a few shapes are tagged with the key `"__zerofit__"`:
 | torch.dtype                      | `{"__zerofit__": "dtype", "name": "float32"}`        |
 
 Anything else is refused at save time with the key path and a fix, never pickled. Reading executes
-nothing: `json.loads` and `safetensors` only.
+nothing: `json.loads` and `safetensors` only. Every JSON file of a checkpoint (these, the manifest) is
+read by `read_json`, the config files' bounded reader (`zerofit.config.files`) with MAX_JSON_BYTES: a
+file nested too deeply, not UTF-8 or too large is a CheckpointError naming it, never a traceback on one
+rank while its peers wait (see [Note: agreeing on failure] in `ranks`). A save refuses to write a JSON
+file larger than a load reads back.
 """
 
 from __future__ import annotations
@@ -29,10 +33,15 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from zerofit.config import files
 from zerofit.errors import CheckpointError
 
 TAG = "__zerofit__"
 FORMAT = "zerofit-tree/1"
+MAX_JSON_BYTES = 64 << 20
+"""64 MiB: a checkpoint's JSON holds counters, RNG states and small state dicts (tensors and arrays go
+to safetensors); far beyond that is a damaged or foreign file, not worth parsing into memory on every rank."""
+_DAMAGED = "the checkpoint is damaged or was edited; load an earlier checkpoint"
 
 
 def _numpy():
@@ -130,21 +139,39 @@ def write_encoded(directory: Path, stem: str, data: Any, tensors: dict[str, torc
         save_file(tensors, str(directory / names[1]), metadata={"format": "pt"})
         with open(directory / names[1], "rb+") as f:
             os.fsync(f.fileno())
-    text = json.dumps({"format": FORMAT, "value": data}, indent=1, sort_keys=False)
-    write_durable(directory / names[0], text.encode())
+    text = json.dumps({"format": FORMAT, "value": data}, indent=1, sort_keys=False).encode()
+    if len(text) > MAX_JSON_BYTES:
+        raise CheckpointError(f"{directory / names[0]}: would hold {len(text) >> 20} MiB of JSON, more than the "
+                              f"{MAX_JSON_BYTES >> 20} MiB a load reads back: keep large values in tensors or numpy "
+                              "arrays (stored in safetensors), not in lists")
+    write_durable(directory / names[0], text)
     return names
+
+
+def read_json(path: Path) -> Any:
+    """The JSON document at `path`, read within bounds (FileNotFoundError when there is none); any other
+    problem is a CheckpointError naming the file."""
+    try:
+        return files.load(path, as_json=True, max_bytes=MAX_JSON_BYTES, what="zerofit checkpoint file",
+                          max_values=None)
+    except files.BadFile as bad:
+        raise CheckpointError(f"{bad.problem}: {_DAMAGED}") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e}): {_DAMAGED}") from None
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot be read ({e.strerror or e}): check the file's permissions, or "
+                              "load another checkpoint") from None
 
 
 def read_tree(directory: Path, stem: str) -> Any:
     """The value `write_tree` stored under `stem` in `directory`."""
     path = directory / f"{stem}.json"
     try:
-        doc = json.loads(path.read_text())
+        doc = read_json(path)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: missing: the checkpoint is incomplete; load an earlier one") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: not valid JSON ({e}): the file is corrupt; load an earlier "
-                              "checkpoint") from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise CheckpointError(f"{path}: not a {FORMAT} file (format {doc.get('format') if isinstance(doc, dict) else None!r})")
     tensors: dict[str, torch.Tensor] = {}
@@ -155,4 +182,9 @@ def read_tree(directory: Path, stem: str) -> Any:
         except Exception as e:  # noqa: BLE001 - safetensors raises several kinds on a damaged file
             raise CheckpointError(f"{side}: unreadable safetensors file ({e}): the file is corrupt; load "
                                   "an earlier checkpoint") from None
-    return decode(doc["value"], tensors, str(path))
+    try:
+        return decode(doc["value"], tensors, str(path))
+    except RecursionError:  # parsed, but too deep to rebuild (decode recurses once per level)
+        raise CheckpointError(f"{path}: nested too deeply to be a zerofit checkpoint file: {_DAMAGED}") from None
+    except (KeyError, TypeError, ValueError, AttributeError) as e:  # a tagged value of the wrong shape
+        raise CheckpointError(f"{path}: malformed ({type(e).__name__}: {e}): {_DAMAGED}") from None

@@ -1,9 +1,11 @@
-"""Reading a config file's text: a regular file of bounded size, UTF-8, parsed as JSON or YAML.
+"""Reading a small structured file: a regular file of bounded size, UTF-8, parsed as JSON or YAML.
 
 Config files are small (a DeepSpeed JSON or an Accelerate YAML is a few kilobytes), so anything over
 MAX_BYTES is refused before it is parsed, and so is anything that is not a regular file - a FIFO or
-`/dev/zero` given as `deepspeed_config_file` would otherwise be read forever. Each failure is one
-`BadFile` whose message names the path and the fix; the callers turn it into their own error.
+`/dev/zero` given as `deepspeed_config_file` would otherwise be read forever. A checkpoint's JSON files
+(`zerofit.checkpoint.tree.read_json`) are read by the same rules with a larger bound. Each failure is
+one `BadFile` naming the path, the problem and (for configs) the fix; the callers turn it into their
+own error.
 """
 
 from __future__ import annotations
@@ -23,45 +25,53 @@ MAX_VALUES = 100_000
 
 
 class BadFile(Exception):
-    """A config file that cannot be read as one (the message says why and what to do)."""
+    """A file that cannot be read as one of its kind: `problem` names the path and what is wrong, `fix`
+    what to do about a config file; the message is both (callers with their own fix use `problem`)."""
+
+    def __init__(self, problem: str, fix: str):
+        super().__init__(f"{problem}: {fix}")
+        self.problem = problem
 
 
-def read_text(path: Path) -> str:
-    """The UTF-8 text of the regular file at `path` (FileNotFoundError when there is none)."""
+def read_text(path: Path, *, max_bytes: int = MAX_BYTES, what: str = "config") -> str:
+    """The UTF-8 text of the regular file at `path` (FileNotFoundError when there is none); `what` the
+    file should be, as messages say it."""
     if str(path) in ("", "."):
-        raise BadFile("path is empty: pass the config file's path")
+        raise BadFile("path is empty", f"pass the {what} file's path")
     if "\0" in str(path):
-        raise BadFile(f"path {str(path)[:200]!r} holds a NUL byte: pass the config file's path")
+        raise BadFile(f"path {str(path)[:200]!r} holds a NUL byte", f"pass the {what} file's path")
     info = path.stat()  # FileNotFoundError for the caller's own message
     if stat.S_ISDIR(info.st_mode):
-        raise BadFile(f"{str(path)!r} is a directory: pass the config file inside it")
+        raise BadFile(f"{str(path)!r} is a directory", f"pass the {what} file inside it")
     if not stat.S_ISREG(info.st_mode):
-        raise BadFile(f"{str(path)!r} is not a regular file (a pipe or device): pass a config file")
+        raise BadFile(f"{str(path)!r} is not a regular file (a pipe or device)", f"pass a {what} file")
     with open(path, "rb") as f:
-        raw = f.read(MAX_BYTES + 1)
-    if len(raw) > MAX_BYTES:
-        raise BadFile(f"{str(path)!r} is larger than {MAX_BYTES // 1024} KiB, which no config is: check the path")
+        raw = f.read(max_bytes + 1)
+    if len(raw) > max_bytes:
+        raise BadFile(f"{str(path)!r} is larger than {max_bytes // 1024} KiB, which no {what} is", "check the path")
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise BadFile(f"{str(path)!r} is not UTF-8 text (byte {e.start}): save it as UTF-8") from None
+        raise BadFile(f"{str(path)!r} is not UTF-8 text (byte {e.start})", "save it as UTF-8") from None
 
 
-def load(path: Path, *, as_json: bool) -> Any:
-    """The file at `path` parsed as JSON or YAML (yaml.safe_load); nesting too deep to parse is a BadFile."""
-    text = read_text(path)
+def load(path: Path, *, as_json: bool, max_bytes: int = MAX_BYTES, what: str = "config",
+         max_values: int | None = MAX_VALUES) -> Any:
+    """The file at `path` parsed as JSON or YAML (yaml.safe_load), read by `read_text`; nesting too deep
+    to parse, or (with `max_values`) more values than that once aliases are expanded, is a BadFile."""
+    text = read_text(path, max_bytes=max_bytes, what=what)
     try:
         data = json.loads(text) if as_json else yaml.safe_load(text)
     except RecursionError:
-        raise BadFile(f"{str(path)!r} is nested too deeply to be a config: check the file") from None
+        raise BadFile(f"{str(path)!r} is nested too deeply to be a {what}", "check the file") from None
     except ValueError as e:  # not a syntax error: a number with more digits than Python converts (4300)
         if isinstance(e, json.JSONDecodeError) or "digits" not in str(e):
             raise
-        raise BadFile(f"{str(path)!r} holds a number with thousands of digits, which no setting has: check the "
-                      "file") from None
-    if _expanded_size(data, MAX_VALUES + 1) > MAX_VALUES:
-        raise BadFile(f"{str(path)!r} expands to more than {MAX_VALUES} values (YAML aliases repeating each "
-                      "other), which no config holds: write the values out")
+        raise BadFile(f"{str(path)!r} holds a number with thousands of digits, which no {what} holds",
+                      "check the file") from None
+    if max_values is not None and _expanded_size(data, max_values + 1) > max_values:
+        raise BadFile(f"{str(path)!r} expands to more than {max_values} values (YAML aliases repeating each "
+                      f"other), which no {what} holds", "write the values out")
     return data
 
 
