@@ -22,7 +22,8 @@ import sys
 import time
 
 METHODS = ["torch", "zerofit-s0", "zerofit-s1", "zerofit-s2", "zerofit-s3",
-           "zerofit-s2-offload", "zerofit-s3-offload", "zerofit-s3-nvme",
+           "zerofit-s2-offload", "zerofit-s3-offload", "zerofit-s2-offload-host", "zerofit-s3-offload-host",
+           "zerofit-s3-nvme",
            "deepspeed-s2", "deepspeed-s2-offload", "deepspeed-s3-offload", "fsdp2-offload"]
 
 
@@ -131,8 +132,13 @@ def zerofit_or_torch_step(method: str, args, ids):
         from zerofit.engine import ZeroEngine
 
         stage = int(method.split("-")[1][1])
-        off = OffloadConfig(device="cpu", ratio=args.offload_ratio) if method.endswith("offload") else OffloadConfig()
-        zero = ZeroConfig(stage=stage, offload_optimizer=off, offload_param=off if stage == 3 else OffloadConfig())
+        # "-offload": step_on auto (GPU-stepped on CUDA); "-offload-host": the CPU optimizer on host memory
+        step_on = "host" if method.endswith("-host") else "auto"
+        off = (OffloadConfig(device="cpu", ratio=args.offload_ratio, step_on=step_on) if "offload" in method
+               else OffloadConfig())
+        zero = ZeroConfig(stage=stage, offload_optimizer=off,
+                          offload_param=OffloadConfig(device="cpu") if stage == 3 and "offload" in method
+                          else OffloadConfig())
         if method.endswith("nvme"):  # optimizer state in files, parameters in host memory
             os.makedirs(args.nvme_path, exist_ok=True)
             zero = ZeroConfig(stage=stage, offload_optimizer=OffloadConfig(device="nvme", nvme_path=args.nvme_path),
@@ -187,7 +193,7 @@ def _phases(marks, before: dict, after: dict) -> dict:
     """One step's phases: GPU-timeline spans between the marks, host counters of the engine."""
     span = [marks[i].elapsed_time(marks[i + 1]) / 1e3 for i in range(3)]
     out = {"forward": span[0], "backward": span[1], "step_call": span[2]}
-    for k in ("host_optimizer", "host_publish", "wait_host_step", "wait_grad_download", "nvme_wait"):
+    for k in ("host_optimizer", "host_publish", "wait_host_step", "wait_grad_download", "nvme_wait", "stream_issue"):
         out[k] = after[k] - before[k]
     return out
 
@@ -275,8 +281,9 @@ def main() -> None:
 
 
 PEERS = {"zerofit-s2": ["deepspeed-s2"], "zerofit-s2-offload": ["deepspeed-s2-offload"],
-         "zerofit-s3-offload": ["deepspeed-s3-offload", "fsdp2-offload"]}
-PHASES = ["forward", "backward", "step_call", "host_optimizer", "host_publish", "wait_host_step",
+         "zerofit-s3-offload": ["deepspeed-s3-offload", "fsdp2-offload"],
+         "zerofit-s2-offload-host": ["deepspeed-s2-offload"], "zerofit-s3-offload-host": ["deepspeed-s3-offload"]}
+PHASES = ["forward", "backward", "step_call", "stream_issue", "host_optimizer", "host_publish", "wait_host_step",
           "wait_grad_download", "copy_to_host", "copy_to_gpu"]
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_cases import Case, batches, loss_fn, make_model_and_optim
+from engine_cases import DEFAULT_CHUNK, Case, batches, loss_fn, make_model_and_optim
 
 from zerofit.config.schema import PrecisionConfig, ZeroConfig
 from zerofit.engine import ZeroEngine
@@ -45,3 +45,50 @@ def test_cuda_matches_cpu_in_fp32(stage):
 def test_cuda_low_precision_trains(precision):
     losses, _ = _train("cuda", 3, precision)
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
+
+
+def _train_offload(stage: int, precision: str, optim: str, *, offload: str, offload_param: str = "none",
+                   chunk: int = 0, gas: int = 1, clip: float = 0.5):
+    """One GPU: `offload` "none" (state on the GPU) or "cpu" (GPU-stepped from host memory, step_on auto)."""
+    from zerofit.config.schema import LossScaleConfig, OffloadConfig
+    from zerofit.engine import stream_step
+
+    case = Case(stage=stage, gas=gas, steps=6, optim=optim)
+    model, opt = make_model_and_optim(case)
+    stream_step.STREAM_CHUNK = chunk or DEFAULT_CHUNK
+    zero = ZeroConfig(stage=stage, offload_optimizer=OffloadConfig(device=offload),
+                      offload_param=OffloadConfig(device=offload_param))
+    engine = ZeroEngine(model, opt, zero=zero, device=torch.device("cuda"), gradient_accumulation_steps=gas,
+                        precision=PrecisionConfig(mixed_precision=precision,
+                                                  loss_scale=LossScaleConfig(initial_scale_power=8)),
+                        gradient_clipping=clip)
+    losses, micro = [], case.batch // gas
+    for x, y in batches(case):
+        for k in range(gas):
+            loss = loss_fn(model(x[k * micro:(k + 1) * micro].cuda()), y[k * micro:(k + 1) * micro].cuda())
+            engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    streamed = sum(g.placement.stream_state for g in engine.groups)
+    return losses, {k: v.cpu() for k, v in engine.named_full_tensors("master").items()}, streamed
+
+
+@requires_cuda
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("precision,optim", [("bf16", "adamw"), ("fp16", "adamw"), ("bf16", "sgd"), ("no", "adamw")])
+def test_gpu_stepped_offload_is_bit_identical_to_state_on_the_gpu(stage, precision, optim):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    ref_losses, ref, _ = _train_offload(stage, precision, optim, offload="none")
+    for chunk, param in ((0, "none"), (64, "none"), (64, "cpu" if stage == 3 else "none")):
+        losses, got, streamed = _train_offload(stage, precision, optim, offload="cpu", offload_param=param,
+                                               chunk=chunk)
+        assert streamed > 0
+        assert losses == ref_losses, (chunk, param)
+        assert all(torch.equal(ref[k], got[k]) for k in ref), (chunk, param)
+
+
+@requires_cuda
+def test_gpu_stepped_offload_with_accumulation_matches():
+    ref_losses, ref, _ = _train_offload(2, "bf16", "adamw", offload="none", gas=2)
+    losses, got, _ = _train_offload(2, "bf16", "adamw", offload="cpu", gas=2, chunk=64)
+    assert losses == ref_losses and all(torch.equal(ref[k], got[k]) for k in ref)

@@ -20,7 +20,7 @@ from zerofit.config.naming import key_name
 from zerofit.config.schema import RunConfig
 from zerofit.frontend.probe import StepProbe
 from zerofit.plan.auto import choose, describe
-from zerofit.plan.choose import Budget, machine_budget
+from zerofit.plan.choose import Budget, allowed_gpu_bytes, machine_budget
 
 
 def budget_for(device: torch.device, world: int) -> Budget:
@@ -31,7 +31,7 @@ def budget_for(device: torch.device, world: int) -> Budget:
     if device.type == "cuda":
         b = machine_budget(gpu_memory_gib=gpu, host_memory_gib=host, ranks_per_host=local)
         if gpu is None:
-            b = dataclasses.replace(b, gpu_bytes=torch.cuda.get_device_properties(device).total_memory)
+            b = dataclasses.replace(b, gpu_bytes=allowed_gpu_bytes(device))
     else:
         b = machine_budget(gpu_memory_gib=None, host_memory_gib=host, ranks_per_host=local)
         b = dataclasses.replace(b, gpu_bytes=None, unified=True)

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
+from zerofit.engine.policy import step_on_for
 from zerofit.plan.memory import GIB, ModelCounts, Setting, Workload, estimate
 
 
@@ -11,8 +14,10 @@ def _setting_of(config: Any) -> Setting | None:
     z = config.zero
     try:
         ratio = z.offload_optimizer.ratio if z.offload_optimizer.device != "none" else 1.0
+        step_on = step_on_for(z.offload_optimizer.step_on, cuda=torch.cuda.is_available(),
+                              nvme=z.offload_optimizer.device == "nvme")
         return Setting(stage=z.stage, offload_optimizer=z.offload_optimizer.device, offload_param=z.offload_param.device,
-                       offload_ratio=ratio)
+                       offload_ratio=ratio, step_on=step_on if z.offload_optimizer.device == "cpu" else "host")
     except (ValueError, TypeError):
         return None
 

@@ -28,7 +28,7 @@ from torch import nn
 
 from zerofit.config.naming import key_name
 from zerofit.config.schema import RunConfig, is_auto
-from zerofit.engine.policy import COMPUTE_DTYPES
+from zerofit.engine.policy import COMPUTE_DTYPES, step_on_for
 from zerofit.plan.activations import trace_step
 from zerofit.plan.choose import Budget, Plan, plan
 from zerofit.plan.memory import DTYPE_BYTES, ModelCounts, Setting, Workload, all_settings
@@ -45,7 +45,8 @@ def candidates(config: RunConfig, world: int, checkpointing: bool) -> list[Setti
     z = config.zero
     ratio = offload_ratio(config)
     out = []
-    for s in all_settings(max(world, 2), checkpointing=(checkpointing,), offload_ratio=ratio):
+    step_on = step_on_for(z.offload_optimizer.step_on, cuda=torch.cuda.is_available(), nvme=False)
+    for s in all_settings(max(world, 2), checkpointing=(checkpointing,), offload_ratio=ratio, step_on=step_on):
         if not is_auto(z.stage) and s.stage != z.stage:
             continue
         for kind, value in (("offload_optimizer", z.offload_optimizer.device), ("offload_param", z.offload_param.device)):

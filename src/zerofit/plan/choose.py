@@ -94,9 +94,20 @@ def machine_budget(*, gpu_memory_gib: float | None = None, host_memory_gib: floa
         import torch
 
         if torch.cuda.is_available():
-            gpu = torch.cuda.get_device_properties(0).total_memory
+            gpu = allowed_gpu_bytes(0)
     host = int(host_memory_gib * GIB) if host_memory_gib is not None else _host_memory()
     return Budget(gpu_bytes=gpu, host_bytes=host, ranks_per_host=ranks_per_host, headroom=headroom)
+
+
+def allowed_gpu_bytes(device) -> int:
+    """What this process may allocate on `device`: the card's total times the fraction a script set
+    with `torch.cuda.set_per_process_memory_fraction` (a card shared with others, or one standing in
+    for a smaller one), not the card's total."""
+    import torch
+
+    total = torch.cuda.get_device_properties(device).total_memory
+    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # torch >= 2.5
+    return int(total * min(1.0, fraction(device))) if fraction is not None else total
 
 
 def _host_memory() -> int | None:

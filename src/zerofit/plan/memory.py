@@ -16,7 +16,8 @@ c bytes per compute element (4 fp32, 2 bf16/fp16) and k optimizer state tensors 
 | optimizer states | k*S*4 | GPU; host with optimizer offload; files with NVMe (one group's worth in host slots) |
 | transient gradients | N*4 (+ S*4 reduce output) per unit while reduced, at most 2 reductions in flight | GPU, on the activation timeline |
 | step upcast | S*4 of the largest compact group, while it steps (after backward) | GPU, against the activation peak |
-| offload staging | S*4 pinned per group, when accumulating over several micro-steps | host |
+| offload staging | S*4 pinned per group, when accumulating over several micro-steps (host-stepped) | host |
+| streaming pool | GPU-stepped offload (`step_on: device`): 3 slots of min(16 M, largest S) elements x 4 bytes x (1 master + k states + 1 upcast if compact) (+ c per element with param offload); the gradient shard stays on the GPU | GPU |
 | activations | measured by `zerofit.plan.activations` at the planned batch | GPU |
 
 With `offload_optimizer.ratio` below 1 only the units the engine's `offloaded_units` picks (whole
@@ -38,6 +39,7 @@ from zerofit.engine.buffers import group_buffers
 from zerofit.engine.engine import SHARD_ALIGN
 from zerofit.engine.layout import plan_layout
 from zerofit.engine.policy import COMPUTE_DTYPES, StagePolicy, keeps_compact_grads, offloaded_units
+from zerofit.engine.stream_step import stream_pool_bytes
 from zerofit.engine.units import UnitSpec, plan_units
 from zerofit.plan.activations import ActivationTrace
 
@@ -59,7 +61,15 @@ class Setting:
     """Share of the parameters whose optimizer state is offloaded (`offload_optimizer.ratio`), whole
     units from the last one backwards, as the engine picks them (`zerofit.engine.policy.offloaded_units`)."""
 
+    step_on: str = "host"
+    """Where offloaded state is stepped: host, or device (GPU-stepped: the gradient shard stays on the GPU
+    and a pool of chunks streams the state; see `zerofit.engine.policy.step_on_for`)."""
+
     def __post_init__(self) -> None:
+        if self.step_on not in ("host", "device"):
+            raise ValueError(f"step_on must be host or device (got {self.step_on!r})")
+        if self.step_on == "device" and self.offload_optimizer != "cpu":
+            raise ValueError("step_on device needs offload_optimizer cpu")
         if self.stage not in (0, 1, 2, 3):
             raise ValueError(f"stage must be 0, 1, 2 or 3 (got {self.stage})")
         if self.offload_optimizer not in ("none", "cpu", "nvme"):
@@ -82,6 +92,8 @@ class Setting:
             name += f" + opt {self.offload_optimizer}"
             if self.offload_ratio < 1:
                 name += f" {self.offload_ratio:.0%}"
+            if self.step_on == "device":
+                name += " (GPU-stepped)"
         if self.offload_param != "none":
             name += f" + param {self.offload_param}"
         return name + (" + ckpt" if self.checkpointing else "")
@@ -170,13 +182,15 @@ def estimate(counts: ModelCounts, setting: Setting, work: Workload, trace: Activ
     root_gathered = 0
     largest_state = 0
     step_transient = 0
+    largest_streamed, streamed_compact = 0, False
     for u, (_, trainable, frozen) in enumerate(counts.units):
         unit_numel = trainable + frozen
         transient.append(0)
         for numel, is_trainable in ((trainable, True), (frozen, False)):
             if numel == 0:
                 continue
-            pl = policy.placement(trainable=is_trainable, unit_numel=unit_numel, offload_state=u in offloaded)
+            pl = policy.placement(trainable=is_trainable, unit_numel=unit_numel, offload_state=u in offloaded,
+                                  step_on=setting.step_on)
             lay = plan_layout([numel], pl.shard_world, align=SHARD_ALIGN)
             compact = is_trainable and keeps_compact_grads(pl, world=work.world, low_precision=c != 4,
                                                            gradient_accumulation_steps=work.gradient_accumulation_steps)
@@ -196,6 +210,9 @@ def estimate(counts: ModelCounts, setting: Setting, work: Workload, trace: Activ
             state["grads"] += b.grad_shard.nbytes
             if b.step_upcast is not None:  # compact: stepped from a transient fp32 copy, one group at a time
                 step_transient = max(step_transient, b.step_upcast.nbytes)
+            if pl.stream_state:
+                largest_streamed = max(largest_streamed, lay.shard_numel)
+                streamed_compact = streamed_compact or compact
             master = b.master.nbytes if b.master is not None else 0
             if pl.offload_state and setting.offload_optimizer == "nvme":  # master and state in files
                 nvme += master + b.optimizer_state.nbytes
@@ -208,6 +225,9 @@ def estimate(counts: ModelCounts, setting: Setting, work: Workload, trace: Activ
             for moving in (b.grad_transient, b.reduce_output):
                 if moving is not None:
                     transient[u] += moving.nbytes
+    if largest_streamed:  # the device buffers GPU-stepped offload streams the state through
+        gpu["buffers"] += stream_pool_bytes(largest_streamed, state_tensors=k, compact=streamed_compact,
+                                            offload_params=setting.offload_param != "none", compute_bytes=c)
     if setting.offload_optimizer == "nvme":
         host["optimizer"] += 2 * largest_state  # slots: the group being stepped and the next one read ahead
     activations, in_use = 0, sum(sorted(gathered)[-2:])
@@ -223,9 +243,9 @@ def estimate(counts: ModelCounts, setting: Setting, work: Workload, trace: Activ
 
 
 def all_settings(world: int, *, checkpointing: tuple[bool, ...] = (False, True),
-                 nvme: bool = False, offload_ratio: float = 1.0) -> list[Setting]:
+                 nvme: bool = False, offload_ratio: float = 1.0, step_on: str = "host") -> list[Setting]:
     """Every setting worth listing, fastest first (see `zerofit.plan.choose` for the order); those that
-    offload the optimizer state offload `offload_ratio` of it."""
+    offload the optimizer state offload `offload_ratio` of it, stepped `step_on` (CPU offload only)."""
     base = [Setting(stage=0), Setting(stage=1), Setting(stage=2), Setting(stage=3),
             Setting(stage=2, offload_optimizer="cpu"), Setting(stage=3, offload_optimizer="cpu"),
             Setting(stage=3, offload_optimizer="cpu", offload_param="cpu")]
@@ -235,5 +255,6 @@ def all_settings(world: int, *, checkpointing: tuple[bool, ...] = (False, True),
         base = [s for s in base if s.stage == 0 or (s.offload_optimizer != "none" and (s.stage == 2) == (
             s.offload_param == "none"))]
     return [Setting(stage=s.stage, offload_optimizer=s.offload_optimizer, offload_param=s.offload_param,
-                    checkpointing=ck, offload_ratio=offload_ratio if s.offload_optimizer != "none" else 1.0)
+                    checkpointing=ck, offload_ratio=offload_ratio if s.offload_optimizer != "none" else 1.0,
+                    step_on=step_on if s.offload_optimizer == "cpu" else "host")
             for ck in checkpointing for s in base]
