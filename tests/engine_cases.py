@@ -110,8 +110,9 @@ def reference(case: Case):
     return losses, grads, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def run_engine(rank: int, world: int, case: Case, record_grads: bool = True):
-    """The same training on `world` ranks through ZeroEngine; returns what `reference` returns, + stats."""
+def run_engine(rank: int, world: int, case: Case, record_grads: bool = True, device: str = "cpu"):
+    """The same training on `world` ranks through ZeroEngine; returns what `reference` returns, + stats.
+    `device` "cuda": every rank on the one GPU (gloo moves CUDA tensors through host memory)."""
     model, opt = make_model_and_optim(case)
     precision = PrecisionConfig(mixed_precision=case.precision,
                                 loss_scale=LossScaleConfig(initial_scale_power=8, hysteresis=1))
@@ -122,15 +123,15 @@ def run_engine(rank: int, world: int, case: Case, record_grads: bool = True):
     stream_step.STREAM_CHUNK = case.chunk or DEFAULT_CHUNK  # read when the engine builds its step mode
     engine = ZeroEngine(model, opt, zero=zero,
                         precision=precision, gradient_accumulation_steps=case.gas,
-                        gradient_clipping=case.clip, device=torch.device("cpu"))
+                        gradient_clipping=case.clip, device=torch.device(device))
     micro = case.batch // (world * case.gas)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (1 + s)) if case.sched else None
     losses, grads, skipped, micro_comm = [], [], [], []
     for step, (x, y) in enumerate(batches(case)):
-        total = torch.zeros(())
+        total = torch.zeros((), device=device)
         for k in range(case.gas):
             start = (k * world + rank) * micro  # micro-batch k of every rank, back to back
-            loss = loss_fn(model(x[start:start + micro]), y[start:start + micro])
+            loss = loss_fn(model(x[start:start + micro].to(device)), y[start:start + micro].to(device))
             total += loss.detach() / case.gas
             if step == case.overflow_at and rank == 1:
                 loss = loss * float("inf")
@@ -141,11 +142,11 @@ def run_engine(rank: int, world: int, case: Case, record_grads: bool = True):
         torch.distributed.all_reduce(total)
         losses.append(total.item() / world)
         if record_grads and case.precision == "no":
-            grads.append(engine.named_full_tensors("grad"))
+            grads.append({k: v.cpu() for k, v in engine.named_full_tensors("grad").items()})
         skipped.append(not engine.step())
         if sched is not None:
             sched.step()  # on the main thread while an offloaded host step may still run
-    params = engine.named_full_tensors("master")
+    params = {k: v.cpu() for k, v in engine.named_full_tensors("master").items()}
     return {"losses": losses, "grads": grads, "params": params, "skipped": skipped,
             "micro_comm": micro_comm, "scale": engine.scaler.scale,
             "offloaded": sum(g.placement.offload_state for g in engine.groups),

@@ -92,3 +92,14 @@ def test_gpu_stepped_offload_with_accumulation_matches():
     ref_losses, ref, _ = _train_offload(2, "bf16", "adamw", offload="none", gas=2)
     losses, got, _ = _train_offload(2, "bf16", "adamw", offload="cpu", gas=2, chunk=64)
     assert losses == ref_losses and all(torch.equal(ref[k], got[k]) for k in ref)
+
+
+@requires_cuda
+def test_gpu_stepped_offload_resumes_from_a_checkpoint_bit_for_bit(tmp_path):
+    """The state a load puts in host memory (scalars on the CPU) is what the next streamed step uses."""
+    from test_stream_step import _checkpoint_rank
+
+    from zerofit.testing.distributed import run_distributed
+
+    first, resumed = run_distributed(_checkpoint_rank, 1, str(tmp_path), "cuda")[0]
+    assert all(torch.equal(first[k], resumed[k]) for k in first)

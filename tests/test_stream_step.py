@@ -93,10 +93,10 @@ def test_pool_bytes_count_every_buffer_of_every_slot():
         3 * (1 << 24) * 8
 
 
-def _engine(step_on: str, stage: int = 2) -> ZeroEngine:
+def _engine(step_on: str, stage: int = 2, device: str = "cpu") -> ZeroEngine:
     model, opt = make_model_and_optim(Case(stage=stage))
     return ZeroEngine(model, opt, zero=ZeroConfig(stage=stage, offload_optimizer=OffloadConfig(
-        device="cpu", step_on=step_on)), device=torch.device("cpu"))
+        device="cpu", step_on=step_on)), device=torch.device(device))
 
 
 def test_auto_steps_on_the_host_without_cuda_and_device_when_asked():
@@ -116,21 +116,23 @@ def test_state_written_by_a_checkpoint_load_is_what_the_next_step_streams(tmp_pa
     assert _diff(first, resumed) == 0.0
 
 
-def _checkpoint_rank(rank, world, directory):
+def _checkpoint_rank(rank, world, directory, device="cpu"):
+    """Train, save, train; load into a fresh engine and train the same: both masters (on the CPU)."""
     from zerofit.checkpoint.sharded import load_state, save_state
 
     def train(engine, seed, steps):
         g = torch.Generator().manual_seed(seed)
         for _ in range(steps):
-            x = torch.randint(0, 37, (4, 5), generator=g)
+            x = torch.randint(0, 37, (4, 5), generator=g).to(device)
             engine.backward(engine.model(x).float().pow(2).mean())
             engine.step()
 
-    a = _engine("device")
+    a = _engine("device", device=device)
     train(a, 1, 2)
     save_state(directory + "/ck", a)
     train(a, 2, 2)
-    b = _engine("device")
+    b = _engine("device", device=device)
     load_state(directory + "/ck", b)
     train(b, 2, 2)
-    return a.named_full_tensors("master"), b.named_full_tensors("master")
+    return ({k: v.cpu() for k, v in a.named_full_tensors("master").items()},
+            {k: v.cpu() for k, v in b.named_full_tensors("master").items()})

@@ -45,6 +45,12 @@ from zerofit.engine.unit import Unit
 STREAM_CHUNK = 1 << 24  # elements per chunk: large enough that copies run at full bandwidth
 STREAM_SLOTS = 3  # chunks in flight: one uploading, one stepping, one downloading
 _FUSED_ON_CUDA = ("Adam", "AdamW", "SGD")  # optimizer classes whose fused kernels exist on CUDA
+_VECTOR = 4
+"""[Note: chunk alignment] torch's multi-tensor kernels take a vectorised path only for tensors that
+start on a 16-byte boundary, and the two paths may round differently (contracted multiply-adds). On
+the device a piece is a view at its shard offset, so a chunk's master and upcast gradient start as
+many elements past a boundary as the chunk's first element does in the shard (the offset mod 4):
+the kernel then takes the path it takes without offload, and the result stays bit for bit the same."""
 
 
 @dataclass(frozen=True)
@@ -90,11 +96,12 @@ class _Slot:
         self.free = None
         """Event: the last download from this slot is done (None: never used, or CPU)."""
 
-    def buf(self, name: str, dtype: torch.dtype, n: int) -> torch.Tensor:
+    def buf(self, name: str, dtype: torch.dtype, n: int, shift: int = 0) -> torch.Tensor:
+        """`n` elements of buffer `name`, starting `shift` elements in (see [Note: chunk alignment])."""
         key = (name, dtype)
         if key not in self._buffers:
-            self._buffers[key] = torch.empty(self.capacity, dtype=dtype, device=self.device)
-        return self._buffers[key][:n]
+            self._buffers[key] = torch.empty(self.capacity + _VECTOR, dtype=dtype, device=self.device)
+        return self._buffers[key][shift:shift + n]
 
 
 class _Piece:
@@ -246,7 +253,7 @@ class StreamStep(StepMode):
             with self._on(self._up):
                 if slot.free is not None:
                     self._up.wait_event(slot.free)
-                master = slot.buf("master", torch.float32, n)
+                master = slot.buf("master", torch.float32, n, span.start % _VECTOR)
                 master.copy_(piece.master[lo:lo + n], non_blocking=True)
                 chunk_state = {}
                 for k in keys:
@@ -282,7 +289,7 @@ class StreamStep(StepMode):
         n = span.length
         grad = g.grad_shard[span.start:span.start + n]
         if grad.dtype != torch.float32:  # compact gradient: upcast, exactly, into the slot
-            grad = slot.buf("grad", torch.float32, n).copy_(grad)
+            grad = slot.buf("grad", torch.float32, n, span.start % _VECTOR).copy_(grad)
             if isinstance(scale, torch.Tensor):
                 grad.mul_(scale.to(grad.device))
             elif scale is not None and scale != 1.0:
@@ -329,9 +336,9 @@ class StreamStep(StepMode):
         if not isinstance(value, torch.Tensor):
             return value
         group = opt.param_groups[0]
-        if self._cuda and (group.get("fused") or group.get("capturable")) and value.device != self.device:
+        if self._cuda and (group.get("fused") or group.get("capturable")) and value.device.type == "cpu":
             return value.to(self.device)  # once after a checkpoint load; the piece keeps the device copy
-        return value.clone()
+        return value.clone()  # always a copy: `to` returns the tensor itself when it is there already
 
     def _host_tensor(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         t = pinned_empty(numel, dtype) if self._cuda else torch.empty(numel, dtype=dtype)
