@@ -46,11 +46,19 @@ STREAM_CHUNK = 1 << 24  # elements per chunk: large enough that copies run at fu
 STREAM_SLOTS = 3  # chunks in flight: one uploading, one stepping, one downloading
 _FUSED_ON_CUDA = ("Adam", "AdamW", "SGD")  # optimizer classes whose fused kernels exist on CUDA
 _VECTOR = 4
-"""[Note: chunk alignment] torch's multi-tensor kernels take a vectorised path only for tensors that
-start on a 16-byte boundary, and the two paths may round differently (contracted multiply-adds). On
-the device a piece is a view at its shard offset, so a chunk's master and upcast gradient start as
-many elements past a boundary as the chunk's first element does in the shard (the offset mod 4):
-the kernel then takes the path it takes without offload, and the result stays bit for bit the same."""
+"""[Note: chunk alignment] torch's multi-tensor kernels take a vectorised path only for a tensor that
+starts on a 16-byte boundary and whose length is a multiple of 4 elements, else an element-by-element
+one, and the two may round differently (contracted multiply-adds: seen with fused SGD). On the device
+a piece is one tensor, a view at its shard offset; chunks are multiples of 4 long. So a chunk's master
+and upcast gradient start on a boundary exactly when the piece would take the vectorised path, and
+off one otherwise: every chunk then takes the piece's path, and the result stays bit for bit the same."""
+
+
+def _shift(piece_offset: int, piece_length: int, chunk_start: int) -> int:
+    """Elements past a 16-byte boundary a chunk's master view starts at (see [Note: chunk alignment])."""
+    if piece_offset % _VECTOR == 0 and piece_length % _VECTOR == 0:
+        return 0
+    return chunk_start % _VECTOR or 1
 
 
 @dataclass(frozen=True)
@@ -253,7 +261,8 @@ class StreamStep(StepMode):
             with self._on(self._up):
                 if slot.free is not None:
                     self._up.wait_event(slot.free)
-                master = slot.buf("master", torch.float32, n, span.start % _VECTOR)
+                shift = _shift(piece.offset, length, span.start)
+                master = slot.buf("master", torch.float32, n, shift)
                 master.copy_(piece.master[lo:lo + n], non_blocking=True)
                 chunk_state = {}
                 for k in keys:
@@ -289,7 +298,7 @@ class StreamStep(StepMode):
         n = span.length
         grad = g.grad_shard[span.start:span.start + n]
         if grad.dtype != torch.float32:  # compact gradient: upcast, exactly, into the slot
-            grad = slot.buf("grad", torch.float32, n, span.start % _VECTOR).copy_(grad)
+            grad = slot.buf("grad", torch.float32, n, master.storage_offset() % _VECTOR).copy_(grad)
             if isinstance(scale, torch.Tensor):
                 grad.mul_(scale.to(grad.device))
             elif scale is not None and scale != 1.0:
