@@ -40,7 +40,13 @@ from zerofit.engine.optim import (
     rebind_optimizer,
     scale_grads,
 )
-from zerofit.engine.policy import COMPUTE_DTYPES, StagePolicy, keeps_compact_grads, offloaded_units, step_on_for
+from zerofit.engine.policy import (
+    COMPUTE_DTYPES,
+    StagePolicy,
+    keeps_compact_grads,
+    offloaded_units,
+    step_on_for,
+)
 from zerofit.engine.stage3 import Stage3Hooks
 from zerofit.engine.step_mode import CompactStep, PlainStep, StepFactors, StepMode, publish
 from zerofit.engine.stream_step import StreamStep
