@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The offload benchmark of README "Benchmarks" on one GPU, peers in the same run (one device call).
-#   bash bench/offload_gpu.sh OUT_DIR [clip|noclip|scale]
+#   bash bench/offload_gpu.sh OUT_DIR [clip|noclip|scale|steps|tests]
 # clip:   GPT-2 XL 16x128, clipping 1.0: plain PyTorch, zerofit ZeRO-2/3 offload, DeepSpeed, FSDP2
 # noclip: the same without clipping (zerofit's host steps then start during backward)
 # scale:  the largest Llama-style model with ZeRO-3 + full CPU offload, and GPT-2 XL under a 24 GiB cap
+# steps:  GPT-2 XL clip 1.0, offload stepped on the GPU (the default on CUDA) and on the host, DeepSpeed
+# tests:  the GPU tests (GPU-stepped offload bit-identical to no offload), two ranks on one GPU via gloo
 # DeepSpeed comes from wheels in .whl/ when present (see ../shared/ANCHORS.md).
 set -uo pipefail
 OUT="${1:-out/offload_gpu}"; WHAT="${2:-clip}"
@@ -20,6 +22,12 @@ case "$WHAT" in
   noclip)
     $B --methods zerofit-s2-offload zerofit-s3-offload deepspeed-s2-offload --clip 0 --steps 6 --timeout 200 \
        --out "$OUT/noclip" ;;
+  steps)
+    $B --methods zerofit-s2-offload zerofit-s2-offload-host deepspeed-s2-offload zerofit-s3-offload \
+       zerofit-s3-offload-host deepspeed-s3-offload --steps 6 --timeout 200 --out "$OUT/steps" ;;
+  tests)
+    python3 -m pytest -q -p no:cacheprovider tests/test_engine_gpu.py 2>&1 | tail -15 | tee "$OUT/gpu_tests.txt"
+    python3 bench/two_ranks_one_gpu.py 2>&1 | tail -25 | tee "$OUT/two_ranks.txt" ;;
   scale)
     $B --methods zerofit-s3-offload --model llama --n_embd 4096 --n_layer 32 --n_head 32 --intermediate 11008 \
        --batch 8 --seq 512 --steps 2 --meta --timeout 330 --out "$OUT/llama7b"

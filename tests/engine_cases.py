@@ -153,3 +153,14 @@ def run_engine(rank: int, world: int, case: Case, record_grads: bool = True, dev
             "streamed": sum(g.placement.stream_state for g in engine.groups),
             "early": engine.times.host_steps_in_backward,
             "param_offloaded": sum(g.placement.offload_params for g in engine.groups)}
+
+
+def run_cases(rank: int, world: int, cases: list[Case]) -> list[dict]:
+    """`run_engine` for each case on this rank (for `run_distributed`: several cases, one launch)."""
+    return [run_engine(rank, world, c) for c in cases]
+
+
+def max_diff(a: dict, b: dict) -> float:
+    """The largest elementwise difference between two name -> tensor dicts with the same names."""
+    assert sorted(a) == sorted(b), (sorted(a), sorted(b))
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)

@@ -9,7 +9,7 @@ bf16/fp16 compute is compared with the reference loss to 3e-2 and between stages
 from __future__ import annotations
 
 import pytest
-from engine_cases import Case, reference, run_engine
+from engine_cases import Case, max_diff, reference, run_cases
 
 from zerofit.testing.distributed import run_distributed
 
@@ -18,13 +18,6 @@ pytestmark = pytest.mark.slow  # a long parity sweep: the full suite runs it, th
 FP32_TOL = 2e-6
 
 
-def run_cases(rank, world, cases):
-    return [run_engine(rank, world, c) for c in cases]
-
-
-def _max_diff(a: dict, b: dict) -> float:
-    assert sorted(a) == sorted(b), (sorted(a), sorted(b))
-    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
 
 
 FP32_CASES = [Case(stage=s, gas=g, optim=o) for s in range(4) for g in (1, 4) for o in ("adamw", "sgd")]
@@ -51,10 +44,10 @@ def test_fp32_matches_reference(world2, case):
     assert r0["losses"] == r1["losses"]
     assert max(abs(a - b) for a, b in zip(r0["losses"], ref_losses)) < FP32_TOL * 10
     for got, want in zip(r0["grads"], ref_grads):
-        assert _max_diff(got, want) < FP32_TOL
-    assert _max_diff(r0["params"], {k: v for k, v in ref_params.items() if k in r0["params"]}) < FP32_TOL
+        assert max_diff(got, want) < FP32_TOL
+    assert max_diff(r0["params"], {k: v for k, v in ref_params.items() if k in r0["params"]}) < FP32_TOL
     # every rank reassembles the same full state
-    assert _max_diff(r0["params"], r1["params"]) == 0.0
+    assert max_diff(r0["params"], r1["params"]) == 0.0
 
 
 def test_frozen_parameters_get_no_master_and_stay_put(world2):
@@ -69,7 +62,7 @@ def test_stages_agree_bit_for_bit_without_accumulation_order_changes(world2, gas
     for stage in (1,) if gas > 1 else (1, 2, 3):
         other = world2[0][Case(stage=stage, gas=gas)][0]
         assert other["losses"] == base["losses"], stage
-        assert _max_diff(other["params"], base["params"]) == 0.0, stage
+        assert max_diff(other["params"], base["params"]) == 0.0, stage
 
 
 @pytest.mark.parametrize("case", LOW_CASES, ids=repr)
@@ -81,7 +74,7 @@ def test_low_precision_tracks_reference(world2, case):
     assert max(abs(a - b) for a, b in zip(r0["losses"], ref_losses)) < 3e-2 * max(ref_losses)
     if case.gas == 1 and case.stage > 0:
         base = world2[0][Case(stage=0, gas=1, precision=case.precision)][0]
-        assert _max_diff(r0["params"], base["params"]) == 0.0
+        assert max_diff(r0["params"], base["params"]) == 0.0
 
 
 @pytest.mark.parametrize("case", OVERFLOW_CASES, ids=repr)
@@ -106,7 +99,7 @@ def test_no_communication_on_accumulation_micro_steps(world2):
 def test_determinism(world2):
     first, again = world2[1]
     assert first["losses"] == again["losses"]
-    assert _max_diff(first["params"], again["params"]) == 0.0
+    assert max_diff(first["params"], again["params"]) == 0.0
 
 
 def test_world_of_three_and_one():
@@ -116,4 +109,4 @@ def test_world_of_three_and_one():
         for case, got in zip(cases, results[0]):
             ref_losses, _, ref_params = reference(case)
             assert max(abs(a - b) for a, b in zip(got["losses"], ref_losses)) < FP32_TOL * 10, (world, case)
-            assert _max_diff(got["params"], ref_params) < FP32_TOL, (world, case)
+            assert max_diff(got["params"], ref_params) < FP32_TOL, (world, case)

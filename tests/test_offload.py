@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from engine_cases import Case, run_engine
+from engine_cases import Case, max_diff, run_cases
 
 from zerofit.testing.distributed import run_distributed
 
@@ -25,12 +25,6 @@ OFFLOADED = ([dataclasses.replace(c, offload="cpu") for c in BASE]
 FP16 = [Case(stage=2, precision="fp16", overflow_at=3), Case(stage=2, precision="fp16", overflow_at=3, offload="cpu")]
 
 
-def run_cases(rank, world, cases):
-    return [run_engine(rank, world, c) for c in cases]
-
-
-def _diff(a, b):
-    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
 
 
 @pytest.fixture(scope="module")
@@ -48,9 +42,9 @@ def test_offloaded_equals_on_device(results, case):
     base = results[dataclasses.replace(case, offload="none", offload_param="none", ratio=1.0)]
     tol = 0.0 if case.gas == 1 or case.stage >= 2 else 2e-6
     assert max(abs(a - b) for a, b in zip(got["losses"], base["losses"])) <= tol * 10
-    assert _diff(got["params"], base["params"]) <= tol
+    assert max_diff(got["params"], base["params"]) <= tol
     for g1, g2 in zip(got["grads"], base["grads"]):
-        assert _diff(g1, g2) <= tol
+        assert max_diff(g1, g2) <= tol
 
 
 @pytest.mark.parametrize("case", OFFLOADED, ids=repr)
@@ -74,11 +68,11 @@ def test_fp16_overflow_skips_the_step_with_offload(results):
     a, b = results[FP16[0]], results[FP16[1]]
     assert a["skipped"] == b["skipped"] and b["skipped"][3]
     assert a["scale"] == b["scale"]
-    assert _diff(a["params"], b["params"]) == 0.0
+    assert max_diff(a["params"], b["params"]) == 0.0
 
 
 def test_parameter_offload_on_one_rank():
     cases = [Case(stage=3, gas=2), Case(stage=3, gas=2, offload="cpu", offload_param="cpu")]
     plain, offloaded = run_distributed(run_cases, 1, cases)[0]
     assert offloaded["param_offloaded"] > 0  # one rank still keeps parameters off the device
-    assert _diff(plain["params"], offloaded["params"]) == 0.0
+    assert max_diff(plain["params"], offloaded["params"]) == 0.0

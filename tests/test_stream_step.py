@@ -15,7 +15,7 @@ import dataclasses
 
 import pytest
 import torch
-from engine_cases import Case, make_model_and_optim, run_engine
+from engine_cases import Case, make_model_and_optim, max_diff, run_cases
 
 from zerofit.config.schema import OffloadConfig, ZeroConfig
 from zerofit.engine import ZeroEngine
@@ -33,12 +33,6 @@ STREAMED = ([dataclasses.replace(c, offload="cpu", step_on="device", chunk=64) f
                dataclasses.replace(BASE[2], offload="cpu", step_on="device")])  # one chunk per piece
 
 
-def run_cases(rank, world, cases):
-    return [run_engine(rank, world, c) for c in cases]
-
-
-def _diff(a, b):
-    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
 
 
 @pytest.fixture(scope="module")
@@ -59,9 +53,9 @@ def test_gpu_stepped_equals_on_device(results, case):
         assert got["param_offloaded"] > 0
     assert got["losses"] == base["losses"]
     assert got["skipped"] == base["skipped"]
-    assert _diff(got["params"], base["params"]) == 0.0
+    assert max_diff(got["params"], base["params"]) == 0.0
     for g1, g2 in zip(got["grads"], base["grads"]):
-        assert _diff(g1, g2) == 0.0
+        assert max_diff(g1, g2) == 0.0
 
 
 def test_partial_ratio_streams_only_some_units(results):
@@ -113,7 +107,7 @@ def test_state_written_by_a_checkpoint_load_is_what_the_next_step_streams(tmp_pa
     """Save after 2 steps, train 2 more; a fresh engine loading the checkpoint and training the same 2
     steps ends bit for bit where the first did (state found in host memory, scalars included)."""
     first, resumed = run_distributed(_checkpoint_rank, 1, str(tmp_path))[0]
-    assert _diff(first, resumed) == 0.0
+    assert max_diff(first, resumed) == 0.0
 
 
 def _checkpoint_rank(rank, world, directory, device="cpu"):

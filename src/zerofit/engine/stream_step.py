@@ -243,8 +243,8 @@ class StreamStep(StepMode):
     def _step_piece(self, g: FlatGroup, piece: _Piece, scale, kernel) -> None:
         state = self.optimizer.state[piece.master]
         length = piece.master.numel()
+        # per-element state streamed with the master; none yet: the piece's first step creates it
         keys = [k for k, v in state.items() if _is_streamed(v, length)]
-        """Per-element state streamed with the master; none yet: the piece's first step creates it."""
         scalars = {k: v for k, v in state.items() if k not in keys}
         if keys and self._cuda:
             for k in keys:  # state a checkpoint load allocated in pageable memory: page-lock it once
@@ -377,18 +377,18 @@ class StreamStep(StepMode):
             torch.cuda.current_stream(self.device).wait_event(event)
         return gather_params(g, self.comm)  # collectives stay on the main thread, in unit order
 
-    def _await(self, unit: Unit) -> None:
-        """Before `unit` is used: wait for its groups' updates and publish their parameters."""
-        for g in unit.trainable:
+    def _await_groups(self, groups: list[FlatGroup]) -> None:
+        for g in groups:
             gather = self._await_group(g)
             if gather is not None:
                 gather.wait()
 
+    def _await(self, unit: Unit) -> None:
+        """Before `unit` is used: wait for its groups' updates and publish their parameters."""
+        self._await_groups(unit.trainable)
+
     def _await_all(self) -> None:
-        for g in self.groups:
-            gather = self._await_group(g)
-            if gather is not None:
-                gather.wait()
+        self._await_groups(self.groups)
 
     def settle(self, *, state: bool = False) -> None:
         self.inner.settle(state=state)
