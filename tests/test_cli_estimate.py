@@ -15,9 +15,25 @@ def test_table_lists_every_setting(capsys):
     assert main(["estimate", "--model", TINY, "--micro_batch", "2", "--seq", "16", "--gpu_memory_gib", "8",
                  "--host_memory_gib", "16"]) == 0
     out = capsys.readouterr().out
-    for row in ("DDP (stage 0)", "DDP (stage 0) + ckpt", "ZeRO-2 + opt cpu", "ZeRO-3 + opt cpu + param cpu + ckpt"):
+    # a GPU budget: offloaded state is GPU-stepped, and each offloading row offloads the least that fits
+    for row in ("DDP (stage 0)", "DDP (stage 0) + ckpt", "ZeRO-2 + opt cpu ", "(GPU-stepped) + param cpu + ckpt"):
         assert row in out
     assert "GPU total" in out and "choice: DDP (stage 0):" in out
+
+
+def test_auto_ratio_offloads_the_least_that_fits_and_step_on_picks_the_rows(capsys):
+    rows = {}
+    for extra in ([], ["--offload_ratio", "auto", "--step_on", "host"], ["--offload_ratio", "1"]):
+        assert main(["estimate", "--model", TINY, "--checkpointing", "off", "--gpu_memory_gib", "8",
+                     "--host_memory_gib", "16", "--json", *extra]) == 0
+        rows[" ".join(extra)] = [s for s in json.loads(capsys.readouterr().out)["settings"]
+                                 if s["offload_optimizer"] == "cpu"]
+    auto, host, full = rows[""], rows["--offload_ratio auto --step_on host"], rows["--offload_ratio 1"]
+    assert all(0 < s["offload_ratio"] < 1 and s["step_on"] == "device" for s in auto)  # 8 GiB holds nearly all
+    assert all(s["step_on"] == "host" for s in host) and [s["offload_ratio"] for s in host] == [
+        s["offload_ratio"] for s in auto]
+    assert all(s["offload_ratio"] == 1.0 for s in full)
+    assert auto[0]["setting"].startswith("ZeRO-2 + opt cpu ") and auto[0]["setting"].endswith("% (GPU-stepped)")
 
 
 def test_every_flag_takes_the_dashed_spelling_and_old_names_still_work(capsys):
@@ -58,6 +74,14 @@ def test_bad_arguments_name_the_flag(capsys, args, flag):
     assert flag in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("args", "flag"), [(["--offload_ratio", "most"], "--offload_ratio"),
+                                            (["--step_on", "gpu"], "--step_on")])
+def test_unparsable_arguments_name_the_flag(capsys, args, flag):
+    with pytest.raises(SystemExit) as exit_:
+        main(["estimate", "--model", TINY, *args])
+    assert exit_.value.code == 2 and flag in capsys.readouterr().err
+
+
 def test_unreachable_name_is_a_clear_error(capsys, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert main(["estimate", "--model", "no-such-org/no-such-model"]) == 2
@@ -71,7 +95,7 @@ def test_offload_ratio_moves_part_of_the_state_back_to_the_gpu(capsys):
                      "--offload_ratio", ratio, "--json"]) == 0
         data = json.loads(capsys.readouterr().out)
         rows[ratio] = {s["setting"]: s for s in data["settings"]}
-    full, half = rows["1"]["ZeRO-2 + opt cpu"], rows["0.5"]["ZeRO-2 + opt cpu 50%"]
+    full, half = rows["1"]["ZeRO-2 + opt cpu (GPU-stepped)"], rows["0.5"]["ZeRO-2 + opt cpu 50% (GPU-stepped)"]
     assert half["offload_ratio"] == 0.5 and full["gpu_bytes"]["optimizer"] == 0
     assert 0 < half["gpu_bytes"]["optimizer"] and half["host_bytes"]["total"] < full["host_bytes"]["total"]
     assert rows["0.5"]["DDP (stage 0)"] == rows["1"]["DDP (stage 0)"] | {"offload_ratio": 1.0}

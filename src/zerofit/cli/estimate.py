@@ -42,13 +42,26 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
              help="fp32 state tensors per parameter: 2 for Adam/AdamW (default), 1 SGD+momentum, 0 SGD")
     add_flag(p, "--checkpointing", default="both", choices=("both", "on", "off"),
              help="activation checkpointing rows to show (default both)")
-    add_flag(p, "--offload_ratio", type=float, default=1.0,
+    add_flag(p, "--offload_ratio", type=_ratio, default="auto",
              help="share of the optimizer state the offloading rows put on the host, whole units from the "
-                  "last one backwards (zero_optimization.offload_optimizer.ratio; default 1.0)")
+                  "last one backwards (zero_optimization.offload_optimizer.ratio); auto (default): each row "
+                  "offloads the least that fits the GPU, as stage: auto does (1.0 when the GPU memory is unknown)")
+    add_flag(p, "--step_on", default="auto", choices=("auto", "host", "device"),
+             help="where the offloading rows step the state (offload_optimizer.step_on); auto (default): "
+                  "device when there is a GPU (this machine's or --gpu_memory_gib), else host")
     add_flag(p, "--nvme", action="store_true", help="also list ZeRO-3 with the optimizer state on NVMe")
     add_flag(p, "--headroom", type=float, default=0.10, help="fraction of memory kept free (default 0.10)")
     add_flag(p, "--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=run)
+
+
+def _ratio(text: str) -> float | str:
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1] or auto (got {text!r})") from None
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -69,7 +82,7 @@ def _check(args: argparse.Namespace) -> None:
                          f"{args.gpus_per_host})")
     if args.optimizer_states < 0:
         raise UsageError(f"--optimizer_states must be 0 or more (got {args.optimizer_states})")
-    if not 0 < args.offload_ratio <= 1:
+    if args.offload_ratio != "auto" and not 0 < args.offload_ratio <= 1:
         raise UsageError(f"--offload_ratio must be in (0, 1] (got {args.offload_ratio}): 1.0 offloads all of the "
                          "optimizer state")
     if not 0 <= args.headroom < 1:
@@ -80,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
     _check(args)
     import torch
 
+    from zerofit.engine.policy import step_on_for
     from zerofit.plan.choose import machine_budget, plan, traces_for
     from zerofit.plan.memory import ModelCounts, Workload, all_settings
     from zerofit.plan.sources import ModelSpecError, build_fake_model
@@ -97,9 +111,13 @@ def run(args: argparse.Namespace) -> int:
     if not traces:
         raise ModelSpecError(f"--model {args.model!r} does not support activation checkpointing: use "
                              "--checkpointing off")
-    result = plan(counts, work, budget, traces,
+    gpu = budget.gpu_bytes is not None
+    step_on = step_on_for(args.step_on, cuda=gpu, nvme=False)
+    open_ratio = args.offload_ratio == "auto" and gpu
+    ratio = 1.0 if args.offload_ratio == "auto" else args.offload_ratio
+    result = plan(counts, work, budget, traces, open_ratio=open_ratio,
                   settings=all_settings(work.world, checkpointing=tuple(traces), nvme=args.nvme,
-                                        offload_ratio=args.offload_ratio))
+                                        offload_ratio=ratio, step_on=step_on))
     if args.json:
         print(json.dumps(_as_json(args, counts, work, budget, result), indent=1))
     else:
@@ -110,6 +128,7 @@ def run(args: argparse.Namespace) -> int:
 def _row(e, budget) -> dict:
     return {"setting": e.setting.label, "stage": e.setting.stage, "offload_optimizer": e.setting.offload_optimizer,
             "offload_param": e.setting.offload_param, "offload_ratio": e.setting.offload_ratio,
+            "step_on": e.setting.step_on,
             "checkpointing": e.setting.checkpointing,
             "gpu_bytes": {"params": e.params, "grads": e.grads, "optimizer": e.optimizer,
                           "activations": e.activations, "buffers": e.buffers, "total": e.gpu_total},

@@ -157,11 +157,14 @@ def _canonical_types(reading: Reading) -> None:
 
 
 def _auto_stage_opens_offload(reading: Reading) -> None:
-    """`stage: auto` lets the planner offload too, unless the file says where each state lives."""
-    if not is_auto(reading.values.get("zero.stage")):
-        return
-    for kind in ("offload_optimizer", "offload_param"):
-        reading.values.setdefault(f"zero.{kind}.device", AUTO)
+    """`stage: auto` lets the planner offload too, unless the file says where each state lives; a planned
+    optimizer offload (stage or device auto) also plans how much of the state stays on the GPU, unless
+    the file writes `offload_optimizer.ratio`."""
+    if is_auto(reading.values.get("zero.stage")):
+        for kind in ("offload_optimizer", "offload_param"):
+            reading.values.setdefault(f"zero.{kind}.device", AUTO)
+    if is_auto(reading.values.get("zero.stage")) or is_auto(reading.values.get("zero.offload_optimizer.device")):
+        reading.values.setdefault("zero.offload_optimizer.ratio", AUTO)
 
 
 def save_config(config: RunConfig, path: str | os.PathLike[str]) -> None:

@@ -60,8 +60,8 @@ class OffloadConfig:
     """Page-lock the NVMe staging buffers (on CUDA); CPU-offloaded state is always page-locked, whatever this says."""
     buffer_count: int = 4
     """Number of staging buffers in the NVMe pool (at least 2: one group steps while the next is read)."""
-    ratio: float = 1.0
-    """Fraction of the parameters whose optimizer state is offloaded, whole units from the last one back (the rest stay on the GPU)."""
+    ratio: float | Any = 1.0
+    """Fraction of the parameters whose optimizer state is offloaded, whole units from the last one back (the rest stay on the GPU); "auto": the planner keeps as much on the GPU as fits (also what an unwritten ratio means under `stage: auto` or `device: auto`)."""
     step_on: StepOn = "auto"
     """Where offloaded optimizer state is stepped: host (the CPU optimizer, on host memory) or device (streamed through the GPU in chunks and stepped there by the same fused kernel as without offload); auto: device on a CUDA machine, host on CPU-only ones and for NVMe. offload_optimizer only."""
 

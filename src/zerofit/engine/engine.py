@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zerofit.config.schema import PrecisionConfig, ZeroConfig
+from zerofit.config.schema import PrecisionConfig, ZeroConfig, is_auto
 from zerofit.engine.comm import Collectives, InFlight
 from zerofit.engine.flat_group import FlatGroup
 from zerofit.engine.full_state import FullStateDict
@@ -219,6 +219,9 @@ class ZeroEngine:
         off = self.zero.offload_optimizer
         if not off.enabled:
             return set()
+        if is_auto(off.ratio):
+            raise EngineError('zero_optimization.offload_optimizer.ratio "auto" is resolved by the planner at '
+                              "Accelerator.prepare(): write a number in (0, 1] when building ZeroEngine directly")
         return {id(specs[i].module) for i in offloaded_units([s.numel for s in specs], off.ratio)}
 
     def _cast_inputs(self, _module, args, kwargs):

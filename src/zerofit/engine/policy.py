@@ -130,3 +130,19 @@ def offloaded_units(unit_numels: Sequence[int], ratio: float) -> frozenset[int]:
         chosen.add(index)
         taken += unit_numels[index]
     return frozenset(chosen)
+
+
+def offload_ratios(unit_numels: Sequence[int]) -> list[float]:
+    """Every `offload_optimizer.ratio` that selects a different set of units, smallest first: the share of
+    the last k units for k = 1..n (`offloaded_units` takes exactly those k for that ratio)."""
+    total = sum(unit_numels)
+    if total == 0:
+        return [1.0]
+    shares, taken = [], 0
+    for numel in reversed(unit_numels):
+        taken += numel
+        share = min(1.0, taken / total)
+        if numel and (not shares or share > shares[-1]):
+            shares.append(share)
+    shares[-1] = 1.0
+    return shares

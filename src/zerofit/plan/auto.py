@@ -37,7 +37,8 @@ from zerofit.plan.sources import replica_of
 
 def needs_planning(config: RunConfig) -> bool:
     z = config.zero
-    return is_auto(z.stage) or is_auto(z.offload_optimizer.device) or is_auto(z.offload_param.device)
+    return (is_auto(z.stage) or is_auto(z.offload_optimizer.device) or is_auto(z.offload_param.device)
+            or is_auto(z.offload_optimizer.ratio))
 
 
 def candidates(config: RunConfig, world: int, checkpointing: bool) -> list[Setting]:
@@ -93,14 +94,14 @@ def choose(config: RunConfig, model: nn.Module, *, world: int, shape: tuple[int,
             except Exception:  # noqa: BLE001 - the states are still planned, and the reason says so
                 trace = None
     counts = ModelCounts.of(model, unit_size_threshold=work.unit_size_threshold)
-    result = plan(counts, work, budget, {checkpointing: trace},
-                  settings=candidates(config, world, checkpointing))
+    result = plan(counts, work, budget, {checkpointing: trace}, settings=candidates(config, world, checkpointing),
+                  open_ratio=is_auto(config.zero.offload_optimizer.ratio))
     chosen = result.choice or result.smallest
     s = chosen.setting
     z = config.zero
     zero = dataclasses.replace(
         z, stage=s.stage,
-        offload_optimizer=dataclasses.replace(z.offload_optimizer, device=s.offload_optimizer),
+        offload_optimizer=dataclasses.replace(z.offload_optimizer, device=s.offload_optimizer, ratio=s.offload_ratio),
         offload_param=dataclasses.replace(z.offload_param, device=s.offload_param))
     return config.replace(zero=zero), result
 
@@ -111,8 +112,10 @@ def _int(value: Any, default: int) -> int:
 
 def describe(config: RunConfig, result: Plan) -> str:
     """The line printed on the main process: what was chosen, for which keys, and why."""
-    keys = ", ".join(key_name(config.source_format, k) for k in
-                     ("zero.stage", "zero.offload_optimizer.device", "zero.offload_param.device"))
+    planned = ["zero.stage", "zero.offload_optimizer.device", "zero.offload_param.device"]
+    if is_auto(config.zero.offload_optimizer.ratio):
+        planned.append("zero.offload_optimizer.ratio")
+    keys = ", ".join(key_name(config.source_format, k) for k in planned)
     if result.choice is None:
         return (f"zerofit: {keys} auto -> {result.smallest.setting.label} (the smallest; {result.reason}; the "
                 "out-of-memory back-off will halve the micro-batch if a step does not fit)")

@@ -9,6 +9,14 @@ offloading: on GPT-2 XL (bench/results) optimizer offload made the step 5-10x sl
 forward cannot cost more than about 1.4x. With one rank stages 1-3 shard nothing and cost what
 stage 0 costs, so only stage 0 is listed for them.
 
+[Note: open ratio]
+With `offload_optimizer.ratio: auto` (what `stage: auto` or `device: auto` means when the ratio is
+not written) an offloading setting keeps as much of the optimizer state on the GPU as fits: of the
+ratios that select a different set of units (`offload_ratios`: the last unit, the last two, ...),
+the smallest whose estimate fits. State on the GPU is stepped where it lives, so less offloaded is
+never slower. The GPU need falls and the host need grows with the ratio; the search stops at the
+first ratio whose host bytes do not fit.
+
 [Note: headroom]
 A setting fits when its GPU total plus `GPU_RESERVE_BYTES` (CUDA context, cuBLAS workspaces, the
 allocator's rounding and fragmentation) stays below `(1 - headroom)` of the GPU memory, and its
@@ -18,11 +26,13 @@ CUDA loaded, 1.4-1.5 GiB in bench/results) stay below `(1 - headroom)` of the ho
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
 from torch import nn
 
+from zerofit.engine.policy import offload_ratios
 from zerofit.plan.activations import ActivationTrace, trace_step
 from zerofit.plan.memory import GIB, Estimate, ModelCounts, Setting, Workload, all_settings, estimate
 from zerofit.plan.sources import FakeModel
@@ -123,16 +133,35 @@ def speed_rank(s: Setting) -> tuple:
     return (offload, s.checkpointing, s.stage)
 
 
+def least_offload(counts: ModelCounts, setting: Setting, work: Workload, budget: Budget,
+                  trace: ActivationTrace | None) -> Estimate:
+    """`setting` with the smallest `offload_ratio` that fits `budget` (see [Note: open ratio]); when none
+    fits, the estimate with everything offloaded."""
+    ratios = offload_ratios([t + f for _, t, f in counts.units])
+    for ratio in ratios:
+        e = estimate(counts, dataclasses.replace(setting, offload_ratio=ratio), work, trace)
+        if budget.fits(e):
+            return e
+        if budget.host_fits(e) is False:  # host bytes only grow with the ratio: no larger one fits
+            break
+    return estimate(counts, dataclasses.replace(setting, offload_ratio=1.0), work, trace)
+
+
 def plan(counts: ModelCounts, work: Workload, budget: Budget, traces: dict[bool, ActivationTrace | None], *,
-         settings: list[Setting] | None = None) -> Plan:
+         settings: list[Setting] | None = None, open_ratio: bool = False) -> Plan:
     """Estimate `settings` (default: all for the world size) and choose the fastest that fits `budget`.
 
     `traces` maps checkpointing on/off to its activation trace (None: activations unknown, counted 0).
+    `open_ratio`: each optimizer-offloading setting offloads the least that fits (`least_offload`) instead
+    of its own `offload_ratio`.
     """
     if settings is None:
         settings = all_settings(work.world, checkpointing=tuple(sorted(traces)))
     settings = sorted(settings, key=speed_rank)
-    estimates = tuple(estimate(counts, s, work, traces.get(s.checkpointing)) for s in settings)
+    estimates = tuple(
+        least_offload(counts, s, work, budget, traces.get(s.checkpointing))
+        if open_ratio and s.offload_optimizer != "none" else estimate(counts, s, work, traces.get(s.checkpointing))
+        for s in settings)
     fitting = [e for e in estimates if budget.fits(e)]
     if not fitting:
         smallest = min(estimates, key=budget.need)

@@ -217,8 +217,8 @@ def estimate(counts: ModelCounts, setting: Setting, work: Workload, trace: Activ
             if pl.offload_state and setting.offload_optimizer == "nvme":  # master and state in files
                 nvme += master + b.optimizer_state.nbytes
                 largest_state = max(largest_state, master + b.optimizer_state.nbytes)
-            else:
-                state["optimizer"] += master + b.optimizer_state.nbytes
+            else:  # with the gradient shard, except GPU-stepped: state on the host, gradient on the GPU
+                (host if b.optimizer_state.host else gpu)["optimizer"] += master + b.optimizer_state.nbytes
             for extra in (b.grad_staging, b.grad_flat):  # host staging; stage 1's persistent full gradient
                 if extra is not None:
                     (host if extra.host else gpu)["buffers"] += extra.nbytes

@@ -63,7 +63,11 @@ def _fits_with(e: Estimate, missed: int, budget: Budget) -> bool:
 
 
 def _written(s: Setting, spell: Callable[[str], str]) -> str:
-    return ", ".join(f"{spell(k)}: {v}" for k, v in zip(_KEYS, (s.stage, s.offload_optimizer, s.offload_param)))
+    keys, values = list(_KEYS), [s.stage, s.offload_optimizer, s.offload_param]
+    if s.offload_optimizer != "none" and s.offload_ratio < 1:
+        keys.append("zero.offload_optimizer.ratio")
+        values.append(f"{s.offload_ratio:.4g}")
+    return ", ".join(f"{spell(k)}: {v}" for k, v in zip(keys, values))
 
 
 def _gib(n: int) -> str:
