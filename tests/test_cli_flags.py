@@ -21,7 +21,7 @@ FROZEN = {
         "--max_restarts": (), "--resume": (), "--process_group_timeout": (), "--oom_backoff": (), "--dry_run": (),
         "--module": (),
     },
-    "env": {"--config_file": ()},
+    "env": {"--config_file": (), "--probe": ()},
     "config": {
         "--stage": (), "--offload_optimizer": (), "--offload_param": (), "--nvme_path": (), "--mixed_precision": (),
         "--num_processes": (), "--gradient_accumulation_steps": (), "--gradient_clipping": (), "--format": (),

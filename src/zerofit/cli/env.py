@@ -1,4 +1,8 @@
-"""`zerofit env`: versions, devices and limits, as one block to paste into a bug report."""
+"""`zerofit env`: versions, devices and limits, as one block to paste into a bug report.
+
+The block ends its machine rows with the offload rates cached for this machine's GPU
+(`zerofit.plan.bandwidth`); `--probe` measures them first (a few seconds) and caches them.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ import sys
 
 import zerofit
 from zerofit.cli.flags import add_flag
+from zerofit.plan import bandwidth
 
 OPTIONAL_PACKAGES = ("transformers", "accelerate", "deepspeed", "safetensors", "numpy")
 # Environment variables that change how a run behaves, shown when set.
@@ -22,6 +27,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("env", allow_abbrev=False, help="print versions and devices for a bug report",
                               description="Print versions, devices and limits as one block to paste into an issue.")
     add_flag(p, "--config_file", metavar="FILE", help="also print this config, resolved")
+    add_flag(p, "--probe", action="store_true",
+             help="measure this machine's offload rates first (a few seconds on the GPU) and cache them")
     p.set_defaults(func=run)
 
 
@@ -61,8 +68,20 @@ def _cpus() -> str:
     return f"{usable} usable of {total}"
 
 
-def collect() -> list[tuple[str, str]]:
-    """(name, value) pairs in report order."""
+def offload_rates(*, probe: bool = False) -> str:
+    """The `offload rates` row: the cached rates for this machine's GPU (measured first with `probe`)."""
+    if bandwidth.device_name() is None:
+        return "no CUDA device"
+    if not probe:
+        rates = bandwidth.cached()
+        return rates.summary() if rates else "not measured: `zerofit env --probe` measures them (a few seconds)"
+    rates = bandwidth.probe(refresh=True)
+    saved = "" if bandwidth.cached() == rates else f" (not cached: {bandwidth.cache_path()} could not be written)"
+    return rates.summary() + saved
+
+
+def collect(*, probe: bool = False) -> list[tuple[str, str]]:
+    """(name, value) pairs in report order; `probe` measures the offload rates instead of reading the cache."""
     import torch
 
     rows = [
@@ -86,14 +105,15 @@ def collect() -> list[tuple[str, str]]:
         props = torch.cuda.get_device_properties(i)
         rows.append((f"  GPU {i}", f"{props.name}, {props.total_memory / 2**30:.1f} GiB"))
     rows += [("CPUs", _cpus()), ("host memory", _host_memory()),
-             ("locked-memory limit (ulimit -l)", _locked_memory_limit())]
+             ("locked-memory limit (ulimit -l)", _locked_memory_limit()),
+             ("offload rates", offload_rates(probe=probe))]
     rows += [(f"${name}", os.environ[name]) for name in RELEVANT_ENV if name in os.environ]
     return rows
 
 
-def report(config_file: str | None = None) -> str:
+def report(config_file: str | None = None, *, probe: bool = False) -> str:
     lines = ["Paste everything below, fences included, into your zerofit issue:", "", "```text"]
-    lines += [f"{name}: {value}" for name, value in collect()]
+    lines += [f"{name}: {value}" for name, value in collect(probe=probe)]
     lines.append("```")
     if config_file:
         from zerofit.cli.launch import config_yaml
@@ -105,5 +125,13 @@ def report(config_file: str | None = None) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    sys.stdout.write(report(args.config_file))
+    if args.probe and bandwidth.device_name() is None:
+        # Asked to measure what cannot be measured here: a failure, so `zerofit env --probe && ...` stops.
+        print("zerofit env: error: --probe measures host<->GPU copies and AdamW on a CUDA device, and torch sees "
+              "none here (torch.cuda.is_available() is False): run it on the GPU machine, or drop --probe",
+              file=sys.stderr)
+        return 2
+    if args.probe:
+        print("zerofit env: measuring the offload rates (a few seconds)...", file=sys.stderr, flush=True)
+    sys.stdout.write(report(args.config_file, probe=args.probe))
     return 0

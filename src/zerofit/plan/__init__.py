@@ -7,6 +7,8 @@
 - `auto`: the decision behind `stage: auto` / offload `auto`, the same on every rank;
 - `probe`: the judgement of a planned run's first optimizer step, its measured peak against the estimate;
 - `advice`: the estimate for the running model, for the error when memory runs out.
+- `bandwidth`: the machine's offload rates (measured once, cached) and the time model of host-stepped,
+  GPU-stepped and split optimizer offload on them.
 
 The run-time halves live in the front end: `zerofit.frontend.auto_plan` (the budget over the ranks and
 the first batch, at `prepare()`), `zerofit.frontend.probe` (measuring the first step) and
