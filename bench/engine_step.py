@@ -23,7 +23,7 @@ import time
 
 METHODS = ["torch", "zerofit-s0", "zerofit-s1", "zerofit-s2", "zerofit-s3",
            "zerofit-s2-offload", "zerofit-s3-offload", "zerofit-s2-offload-host", "zerofit-s3-offload-host",
-           "zerofit-s3-nvme",
+           "zerofit-s3-nvme", "zerofit-auto",
            "deepspeed-s2", "deepspeed-s2-offload", "deepspeed-s3-offload", "fsdp2-offload"]
 
 
@@ -42,7 +42,10 @@ def build_model(args, device: str = "cuda"):
         cls = GPT2LMHeadModel
     torch.manual_seed(0)
     with torch.device(device):
-        return cls(config)
+        model = cls(config)
+    if args.checkpointing:
+        model.gradient_checkpointing_enable()
+    return model
 
 
 def _single_rank_env() -> None:
@@ -59,6 +62,8 @@ def deepspeed_step(method: str, args, ids):
 
     config = deepspeed_json(3 if "s3" in method else 2, "offload" in method, bf16=True, clip=args.clip,
                             micro_batch=args.batch)
+    if "offload" in method and args.offload_ratio < 1:  # DeepSpeed's partial offload (ZeRO-3 only)
+        config["zero_optimization"]["offload_optimizer"]["ratio"] = args.offload_ratio
     model = build_model(args)
     engine, _, _, _ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
 
@@ -128,20 +133,24 @@ def zerofit_or_torch_step(method: str, args, ids):
             opt.zero_grad(set_to_none=True)
             return loss
     else:
-        from zerofit.config.schema import OffloadConfig, PrecisionConfig, ZeroConfig
+        from zerofit.config.schema import AUTO, OffloadConfig, PrecisionConfig, ZeroConfig
         from zerofit.engine import ZeroEngine
 
-        stage = int(method.split("-")[1][1])
-        # "-offload": step_on auto (GPU-stepped on CUDA); "-offload-host": the CPU optimizer on host memory
-        step_on = "host" if method.endswith("-host") else "auto"
-        off = (OffloadConfig(device="cpu", ratio=args.offload_ratio, step_on=step_on) if "offload" in method
-               else OffloadConfig())
-        zero = ZeroConfig(stage=stage, offload_optimizer=off,
-                          offload_param=OffloadConfig(device="cpu") if stage == 3 and "offload" in method
-                          else OffloadConfig())
+        if method == "zerofit-auto":
+            zero = _planned_zero(model, args)
+        else:
+            stage = int(method.split("-")[1][1])
+            # "-offload": step_on auto (GPU-stepped on CUDA); "-offload-host": the CPU optimizer on host memory
+            step_on = "host" if method.endswith("-host") else "auto"
+            share = AUTO if args.host_share is None else args.host_share
+            off = (OffloadConfig(device="cpu", ratio=args.offload_ratio, step_on=step_on, host_share=share)
+                   if "offload" in method else OffloadConfig())
+            zero = ZeroConfig(stage=stage, offload_optimizer=off,
+                              offload_param=OffloadConfig(device="cpu") if stage == 3 and "offload" in method
+                              else OffloadConfig())
         if method.endswith("nvme"):  # optimizer state in files, parameters in host memory
             os.makedirs(args.nvme_path, exist_ok=True)
-            zero = ZeroConfig(stage=stage, offload_optimizer=OffloadConfig(device="nvme", nvme_path=args.nvme_path),
+            zero = ZeroConfig(stage=3, offload_optimizer=OffloadConfig(device="nvme", nvme_path=args.nvme_path),
                               offload_param=OffloadConfig(device="cpu"))
         engine = ZeroEngine(model, opt, zero=zero, precision=PrecisionConfig(mixed_precision="bf16"),
                             gradient_clipping=args.clip)
@@ -159,6 +168,25 @@ def zerofit_or_torch_step(method: str, args, ids):
             return loss
         step.engine = engine
     return step
+
+
+def _planned_zero(model, args):
+    """`stage: auto` with the offload devices and ratio open: what the planner picks at prepare() for this
+    model, batch and machine (the same call Accelerator.prepare makes), printed as prepare prints it."""
+    import torch
+
+    from zerofit.config.schema import AUTO, OffloadConfig, PrecisionConfig, RunConfig, ZeroConfig
+    from zerofit.frontend.auto_plan import budget_for
+    from zerofit.plan.auto import choose, describe
+
+    config = RunConfig(zero=ZeroConfig(stage=AUTO, offload_optimizer=OffloadConfig(device=AUTO, ratio=AUTO),
+                                       offload_param=OffloadConfig(device=AUTO)),
+                       precision=PrecisionConfig(mixed_precision="bf16"))
+    chosen, result = choose(config, model, world=1, shape=(args.batch, args.seq),
+                            budget=budget_for(torch.device("cuda"), 1))
+    print(describe(config, result), file=sys.stderr, flush=True)
+    _planned_zero.label = (result.choice or result.smallest).setting.label
+    return chosen.zero
 
 
 def measure(method: str, step, args) -> dict:
@@ -187,6 +215,8 @@ def measure(method: str, step, args) -> dict:
            "gpu_peak_gib": torch.cuda.max_memory_allocated() / 2**30,
            "host_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
            "losses": losses, "times": times}
+    if method == "zerofit-auto":
+        row["planned"] = _planned_zero.label
     if phases:
         row["breakdown_s"] = {k: statistics.median(p[k] for p in phases) for k in phases[0]}
         row["breakdown_s"].update(_copy_times(step))
@@ -245,11 +275,14 @@ def main() -> None:
     p.add_argument("--intermediate", type=int, default=11008, help="llama: MLP width")
     p.add_argument("--vocab", type=int, default=None, help="default: 50257 (gpt2), 32000 (llama)")
     p.add_argument("--clip", type=float, default=1.0, help="gradient clipping (0: none)")
+    p.add_argument("--checkpointing", action="store_true", help="activation checkpointing (every method)")
     p.add_argument("--meta", action="store_true", help="zerofit rows: build on the meta device, materialise per unit")
     p.add_argument("--gpu-memory-gib", type=float, default=None, help="cap GPU memory (stands in for a smaller card)")
     p.add_argument("--out", default=None, help="directory for results.json and table.md")
     p.add_argument("--offload-ratio", type=float, default=1.0,
                    help="zerofit offload rows: share of the optimizer state on the CPU (the rest on GPU)")
+    p.add_argument("--host-share", type=float, default=None,
+                   help="zerofit GPU-stepped offload rows: share of the offloaded state stepped on the CPU instead")
     p.add_argument("--nvme-path", default="/tmp/zerofit-nvme", help="directory for the zerofit-s3-nvme row")
     p.add_argument("--timeout", type=float, default=240, help="seconds per method")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: run one method, print JSON
@@ -287,7 +320,8 @@ def main() -> None:
 
 PEERS = {"zerofit-s2": ["deepspeed-s2"], "zerofit-s2-offload": ["deepspeed-s2-offload"],
          "zerofit-s3-offload": ["deepspeed-s3-offload", "fsdp2-offload"],
-         "zerofit-s2-offload-host": ["deepspeed-s2-offload"], "zerofit-s3-offload-host": ["deepspeed-s3-offload"]}
+         "zerofit-s2-offload-host": ["deepspeed-s2-offload"], "zerofit-s3-offload-host": ["deepspeed-s3-offload"],
+         "zerofit-auto": ["deepspeed-s3-offload", "deepspeed-s2-offload"]}
 PHASES = ["forward", "backward", "step_call", "stream_issue", "host_optimizer", "host_publish", "wait_host_step",
           "wait_grad_download", "copy_to_host", "copy_to_gpu"]
 
@@ -306,7 +340,8 @@ def tables(rows: list[dict]) -> list[str]:
         ratio = f"{base['s_per_step'] / r['s_per_step']:.3f}x" if base else "-"
         peers = ", ".join(f"{by[p]['s_per_step'] / r['s_per_step']:.2f}x {p}" for p in PEERS.get(r["method"], [])
                           if p in by)
-        out.append(f"| {r['method']} | {r['s_per_step']:.3f} | {r['tokens_per_s']:,.0f} | {ratio} | {peers} | "
+        name = f"{r['method']} ({r['planned']})" if "planned" in r else r["method"]
+        out.append(f"| {name} | {r['s_per_step']:.3f} | {r['tokens_per_s']:,.0f} | {ratio} | {peers} | "
                    f"{r['gpu_peak_gib']:.1f} | {r['host_rss_gib']:.1f} |")
     broken = [r for r in rows if "breakdown_s" in r]
     if broken:

@@ -6,6 +6,11 @@
 # scale:  the largest Llama-style model with ZeRO-3 + full CPU offload, and GPT-2 XL under a 24 GiB cap
 # steps:  GPT-2 XL clip 1.0, offload stepped on the GPU (the default on CUDA) and on the host, DeepSpeed
 # tests:  the GPU tests (GPU-stepped offload bit-identical to no offload), two ranks on one GPU via gloo
+# split:  GPT-2 XL clip 1.0, GPU-stepped offload with a share of the state host-stepped at once (0 to 0.7)
+# auto:   stage: auto (the planner's mix of GPU-resident and offloaded state): 6.7 B Llama 8x512 and GPT-2 XL
+#         batch 32 under a 24 GiB cap; this machine's offload rates first
+# big:    stage: auto on the 13 B Llama-2 architecture 8x512 (activation checkpointing: on, then off)
+# bigpeer: DeepSpeed's best try at the 13 B model (ZeRO-3, optimizer state partly offloaded, checkpointing)
 # DeepSpeed comes from wheels in .whl/ when present (see ../shared/ANCHORS.md).
 set -uo pipefail
 OUT="${1:-out/offload_gpu}"; WHAT="${2:-clip}"
@@ -28,6 +33,23 @@ case "$WHAT" in
   tests)
     python3 -m pytest -q -p no:cacheprovider tests/test_engine_gpu.py 2>&1 | tail -15 | tee "$OUT/gpu_tests.txt"
     python3 bench/two_ranks_one_gpu.py 2>&1 | tail -25 | tee "$OUT/two_ranks.txt" ;;
+  split)
+    for share in 0 0.35 0.55 0.7; do
+      $B --methods zerofit-s2-offload --host-share $share --steps 6 --timeout 120 --out "$OUT/split_s2_$share"
+    done
+    $B --methods zerofit-s3-offload --host-share 0.55 --steps 6 --timeout 120 --out "$OUT/split_s3_0.55" ;;
+  auto)
+    python3 bench/bandwidth_probe.py > "$OUT/bandwidth.json"; cat "$OUT/bandwidth.json"
+    $B --methods zerofit-auto --model llama --n_embd 4096 --n_layer 32 --n_head 32 --intermediate 11008 \
+       --batch 8 --seq 512 --steps 3 --meta --timeout 300 --out "$OUT/llama7b_auto"
+    $B --methods zerofit-auto --gpu-memory-gib 24 --batch 32 --steps 4 --timeout 150 --out "$OUT/cap24_auto" ;;
+  big)
+    L13="--model llama --n_embd 5120 --n_layer 40 --n_head 40 --intermediate 13824 --batch 8 --seq 512 --steps 2 --meta"
+    $B --methods zerofit-auto $L13 --checkpointing --timeout 280 --out "$OUT/llama13b_auto_ckpt"
+    $B --methods zerofit-auto $L13 --timeout 280 --out "$OUT/llama13b_auto" ;;
+  bigpeer)
+    $B --methods deepspeed-s3-offload --model llama --n_embd 5120 --n_layer 40 --n_head 40 --intermediate 13824 \
+       --batch 8 --seq 512 --steps 2 --checkpointing --offload-ratio 0.5 --timeout 500 --out "$OUT/llama13b_deepspeed" ;;
   scale)
     $B --methods zerofit-s3-offload --model llama --n_embd 4096 --n_layer 32 --n_head 32 --intermediate 11008 \
        --batch 8 --seq 512 --steps 2 --meta --timeout 330 --out "$OUT/llama7b"

@@ -36,7 +36,7 @@ FROZEN = {
         "--model": (), "--task": (), "--num_processes": ("--num_gpus",), "--gpu_memory_gib": ("--gpu_memory",),
         "--host_memory_gib": ("--host_memory",), "--gpus_per_host": (), "--micro_batch": (), "--seq": (),
         "--gradient_accumulation_steps": (), "--mixed_precision": (), "--optimizer_states": (),
-        "--checkpointing": (), "--offload_ratio": (), "--nvme": (), "--headroom": (), "--json": (),
+        "--checkpointing": (), "--offload_ratio": (), "--step_on": (), "--nvme": (), "--headroom": (), "--json": (),
     },
     "bench": {
         "--tables": (), "--methods": (), "--num_processes": ("--nproc",), "--gpu_memory_gib": (), "--steps": (),
@@ -76,6 +76,8 @@ def value_for(action: argparse.Action) -> list[str]:
         return []
     if action.choices:
         return [str(next(c for c in action.choices if c != action.default))]
+    if getattr(action.type, "__name__", "") == "_ratio":  # a number or auto (zerofit estimate --offload_ratio)
+        return ["0.5"]
     return [{int: "7", float: "0.5"}.get(action.type, "x7")]
 
 

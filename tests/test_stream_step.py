@@ -31,18 +31,34 @@ STREAMED = ([dataclasses.replace(c, offload="cpu", step_on="device", chunk=64) f
                for c in BASE if c.stage == 3]
             + [dataclasses.replace(BASE[2], offload="cpu", ratio=0.5, step_on="device", chunk=64),
                dataclasses.replace(BASE[2], offload="cpu", step_on="device")])  # one chunk per piece
+# Split: the last units host-stepped by the CPU optimizer while the others stream, in one step
+SPLIT = [dataclasses.replace(c, offload="cpu", step_on="device", chunk=64, host_share=0.5)
+         for c in (BASE[2], BASE[3], BASE[6], BASE[9], BASE[12])] + [
+    dataclasses.replace(BASE[5], offload="cpu", offload_param="cpu", step_on="device", chunk=64, host_share=0.3),
+    dataclasses.replace(BASE[2], offload="cpu", ratio=0.6, step_on="device", chunk=64, host_share=0.5)]
 
 
 
 
 @pytest.fixture(scope="module")
 def results():
-    cases = BASE + STREAMED
+    cases = BASE + STREAMED + SPLIT
     return dict(zip(cases, run_distributed(run_cases, 2, cases, timeout=600)[0]))
 
 
 def _on_device(case: Case) -> Case:
-    return dataclasses.replace(case, offload="none", offload_param="none", ratio=1.0, step_on="auto", chunk=0)
+    return dataclasses.replace(case, offload="none", offload_param="none", ratio=1.0, step_on="auto", chunk=0,
+                               host_share=None)
+
+
+@pytest.mark.parametrize("case", SPLIT, ids=repr)
+def test_a_split_between_host_and_gpu_steps_equals_on_device(results, case):
+    got, base = results[case], results[_on_device(case)]
+    assert got["streamed"] > 0 and got["offloaded"] > 0  # both ways in the same step
+    assert got["losses"] == base["losses"] and got["skipped"] == base["skipped"]
+    assert max_diff(got["params"], base["params"]) == 0.0
+    for g1, g2 in zip(got["grads"], base["grads"]):
+        assert max_diff(g1, g2) == 0.0
 
 
 @pytest.mark.parametrize("case", STREAMED, ids=repr)

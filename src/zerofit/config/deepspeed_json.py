@@ -53,6 +53,7 @@ TABLE: dict[str, str] = {
             "buffer_count",
             "ratio",
             "step_on",  # zerofit's own (DeepSpeed has no such key)
+            "host_share",  # zerofit's own
         )
     },
     **{

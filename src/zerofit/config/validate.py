@@ -19,7 +19,7 @@ from ..errors import ConfigError
 from . import catalog
 from .naming import key_name, turn_off
 from .reading import did_you_mean
-from .schema import RunConfig, is_auto
+from .schema import AUTO, RunConfig, is_auto
 from .tree import flatten
 
 
@@ -101,6 +101,7 @@ def _offload(c: _Checker) -> None:
                 f"{key}.nvme_path",
                 f"{key}.device",
             )
+    _host_share(c)
     if c.values.get("zero.offload_param.step_on", "auto") != "auto":
         c.add(f"{c.name('zero.offload_param.step_on')} is only for the optimizer state (got "
               f"{c.values['zero.offload_param.step_on']!r}): remove it, or set zero.offload_optimizer.step_on",
@@ -117,6 +118,27 @@ def _offload(c: _Checker) -> None:
             "1.0 steps every parameter on the CPU",
             "zero.offload_optimizer.ratio",
         )
+
+
+def _host_share(c: _Checker) -> None:
+    """`offload_optimizer.host_share`: a share in [0, 1], for the optimizer state, under step_on auto."""
+    if not is_auto(c.values.get("zero.offload_param.host_share", AUTO)):
+        c.add(f"{c.name('zero.offload_param.host_share')} is only for the optimizer state (got "
+              f"{c.values['zero.offload_param.host_share']!r}): remove it, or set zero.offload_optimizer.host_share",
+              "zero.offload_param.host_share")
+    share = c.values.get("zero.offload_optimizer.host_share", AUTO)
+    if is_auto(share):
+        return
+    key = c.name("zero.offload_optimizer.host_share")
+    if not 0 <= share <= 1:
+        c.add(f"{key} must be in [0, 1] (got {share}): the share of the offloaded optimizer state stepped on the "
+              "host (0: all on the GPU, 1: all on the host)", "zero.offload_optimizer.host_share")
+        return
+    step_on = c.values.get("zero.offload_optimizer.step_on", "auto")
+    if step_on == "host" and share != 1:
+        c.add(f"{key} {share} contradicts {c.name('zero.offload_optimizer.step_on')} 'host' (all of the state on the "
+              "host): a share splits GPU-stepped state between host and GPU; remove one of them, or set step_on "
+              "to auto or device", "zero.offload_optimizer.host_share", "zero.offload_optimizer.step_on")
 
 
 # zerofit key -> smallest allowed value; checked only when the value is a known int.

@@ -43,6 +43,8 @@ from zerofit.engine.optim import (
 from zerofit.engine.policy import (
     COMPUTE_DTYPES,
     StagePolicy,
+    host_share_for,
+    host_stepped_units,
     keeps_compact_grads,
     offloaded_units,
     step_on_for,
@@ -92,6 +94,9 @@ class ZeroEngine:
         off = self.zero.offload_optimizer
         self.step_on = step_on_for(off.step_on, cuda=self.device.type == "cuda", nvme=off.device == "nvme")
         """Where offloaded optimizer state is stepped: "host" or "device" (see `step_on_for`)."""
+        self.host_share = host_share_for(off.step_on, None if is_auto(off.host_share) else off.host_share,
+                                         cuda=self.device.type == "cuda", nvme=off.device == "nvme")
+        """Share of the offloaded state stepped on the host when the rest is GPU-stepped (see `host_share_for`)."""
         if self.step_on == "device" and off.device == "nvme":
             raise EngineError("zero_optimization.offload_optimizer.step_on 'device' with device 'nvme' is not "
                               "supported by this zerofit version yet: set step_on to 'auto' or 'host' "
@@ -180,7 +185,7 @@ class ZeroEngine:
                               "model: build the optimizer from model.parameters()")
         units = []
         specs = plan_units(self.model, size_threshold=self.zero.unit_size_threshold)
-        offloaded = self._offloaded_units(specs)
+        offloaded, hosted = self._offloaded_units(specs)
         for spec in specs:
             if meta is not None:  # one unit at a time: never the whole model at once
                 real = meta.materialize([p for _, p in spec.params])
@@ -201,7 +206,8 @@ class ZeroEngine:
                 if not members:
                     continue
                 placement = self.policy.placement(trainable=trainable, unit_numel=spec.numel,
-                                                  offload_state=id(spec.module) in offloaded, step_on=self.step_on)
+                                                  offload_state=id(spec.module) in offloaded,
+                                                  step_on="host" if id(spec.module) in hosted else "device")
                 groups.append(FlatGroup(
                     spec.name, [n for n, _ in members], [p for _, p in members],
                     [group_of[id(p)] if trainable else 0 for _, p in members], trainable=trainable,
@@ -214,15 +220,19 @@ class ZeroEngine:
             meta.finish()
         return units
 
-    def _offloaded_units(self, specs) -> set[int]:
-        """Modules of the units whose optimizer runs on the host (see `offloaded_units`)."""
+    def _offloaded_units(self, specs) -> tuple[set[int], set[int]]:
+        """Modules of the units whose optimizer state lives in host memory (see `offloaded_units`), and of
+        those stepped there by the CPU optimizer (see `host_stepped_units`); the others are GPU-stepped."""
         off = self.zero.offload_optimizer
         if not off.enabled:
-            return set()
+            return set(), set()
         if is_auto(off.ratio):
             raise EngineError('zero_optimization.offload_optimizer.ratio "auto" is resolved by the planner at '
                               "Accelerator.prepare(): write a number in (0, 1] when building ZeroEngine directly")
-        return {id(specs[i].module) for i in offloaded_units([s.numel for s in specs], off.ratio)}
+        numels = [s.numel for s in specs]
+        offloaded = offloaded_units(numels, off.ratio)
+        hosted = host_stepped_units(numels, offloaded, self.host_share)
+        return {id(specs[i].module) for i in offloaded}, {id(specs[i].module) for i in hosted}
 
     def _cast_inputs(self, _module, args, kwargs):
         def cast(x):

@@ -106,6 +106,16 @@ def step_on_for(step_on: str, *, cuda: bool, nvme: bool) -> str:
     return step_on
 
 
+def host_share_for(step_on: str, host_share: float | None, *, cuda: bool, nvme: bool) -> float:
+    """The share of the offloaded optimizer state stepped on the host (the rest is GPU-stepped): 1 where
+    `step_on_for` says "host"; where it says "device", `host_share` (None: not written, or not resolved
+    from measured rates: 0, all GPU-stepped)."""
+    where = step_on_for(step_on, cuda=cuda, nvme=nvme)
+    if where == "device" and host_share is not None:
+        return float(host_share)
+    return 1.0 if where == "host" else 0.0
+
+
 def keeps_compact_grads(placement: GroupPlacement, *, world: int, gradient_accumulation_steps: int,
                         low_precision: bool) -> bool:
     """True when a trainable group's gradient can stay in the compute dtype, exactly: one rank (nothing
@@ -146,3 +156,15 @@ def offload_ratios(unit_numels: Sequence[int]) -> list[float]:
             shares.append(share)
     shares[-1] = 1.0
     return shares
+
+
+def host_stepped_units(unit_numels: Sequence[int], offloaded: frozenset[int], host_share: float) -> frozenset[int]:
+    """Of the `offloaded` units, those stepped on the host under `host_share`: whole units from the last
+    one backwards, as `offloaded_units` takes them (their gradients arrive first, so the host step and
+    its copies start earliest), until they hold at least `host_share` of the offloaded elements; none
+    for a share of 0, all for 1. The others are GPU-stepped."""
+    if host_share <= 0:
+        return frozenset()
+    order = sorted(offloaded)
+    chosen = offloaded_units([unit_numels[i] for i in order], host_share)
+    return frozenset(order[i] for i in chosen)

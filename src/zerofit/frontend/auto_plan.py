@@ -17,8 +17,9 @@ import torch.distributed as dist
 from torch import nn
 
 from zerofit.config.naming import key_name
-from zerofit.config.schema import RunConfig
+from zerofit.config.schema import RunConfig, is_auto
 from zerofit.frontend.probe import StepProbe
+from zerofit.plan import bandwidth
 from zerofit.plan.auto import choose, describe
 from zerofit.plan.choose import Budget, allowed_gpu_bytes, machine_budget
 
@@ -41,6 +42,26 @@ def budget_for(device: torch.device, world: int) -> Budget:
         dist.all_reduce(values, op=dist.ReduceOp.MIN)
         b = dataclasses.replace(b, gpu_bytes=int(values[0]) or None, host_bytes=int(values[1]) or None)
     return b
+
+
+def wants_host_share(config: RunConfig, device: torch.device) -> bool:
+    """The config leaves `offload_optimizer.host_share` open where offloaded state may be GPU-stepped."""
+    off = config.zero.offload_optimizer
+    return (device.type == "cuda" and is_auto(off.host_share) and off.step_on != "host"
+            and (is_auto(off.device) or off.device == "cpu"))
+
+
+def machine_host_share(device: torch.device, world: int, compute_bytes: int) -> float | None:
+    """The share of GPU-stepped offload to step on the host at the same time that this machine's cached
+    offload rates favour (`zerofit.plan.bandwidth.best_host_share`; `zerofit env --probe` measures them),
+    rank 0's for every rank (one broadcast); None: no rates cached, or no split pays."""
+    rates = bandwidth.cached(device)
+    share = -1.0 if rates is None else bandwidth.best_host_share(rates, 10**9, param_bytes=compute_bytes)
+    if world > 1 and dist.is_initialized():
+        value = torch.tensor([share], dtype=torch.float64, device=device)
+        dist.broadcast(value, src=0)
+        share = float(value[0])
+    return share if share > 0 else None
 
 
 def _env_gib(name: str) -> float | None:
@@ -73,16 +94,17 @@ def first_batch_shape(loader: Any, micro_batch: int | None) -> tuple[int, int] |
 
 
 def plan_for(config: RunConfig, model: nn.Module, *, loaders: list[Any], micro_batch: int | None,
-             process: Any) -> tuple[RunConfig, StepProbe]:
+             process: Any, host_share: float | None = None) -> tuple[RunConfig, StepProbe]:
     """`config` with its "auto" stage / offload resolved for `model` (the choice is printed on the local
     main process), and the probe that checks the choice on the first optimizer step (`zerofit.frontend.probe`).
 
     `loaders` are the DataLoaders prepared so far (the first gives the batch shape), `micro_batch` the
-    script's micro-batch if known, `process` this process's place in the run (`ProcessState`)."""
+    script's micro-batch if known, `process` this process's place in the run (`ProcessState`),
+    `host_share` the split `machine_host_share` found (tried where it fits)."""
     shape = first_batch_shape(loaders[0], micro_batch) if loaders else None
     world, device = process.num_processes, process.device
     budget = budget_for(device, world)
-    config_out, result = choose(config, model, world=world, shape=shape, budget=budget)
+    config_out, result = choose(config, model, world=world, shape=shape, budget=budget, host_share=host_share)
     if process.is_local_main_process:
         print(describe(config, result))
     fmt = config.source_format

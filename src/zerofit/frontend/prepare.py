@@ -21,7 +21,7 @@ from zerofit.config.schema import SchedulerConfig
 from zerofit.engine import ZeroEngine
 from zerofit.errors import ConfigError
 from zerofit.frontend import engine_surface, ops
-from zerofit.frontend.auto_plan import plan_for
+from zerofit.frontend.auto_plan import machine_host_share, plan_for, wants_host_share
 from zerofit.frontend.data import ShardedDataLoader
 from zerofit.frontend.optimizers import AcceleratedOptimizer, build_optimizer
 from zerofit.frontend.progress import Progress
@@ -172,9 +172,14 @@ class PrepareMixin:
             raise ValueError(f"this {type(model).__name__} was prepared already: prepare each model once, "
                              "together with its optimizer")
         probe = None
-        if needs_planning(self.config):  # stage / offload "auto": the planner picks (zerofit.frontend.auto_plan)
+        share = None
+        if wants_host_share(self.config, self.device):  # a split of GPU-stepped offload, from measured rates
+            share = machine_host_share(self.device, self.num_processes,
+                                       2 if self.config.precision.mixed_precision in ("bf16", "fp16") else 4)
+        if needs_planning(self.config) or share is not None:  # "auto": the planner picks (zerofit.frontend.auto_plan)
             self.config, probe = plan_for(self.config, model, loaders=self._prepared.dataloaders,
-                                          micro_batch=self._facts.micro_batch_size, process=self.process)
+                                          micro_batch=self._facts.micro_batch_size, process=self.process,
+                                          host_share=share)
         cfg = self.config
         engine = ZeroEngine(model, optimizer, zero=cfg.zero, precision=cfg.precision,
                             gradient_accumulation_steps=self.gradient_state.window,

@@ -41,13 +41,19 @@ def needs_planning(config: RunConfig) -> bool:
             or is_auto(z.offload_optimizer.ratio))
 
 
-def candidates(config: RunConfig, world: int, checkpointing: bool) -> list[Setting]:
-    """The settings the config leaves open (a written stage or device is kept)."""
+def candidates(config: RunConfig, world: int, checkpointing: bool, *, host_share: float | None = None) -> list[Setting]:
+    """The settings the config leaves open (a written stage or device is kept). GPU-stepped offload is
+    listed with the written `host_share`, or under "auto" with `host_share` (the split this machine's
+    rates favour, `zerofit.frontend.auto_plan.machine_host_share`) and without a split."""
     z = config.zero
     ratio = offload_ratio(config)
-    out = []
+    out: list[Setting] = []
     step_on = step_on_for(z.offload_optimizer.step_on, cuda=torch.cuda.is_available(), nvme=False)
-    for s in all_settings(max(world, 2), checkpointing=(checkpointing,), offload_ratio=ratio, step_on=step_on):
+    written = z.offload_optimizer.host_share
+    shares = [float(written)] if not is_auto(written) else [host_share, 0.0] if host_share else [0.0]
+    listed = [s for share in shares for s in all_settings(max(world, 2), checkpointing=(checkpointing,),
+                                                          offload_ratio=ratio, step_on=step_on, host_share=share)]
+    for s in dict.fromkeys(listed):  # the settings without GPU-stepped offload come once
         if not is_auto(z.stage) and s.stage != z.stage:
             continue
         for kind, value in (("offload_optimizer", z.offload_optimizer.device), ("offload_param", z.offload_param.device)):
@@ -74,8 +80,10 @@ def _written(value: Any, stage: int) -> str:
 
 
 def choose(config: RunConfig, model: nn.Module, *, world: int, shape: tuple[int, int] | None,
-           budget: Budget) -> tuple[RunConfig, Plan]:
-    """`config` with the open stage / offload devices filled by the planner for `budget`, and the plan behind it."""
+           budget: Budget, host_share: float | None = None) -> tuple[RunConfig, Plan]:
+    """`config` with the open stage / offload devices / ratio / host share filled by the planner for
+    `budget`, and the plan behind it; `host_share`: the split between host- and GPU-stepped offload this
+    machine's measured rates favour (None: none known), tried before no split where it fits."""
     precision = config.precision.mixed_precision
     checkpointing = any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
     threshold = config.zero.param_persistence_threshold
@@ -94,14 +102,17 @@ def choose(config: RunConfig, model: nn.Module, *, world: int, shape: tuple[int,
             except Exception:  # noqa: BLE001 - the states are still planned, and the reason says so
                 trace = None
     counts = ModelCounts.of(model, unit_size_threshold=work.unit_size_threshold)
-    result = plan(counts, work, budget, {checkpointing: trace}, settings=candidates(config, world, checkpointing),
+    result = plan(counts, work, budget, {checkpointing: trace},
+                  settings=candidates(config, world, checkpointing, host_share=host_share),
                   open_ratio=is_auto(config.zero.offload_optimizer.ratio))
     chosen = result.choice or result.smallest
     s = chosen.setting
     z = config.zero
     zero = dataclasses.replace(
         z, stage=s.stage,
-        offload_optimizer=dataclasses.replace(z.offload_optimizer, device=s.offload_optimizer, ratio=s.offload_ratio),
+        offload_optimizer=dataclasses.replace(
+            z.offload_optimizer, device=s.offload_optimizer, ratio=s.offload_ratio,
+            host_share=s.host_share if s.step_on == "device" else z.offload_optimizer.host_share),
         offload_param=dataclasses.replace(z.offload_param, device=s.offload_param))
     return config.replace(zero=zero), result
 
@@ -115,6 +126,8 @@ def describe(config: RunConfig, result: Plan) -> str:
     planned = ["zero.stage", "zero.offload_optimizer.device", "zero.offload_param.device"]
     if is_auto(config.zero.offload_optimizer.ratio):
         planned.append("zero.offload_optimizer.ratio")
+    if is_auto(config.zero.offload_optimizer.host_share) and any(e.setting.host_share for e in result.estimates):
+        planned.append("zero.offload_optimizer.host_share")
     keys = ", ".join(key_name(config.source_format, k) for k in planned)
     if result.choice is None:
         return (f"zerofit: {keys} auto -> {result.smallest.setting.label} (the smallest; {result.reason}; the "

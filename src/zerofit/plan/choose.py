@@ -7,7 +7,9 @@ Settings are ranked by what they add to a step, fastest first: stage 0 (no extra
 about a third of a step more) ranks below the same offload level without it but above any more
 offloading: on GPT-2 XL (bench/results) optimizer offload made the step 5-10x slower, a recomputed
 forward cannot cost more than about 1.4x. With one rank stages 1-3 shard nothing and cost what
-stage 0 costs, so only stage 0 is listed for them.
+stage 0 costs, so only stage 0 is listed for them. GPU-stepped offload with a share of the state
+stepped on the host at the same time (the split this machine's measured rates favour, see
+`zerofit.plan.bandwidth`) ranks just before the same setting without the split.
 
 [Note: open ratio]
 With `offload_optimizer.ratio: auto` (what `stage: auto` or `device: auto` means when the ratio is
@@ -130,7 +132,7 @@ def _host_memory() -> int | None:
 def speed_rank(s: Setting) -> tuple:
     """Sort key, fastest first (see [Note: speed order])."""
     offload = (s.offload_optimizer != "none") + (s.offload_param != "none") + (s.offload_optimizer == "nvme")
-    return (offload, s.checkpointing, s.stage)
+    return (offload, s.checkpointing, s.stage, s.host_share == 0)  # a split is listed for its measured gain
 
 
 def least_offload(counts: ModelCounts, setting: Setting, work: Workload, budget: Budget,

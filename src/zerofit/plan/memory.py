@@ -20,6 +20,9 @@ c bytes per compute element (4 fp32, 2 bf16/fp16) and k optimizer state tensors 
 | streaming pool | GPU-stepped offload (`step_on: device`): 3 slots of min(16 M, largest S) elements x 4 bytes x (1 master + k states + 1 upcast if compact) (+ c per element with param offload); the gradient shard stays on the GPU | GPU |
 | activations | measured by `zerofit.plan.activations` at the planned batch | GPU |
 
+With GPU-stepped offload and `offload_optimizer.host_share` above 0, the offloaded units
+`host_stepped_units` picks are counted as host-stepped, the others as GPU-stepped.
+
 With `offload_optimizer.ratio` below 1 only the units the engine's `offloaded_units` picks (whole
 units, the last ones first) have their "with the optimizer state" terms, transient gradients and
 staging as offloaded; the other units are counted as without offload, on the GPU.
@@ -38,7 +41,13 @@ from torch import nn
 from zerofit.engine.buffers import group_buffers
 from zerofit.engine.engine import SHARD_ALIGN
 from zerofit.engine.layout import plan_layout
-from zerofit.engine.policy import COMPUTE_DTYPES, StagePolicy, keeps_compact_grads, offloaded_units
+from zerofit.engine.policy import (
+    COMPUTE_DTYPES,
+    StagePolicy,
+    host_stepped_units,
+    keeps_compact_grads,
+    offloaded_units,
+)
 from zerofit.engine.stream_step import stream_pool_bytes
 from zerofit.engine.units import UnitSpec, plan_units
 from zerofit.plan.activations import ActivationTrace
@@ -65,7 +74,13 @@ class Setting:
     """Where offloaded state is stepped: host, or device (GPU-stepped: the gradient shard stays on the GPU
     and a pool of chunks streams the state; see `zerofit.engine.policy.step_on_for`)."""
 
+    host_share: float = 0.0
+    """GPU-stepped offload only: the share of the offloaded state stepped on the host instead, whole units
+    (the last ones), while the rest streams (`zerofit.engine.policy.host_stepped_units`)."""
+
     def __post_init__(self) -> None:
+        if not 0 <= self.host_share <= 1 or (self.host_share and self.step_on != "device"):
+            raise ValueError(f"host_share must be in [0, 1], and 0 unless step_on is device (got {self.host_share})")
         if self.step_on not in ("host", "device"):
             raise ValueError(f"step_on must be host or device (got {self.step_on!r})")
         if self.step_on == "device" and self.offload_optimizer != "cpu":
@@ -93,7 +108,7 @@ class Setting:
             if self.offload_ratio < 1:
                 name += f" {self.offload_ratio:.0%}"
             if self.step_on == "device":
-                name += " (GPU-stepped)"
+                name += f" (GPU-stepped, {self.host_share:.0%} on the CPU)" if self.host_share else " (GPU-stepped)"
         if self.offload_param != "none":
             name += f" + param {self.offload_param}"
         return name + (" + ckpt" if self.checkpointing else "")
@@ -171,9 +186,11 @@ def estimate(counts: ModelCounts, setting: Setting, work: Workload, trace: Activ
     policy = StagePolicy(stage=setting.stage, world=work.world, rank=0,
                          persistence_threshold=work.persistence_threshold,
                          offload_param=setting.offload_param != "none")
-    offloaded = frozenset()
+    offloaded, hosted = frozenset(), frozenset()
     if setting.offload_optimizer != "none":
-        offloaded = offloaded_units([t + f for _, t, f in counts.units], setting.offload_ratio)
+        numels = [t + f for _, t, f in counts.units]
+        offloaded = offloaded_units(numels, setting.offload_ratio)
+        hosted = host_stepped_units(numels, offloaded, setting.host_share if setting.step_on == "device" else 1.0)
     gpu = dict(params=0, grads=0, optimizer=0, buffers=counts.buffer_bytes)
     host = dict(params=0, grads=0, optimizer=0, buffers=0)
     nvme = 0
@@ -190,7 +207,7 @@ def estimate(counts: ModelCounts, setting: Setting, work: Workload, trace: Activ
             if numel == 0:
                 continue
             pl = policy.placement(trainable=is_trainable, unit_numel=unit_numel, offload_state=u in offloaded,
-                                  step_on=setting.step_on)
+                                  step_on="host" if u in hosted else "device")
             lay = plan_layout([numel], pl.shard_world, align=SHARD_ALIGN)
             compact = is_trainable and keeps_compact_grads(pl, world=work.world, low_precision=c != 4,
                                                            gradient_accumulation_steps=work.gradient_accumulation_steps)
@@ -243,7 +260,8 @@ def estimate(counts: ModelCounts, setting: Setting, work: Workload, trace: Activ
 
 
 def all_settings(world: int, *, checkpointing: tuple[bool, ...] = (False, True),
-                 nvme: bool = False, offload_ratio: float = 1.0, step_on: str = "host") -> list[Setting]:
+                 nvme: bool = False, offload_ratio: float = 1.0, step_on: str = "host",
+                 host_share: float = 0.0) -> list[Setting]:
     """Every setting worth listing, fastest first (see `zerofit.plan.choose` for the order); those that
     offload the optimizer state offload `offload_ratio` of it, stepped `step_on` (CPU offload only)."""
     base = [Setting(stage=0), Setting(stage=1), Setting(stage=2), Setting(stage=3),
@@ -256,5 +274,6 @@ def all_settings(world: int, *, checkpointing: tuple[bool, ...] = (False, True),
             s.offload_param == "none"))]
     return [Setting(stage=s.stage, offload_optimizer=s.offload_optimizer, offload_param=s.offload_param,
                     checkpointing=ck, offload_ratio=offload_ratio if s.offload_optimizer != "none" else 1.0,
-                    step_on=step_on if s.offload_optimizer == "cpu" else "host")
+                    step_on=step_on if s.offload_optimizer == "cpu" else "host",
+                    host_share=host_share if s.offload_optimizer == "cpu" and step_on == "device" else 0.0)
             for ck in checkpointing for s in base]
