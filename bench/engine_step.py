@@ -133,7 +133,7 @@ def zerofit_or_torch_step(method: str, args, ids):
             opt.zero_grad(set_to_none=True)
             return loss
     else:
-        from zerofit.config.schema import AUTO, OffloadConfig, PrecisionConfig, ZeroConfig
+        from zerofit.config.schema import OffloadConfig, PrecisionConfig, ZeroConfig
         from zerofit.engine import ZeroEngine
 
         if method == "zerofit-auto":
@@ -142,8 +142,7 @@ def zerofit_or_torch_step(method: str, args, ids):
             stage = int(method.split("-")[1][1])
             # "-offload": step_on auto (GPU-stepped on CUDA); "-offload-host": the CPU optimizer on host memory
             step_on = "host" if method.endswith("-host") else "auto"
-            share = AUTO if args.host_share is None else args.host_share
-            off = (OffloadConfig(device="cpu", ratio=args.offload_ratio, step_on=step_on, host_share=share)
+            off = (OffloadConfig(device="cpu", ratio=args.offload_ratio, step_on=step_on, host_share=args.host_share)
                    if "offload" in method else OffloadConfig())
             zero = ZeroConfig(stage=stage, offload_optimizer=off,
                               offload_param=OffloadConfig(device="cpu") if stage == 3 and "offload" in method

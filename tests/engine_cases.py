@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from zerofit.config.schema import AUTO, LossScaleConfig, OffloadConfig, PrecisionConfig, ZeroConfig
+from zerofit.config.schema import LossScaleConfig, OffloadConfig, PrecisionConfig, ZeroConfig
 from zerofit.engine import ZeroEngine, stream_step
 
 DEFAULT_CHUNK = stream_step.STREAM_CHUNK
@@ -120,7 +120,7 @@ def run_engine(rank: int, world: int, case: Case, record_grads: bool = True, dev
     zero = ZeroConfig(stage=case.stage, param_persistence_threshold=case.persistence,
                       offload_optimizer=OffloadConfig(device=case.offload, ratio=case.ratio,
                                                       nvme_path=case.nvme_path, step_on=case.step_on,
-                                                      host_share=AUTO if case.host_share is None else case.host_share),
+                                                      host_share=case.host_share),
                       offload_param=OffloadConfig(device=case.offload_param))
     stream_step.STREAM_CHUNK = case.chunk or DEFAULT_CHUNK  # read when the engine builds its step mode
     engine = ZeroEngine(model, opt, zero=zero,

@@ -50,14 +50,13 @@ def test_cuda_low_precision_trains(precision):
 def _train_offload(stage: int, precision: str, optim: str, *, offload: str, offload_param: str = "none",
                    chunk: int = 0, gas: int = 1, clip: float = 0.5, host_share: float | None = None):
     """One GPU: `offload` "none" (state on the GPU) or "cpu" (GPU-stepped from host memory, step_on auto)."""
-    from zerofit.config.schema import AUTO, LossScaleConfig, OffloadConfig
+    from zerofit.config.schema import LossScaleConfig, OffloadConfig
     from zerofit.engine import stream_step
 
     case = Case(stage=stage, gas=gas, steps=6, optim=optim)
     model, opt = make_model_and_optim(case)
     stream_step.STREAM_CHUNK = chunk or DEFAULT_CHUNK
-    share = AUTO if host_share is None else host_share
-    zero = ZeroConfig(stage=stage, offload_optimizer=OffloadConfig(device=offload, host_share=share),
+    zero = ZeroConfig(stage=stage, offload_optimizer=OffloadConfig(device=offload, host_share=host_share),
                       offload_param=OffloadConfig(device=offload_param))
     engine = ZeroEngine(model, opt, zero=zero, device=torch.device("cuda"), gradient_accumulation_steps=gas,
                         precision=PrecisionConfig(mixed_precision=precision,

@@ -51,7 +51,8 @@ def _load(tmp_path, offload: dict) -> RunConfig:
 
 
 def test_the_config_key_reads_and_defaults_to_auto(tmp_path):
-    assert _load(tmp_path, {}).zero.offload_optimizer.host_share is AUTO
+    assert _load(tmp_path, {}).zero.offload_optimizer.host_share is None  # unset: the machine's rates decide
+    assert _load(tmp_path, {"host_share": "auto"}).zero.offload_optimizer.host_share is AUTO
     assert _load(tmp_path, {"host_share": 0.25}).zero.offload_optimizer.host_share == 0.25
     assert _load(tmp_path, {"step_on": "host", "host_share": 1}).zero.offload_optimizer.host_share == 1
 

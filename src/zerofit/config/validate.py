@@ -19,7 +19,7 @@ from ..errors import ConfigError
 from . import catalog
 from .naming import key_name, turn_off
 from .reading import did_you_mean
-from .schema import AUTO, RunConfig, is_auto
+from .schema import RunConfig, is_auto
 from .tree import flatten
 
 
@@ -120,14 +120,18 @@ def _offload(c: _Checker) -> None:
         )
 
 
+def _open(share) -> bool:
+    return share is None or is_auto(share)
+
+
 def _host_share(c: _Checker) -> None:
     """`offload_optimizer.host_share`: a share in [0, 1], for the optimizer state, under step_on auto."""
-    if not is_auto(c.values.get("zero.offload_param.host_share", AUTO)):
+    if not _open(c.values.get("zero.offload_param.host_share")):
         c.add(f"{c.name('zero.offload_param.host_share')} is only for the optimizer state (got "
               f"{c.values['zero.offload_param.host_share']!r}): remove it, or set zero.offload_optimizer.host_share",
               "zero.offload_param.host_share")
-    share = c.values.get("zero.offload_optimizer.host_share", AUTO)
-    if is_auto(share):
+    share = c.values.get("zero.offload_optimizer.host_share")
+    if _open(share):
         return
     key = c.name("zero.offload_optimizer.host_share")
     if not 0 <= share <= 1:

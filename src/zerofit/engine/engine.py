@@ -94,7 +94,7 @@ class ZeroEngine:
         off = self.zero.offload_optimizer
         self.step_on = step_on_for(off.step_on, cuda=self.device.type == "cuda", nvme=off.device == "nvme")
         """Where offloaded optimizer state is stepped: "host" or "device" (see `step_on_for`)."""
-        self.host_share = host_share_for(off.step_on, None if is_auto(off.host_share) else off.host_share,
+        self.host_share = host_share_for(off.step_on, None if is_auto(off.host_share) else off.host_share,  # None: unset
                                          cuda=self.device.type == "cuda", nvme=off.device == "nvme")
         """Share of the offloaded state stepped on the host when the rest is GPU-stepped (see `host_share_for`)."""
         if self.step_on == "device" and off.device == "nvme":

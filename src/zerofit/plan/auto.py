@@ -50,7 +50,8 @@ def candidates(config: RunConfig, world: int, checkpointing: bool, *, host_share
     out: list[Setting] = []
     step_on = step_on_for(z.offload_optimizer.step_on, cuda=torch.cuda.is_available(), nvme=False)
     written = z.offload_optimizer.host_share
-    shares = [float(written)] if not is_auto(written) else [host_share, 0.0] if host_share else [0.0]
+    shares = [float(written)] if not (written is None or is_auto(written)) else [host_share, 0.0] if host_share \
+        else [0.0]
     listed = [s for share in shares for s in all_settings(max(world, 2), checkpointing=(checkpointing,),
                                                           offload_ratio=ratio, step_on=step_on, host_share=share)]
     for s in dict.fromkeys(listed):  # the settings without GPU-stepped offload come once
@@ -126,7 +127,8 @@ def describe(config: RunConfig, result: Plan) -> str:
     planned = ["zero.stage", "zero.offload_optimizer.device", "zero.offload_param.device"]
     if is_auto(config.zero.offload_optimizer.ratio):
         planned.append("zero.offload_optimizer.ratio")
-    if is_auto(config.zero.offload_optimizer.host_share) and any(e.setting.host_share for e in result.estimates):
+    share = config.zero.offload_optimizer.host_share
+    if (share is None or is_auto(share)) and any(e.setting.host_share for e in result.estimates):
         planned.append("zero.offload_optimizer.host_share")
     keys = ", ".join(key_name(config.source_format, k) for k in planned)
     if result.choice is None:
