@@ -108,3 +108,27 @@ def test_deberta_classification_traces_its_activations(capsys):
                  "--checkpointing", "off", "--gpu_memory_gib", "8", "--host_memory_gib", "16", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert all(s["gpu_bytes"]["activations"] > 0 for s in data["settings"])
+
+
+def test_with_measured_rates_the_split_rows_and_their_offload_time_are_shown(capsys, monkeypatch):
+    import torch
+    from test_plan_split import H200
+
+    from zerofit.plan import bandwidth
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bandwidth, "cached", lambda device=None: H200)
+    share = bandwidth.best_host_share(H200, 10**9, param_bytes=2)
+    assert main(["estimate", "--model", TINY, "--checkpointing", "off", "--gpu_memory_gib", "8",
+                 "--host_memory_gib", "16", "--offload_ratio", "1", "--json"]) == 0
+    rows = {s["setting"]: s for s in json.loads(capsys.readouterr().out)["settings"]}
+    split = rows[f"ZeRO-2 + opt cpu (GPU-stepped, {share:.0%} on the CPU)"]
+    whole = rows["ZeRO-2 + opt cpu (GPU-stepped)"]
+    assert split["host_share"] == share and split["host_bytes"]["grads"] > 0 == whole["host_bytes"]["grads"]
+    # whole units: this tiny model's split is coarse, so only that both are timed is checked here
+    assert split["offload_seconds"] > 0 and whole["offload_seconds"] > 0
+    assert rows["DDP (stage 0)"]["offload_seconds"] == 0.0
+    assert main(["estimate", "--model", TINY, "--checkpointing", "off", "--gpu_memory_gib", "8",
+                 "--host_memory_gib", "16", "--host_share", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "on the CPU)" not in out and "offload s" in out

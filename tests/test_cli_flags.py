@@ -36,7 +36,7 @@ FROZEN = {
         "--model": (), "--task": (), "--num_processes": ("--num_gpus",), "--gpu_memory_gib": ("--gpu_memory",),
         "--host_memory_gib": ("--host_memory",), "--gpus_per_host": (), "--micro_batch": (), "--seq": (),
         "--gradient_accumulation_steps": (), "--mixed_precision": (), "--optimizer_states": (),
-        "--checkpointing": (), "--offload_ratio": (), "--step_on": (), "--nvme": (), "--headroom": (), "--json": (),
+        "--checkpointing": (), "--offload_ratio": (), "--step_on": (), "--host_share": (), "--nvme": (), "--headroom": (), "--json": (),
     },
     "bench": {
         "--tables": (), "--methods": (), "--num_processes": ("--nproc",), "--gpu_memory_gib": (), "--steps": (),

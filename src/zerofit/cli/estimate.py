@@ -49,6 +49,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_flag(p, "--step_on", default="auto", choices=("auto", "host", "device"),
              help="where the offloading rows step the state (offload_optimizer.step_on); auto (default): "
                   "device when there is a GPU (this machine's or --gpu_memory_gib), else host")
+    add_flag(p, "--host_share", type=_ratio, default="auto",
+             help="share of the GPU-stepped state the offloading rows step on the host at the same time "
+                  "(offload_optimizer.host_share); auto (default): the share this machine's measured offload "
+                  "rates favour (zerofit env --probe), none without them")
     add_flag(p, "--nvme", action="store_true", help="also list ZeRO-3 with the optimizer state on NVMe")
     add_flag(p, "--headroom", type=float, default=0.10, help="fraction of memory kept free (default 0.10)")
     add_flag(p, "--json", action="store_true", help="print JSON instead of a table")
@@ -85,6 +89,8 @@ def _check(args: argparse.Namespace) -> None:
     if args.offload_ratio != "auto" and not 0 < args.offload_ratio <= 1:
         raise UsageError(f"--offload_ratio must be in (0, 1] (got {args.offload_ratio}): 1.0 offloads all of the "
                          "optimizer state")
+    if args.host_share != "auto" and not 0 <= args.host_share <= 1:
+        raise UsageError(f"--host_share must be in [0, 1] (got {args.host_share})")
     if not 0 <= args.headroom < 1:
         raise UsageError(f"--headroom must be in [0, 1) (got {args.headroom})")
 
@@ -94,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from zerofit.engine.policy import step_on_for
+    from zerofit.plan import bandwidth
     from zerofit.plan.choose import machine_budget, plan, traces_for
     from zerofit.plan.memory import ModelCounts, Workload, all_settings
     from zerofit.plan.sources import ModelSpecError, build_fake_model
@@ -115,18 +122,42 @@ def run(args: argparse.Namespace) -> int:
     step_on = step_on_for(args.step_on, cuda=gpu, nvme=False)
     open_ratio = args.offload_ratio == "auto" and gpu
     ratio = 1.0 if args.offload_ratio == "auto" else args.offload_ratio
-    result = plan(counts, work, budget, traces, open_ratio=open_ratio,
-                  settings=all_settings(work.world, checkpointing=tuple(traces), nvme=args.nvme,
-                                        offload_ratio=ratio, step_on=step_on))
+    rates = bandwidth.cached() if torch.cuda.is_available() else None
+    share = args.host_share
+    if share == "auto":
+        share = 0.0 if rates is None else bandwidth.best_host_share(rates, 10**9, param_bytes=_BYTES[args.mixed_precision],
+                                                                      state_tensors=args.optimizer_states)
+    shares = [share, 0.0] if share and step_on == "device" else [share if step_on == "device" else 0.0]
+    settings = [s for h in shares for s in all_settings(work.world, checkpointing=tuple(traces), nvme=args.nvme,
+                                                         offload_ratio=ratio, step_on=step_on, host_share=h)]
+    result = plan(counts, work, budget, traces, open_ratio=open_ratio, settings=list(dict.fromkeys(settings)))
+    seconds = {e.setting: _offload_seconds(rates, counts, e.setting, args) for e in result.estimates} if rates else {}
     if args.json:
-        print(json.dumps(_as_json(args, counts, work, budget, result), indent=1))
+        print(json.dumps(_as_json(args, counts, work, budget, result, seconds), indent=1))
     else:
-        print(_as_table(args, counts, budget, result))
+        print(_as_table(args, counts, budget, result, seconds))
     return 0
 
 
-def _row(e, budget) -> dict:
-    return {"setting": e.setting.label, "stage": e.setting.stage, "offload_optimizer": e.setting.offload_optimizer,
+_BYTES = {"bf16": 2, "fp16": 2, "no": 4}
+
+
+def _offload_seconds(rates, counts, setting, args) -> float:
+    """The offloaded state's step time per optimizer step on this machine's measured rates."""
+    from zerofit.plan import bandwidth
+    from zerofit.plan.memory import offloaded_split
+
+    streamed, hosted = offloaded_split(counts, setting)
+    c, k = _BYTES[args.mixed_precision], args.optimizer_states
+    if setting.offload_optimizer == "none":
+        return 0.0
+    if setting.step_on == "host":
+        return bandwidth.host_seconds(rates, hosted, param_bytes=c)
+    return bandwidth.offload_seconds(rates, streamed, hosted, param_bytes=c, state_tensors=k)
+
+
+def _row(e, budget, seconds: dict) -> dict:
+    return {"offload_seconds": seconds.get(e.setting), "host_share": e.setting.host_share, "setting": e.setting.label, "stage": e.setting.stage, "offload_optimizer": e.setting.offload_optimizer,
             "offload_param": e.setting.offload_param, "offload_ratio": e.setting.offload_ratio,
             "step_on": e.setting.step_on,
             "checkpointing": e.setting.checkpointing,
@@ -138,13 +169,13 @@ def _row(e, budget) -> dict:
             "fits": budget.fits(e)}
 
 
-def _as_json(args, counts, work, budget, result) -> dict:
+def _as_json(args, counts, work, budget, result, seconds: dict) -> dict:
     return {"model": args.model, "parameters": counts.numel, "units": len(counts.units),
             "workload": {"num_gpus": work.world, "micro_batch": work.micro_batch, "seq": work.seq,
                          "mixed_precision": work.mixed_precision, "optimizer_states": work.optimizer_states,
                          "gradient_accumulation_steps": work.gradient_accumulation_steps},
             "budget": {"gpu_bytes": budget.gpu_bytes, "host_bytes": budget.host_bytes, "headroom": budget.headroom},
-            "settings": [_row(e, budget) for e in result.estimates],
+            "settings": [_row(e, budget, seconds) for e in result.estimates],
             "choice": result.choice.setting.label if result.choice else None, "reason": result.reason}
 
 
@@ -152,10 +183,12 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.2f}"
 
 
-def _as_table(args, counts, budget, result) -> str:
+def _as_table(args, counts, budget, result, seconds: dict) -> str:
     head = (f"{args.model}: {counts.numel / 1e9:.3f} B parameters in {len(counts.units)} units; "
             f"{args.num_processes} GPU(s), micro-batch {args.micro_batch} x {args.seq}, {args.mixed_precision}; GiB per rank")
     cols = ["setting", "params", "grads", "optim", "activ", "buffers", "GPU total", "host pinned", "fits"]
+    if seconds:
+        cols.append("offload s")
     rows = []
     for e in result.estimates:
         fits = {True: "yes", False: "no", None: "?"}
@@ -166,7 +199,12 @@ def _as_table(args, counts, budget, result) -> str:
             verdict += " (host)"
         rows.append([e.setting.label, _gib(e.params), _gib(e.grads), _gib(e.optimizer), _gib(e.activations),
                      _gib(e.buffers), _gib(e.gpu_total), _gib(e.host_total), verdict])
+        if seconds:
+            rows[-1].append(f"{seconds[e.setting]:.3f}")
     widths = [max(len(str(r[i])) for r in [cols, *rows]) for i in range(len(cols))]
     line = lambda r: "  ".join(str(v).ljust(w) if i == 0 else str(v).rjust(w) for i, (v, w) in enumerate(zip(r, widths)))  # noqa: E731
     out = [head, line(cols), line(["-" * w for w in widths]), *map(line, rows), "", f"choice: {result.reason}"]
+    if seconds:
+        out.append("offload s: the offloaded state's step per optimizer step on this machine's measured offload "
+                   "rates (zerofit env; the next forward overlaps it)")
     return "\n".join(out)

@@ -259,6 +259,19 @@ def estimate(counts: ModelCounts, setting: Setting, work: Workload, trace: Activ
                     nvme=nvme, traced=trace is not None)
 
 
+def offloaded_split(counts: ModelCounts, setting: Setting) -> tuple[int, int]:
+    """(GPU-stepped, host-stepped) trainable elements of `setting`'s offloaded units, as the engine picks
+    them (`offloaded_units`, then `host_stepped_units`)."""
+    if setting.offload_optimizer == "none":
+        return 0, 0
+    numels = [t + f for _, t, f in counts.units]
+    offloaded = offloaded_units(numels, setting.offload_ratio)
+    share = setting.host_share if setting.step_on == "device" else 1.0
+    hosted = host_stepped_units(numels, offloaded, share)
+    trainable = [t for _, t, _ in counts.units]
+    return sum(trainable[i] for i in offloaded - hosted), sum(trainable[i] for i in hosted)
+
+
 def all_settings(world: int, *, checkpointing: tuple[bool, ...] = (False, True),
                  nvme: bool = False, offload_ratio: float = 1.0, step_on: str = "host",
                  host_share: float = 0.0) -> list[Setting]:
