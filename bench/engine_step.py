@@ -175,14 +175,16 @@ def _planned_zero(model, args):
     import torch
 
     from zerofit.config.schema import AUTO, OffloadConfig, PrecisionConfig, RunConfig, ZeroConfig
-    from zerofit.frontend.auto_plan import budget_for
+    from zerofit.frontend.auto_plan import budget_for, machine_host_share, wants_host_share
     from zerofit.plan.auto import choose, describe
 
     config = RunConfig(zero=ZeroConfig(stage=AUTO, offload_optimizer=OffloadConfig(device=AUTO, ratio=AUTO),
                                        offload_param=OffloadConfig(device=AUTO)),
                        precision=PrecisionConfig(mixed_precision="bf16"))
-    chosen, result = choose(config, model, world=1, shape=(args.batch, args.seq),
-                            budget=budget_for(torch.device("cuda"), 1))
+    device = torch.device("cuda")
+    share = machine_host_share(device, 1, 2) if wants_host_share(config, device) else None
+    chosen, result = choose(config, model, world=1, shape=(args.batch, args.seq), budget=budget_for(device, 1),
+                            host_share=share)
     print(describe(config, result), file=sys.stderr, flush=True)
     _planned_zero.label = (result.choice or result.smallest).setting.label
     return chosen.zero
