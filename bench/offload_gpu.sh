@@ -44,6 +44,7 @@ case "$WHAT" in
        --batch 8 --seq 512 --steps 3 --meta --timeout 300 --out "$OUT/llama7b_auto"
     $B --methods zerofit-auto --gpu-memory-gib 24 --batch 32 --steps 4 --timeout 150 --out "$OUT/cap24_auto" ;;
   big)
+    python3 bench/bandwidth_probe.py > "$OUT/bandwidth_big.json"  # the cache the planner's host share reads
     L13="--model llama --n_embd 5120 --n_layer 40 --n_head 40 --intermediate 13824 --batch 8 --seq 512 --steps 2 --meta"
     $B --methods zerofit-auto $L13 --checkpointing --timeout 280 --out "$OUT/llama13b_auto_ckpt"
     $B --methods zerofit-auto $L13 --timeout 280 --out "$OUT/llama13b_auto" ;;
