@@ -128,3 +128,21 @@ def test_two_ranks_pick_the_same_fastest_fitting_stage(monkeypatch):
     budget = (needs["DDP (stage 0)"] + needs["ZeRO-1"]) / 2 / 0.9  # stage 0 misses, ZeRO-1 fits
     monkeypatch.setenv("ZEROFIT_HOST_MEMORY_GIB", repr(budget / GIB))
     assert run_distributed(_train_auto, 2, timeout=120) == [(1, "none", 1), (1, "none", 1)]
+
+
+def test_the_allowed_gpu_memory_takes_a_device_without_an_index(monkeypatch):
+    """`torch.device("cuda")` has no index, and torch's fraction query refuses it: the current device is asked."""
+    from types import SimpleNamespace
+
+    from zerofit.plan.choose import allowed_gpu_bytes
+
+    def fraction(device):
+        if not isinstance(device, int):
+            raise ValueError(f"Expected a torch.device with a specified index or an integer, but got:{device}")
+        return 0.25
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=96 * GIB))
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", fraction)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    for device in (torch.device("cuda"), "cuda", torch.device("cuda", 0), 0):
+        assert allowed_gpu_bytes(device) == 24 * GIB

@@ -117,6 +117,9 @@ def allowed_gpu_bytes(device) -> int:
     for a smaller one), not the card's total."""
     import torch
 
+    if isinstance(device, (str, torch.device)):  # the fraction query wants an index; "cuda": the current one
+        index = torch.device(device).index
+        device = torch.cuda.current_device() if index is None else index
     total = torch.cuda.get_device_properties(device).total_memory
     fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # torch >= 2.5
     return int(total * min(1.0, fraction(device))) if fraction is not None else total
