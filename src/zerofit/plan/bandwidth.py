@@ -14,16 +14,21 @@ bytes on the host path (fp32 gradient 4 or bf16 2; compute-dtype parameter 2), B
 bytes/s each way, and times in seconds for n parameters:
 
     streamed   T_s(n)      = max(4(1+k) n / B,  gpu_adam_s n / 1e9)
-    host       T_h(n)      = max(c n / 1e9,     max(G, P) n / B)       c = cpu_adam_s, or cpu_adam_busy_s when busy
-    split      T(n_s, n_h) = max(cpu_adam_busy_s n_h / 1e9,  max(down, up) / B,  gpu_adam_s n_s / 1e9)
+    host       T_h(n)      = max(c n / 1e9,     max(G, P) n / B')      c = cpu_adam_s, or cpu_adam_busy_s when busy
+    split      T(n_s, n_h) = max(cpu_adam_busy_s n_h / 1e9,  max(down, up) / B',  gpu_adam_s n_s / 1e9)
                              down = 4(1+k) n_s + G n_h,   up = 4(1+k) n_s + P n_h
+
+B' = both_busy_gbs * 1e9: the link each way while the CPU steps (B where not measured). Host memory
+bandwidth is shared: on the H200 box the link falls from about 50 to about 33-36 GB/s each way while
+fused CPU AdamW runs, which is what makes a split pay less there than B alone would say
+(bench/results/split_gpt2xl_h200.md: no split 0.450 s, 35 % on the CPU 0.451 s, 55 % 0.479 s).
 
 Streamed: master plus k state tensors go up and come back (no gradient or parameter copies), and the
 kernel steps chunks already up while others move, so the longer of the two is the time. Host: the
 copies of one unit overlap the CPU step of another. Split: both parts run at once; the CPU serves the
-host part only, at the rate it keeps while copies run both ways; the link carries both parts' bytes.
-So T(n, 0) = T_s(n) and T(0, n) = T_h(n, busy=True). B is used for every copy because in all three
-ways copies run in both directions at once (pipelined over units). Left out: launch and per-chunk
+host part only, at the rate it keeps while copies run both ways; the link carries both parts' bytes
+at the rate it keeps while the CPU steps. So T(n, 0) = T_s(n) and T(0, n) = T_h(n, busy=True). Both
+directions' rate is used because in all three ways copies run both ways at once (pipelined over units). Left out: launch and per-chunk
 synchronisation overheads, the forward that overlaps the step in both paths, and host memory
 bandwidth shared beyond what the busy rate saw. Without a busy rate (not measured cleanly, see
 `measure`) the alone rate stands in for it, which favours host stepping.
@@ -38,6 +43,7 @@ import os
 import socket
 import statistics
 import tempfile
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
@@ -97,11 +103,15 @@ class Rates:
     """CPUs this process may run on when measured."""
     measured_at: str
     """ISO 8601 time, UTC."""
+    both_busy_gbs: float | None = None
+    """Each way, GB/s, both directions at once while the CPU runs fused AdamW: host memory is shared, so
+    the link slows while the CPU steps (None: not measured)."""
 
     def __post_init__(self):
-        for name in ("h2d_gbs", "d2h_gbs", "both_gbs", "cpu_adam_s", "cpu_adam_busy_s", "gpu_adam_s"):
+        for name in ("h2d_gbs", "d2h_gbs", "both_gbs", "cpu_adam_s", "cpu_adam_busy_s", "gpu_adam_s",
+                     "both_busy_gbs"):
             value = getattr(self, name)
-            if value is None and name == "cpu_adam_busy_s":
+            if value is None and name in ("cpu_adam_busy_s", "both_busy_gbs"):
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
                     or value <= 0:
@@ -136,7 +146,8 @@ class Rates:
     def summary(self) -> str:
         """One line: `h2d 55.2 / d2h 54.8 / both 48.8 GB/s; CPU AdamW 0.25 s (...) per 1e9 params (...)`."""
         busy = "" if self.cpu_adam_busy_s is None else f" ({self.cpu_adam_busy_s:.2f} s beside copies)"
-        return (f"h2d {self.h2d_gbs:.1f} / d2h {self.d2h_gbs:.1f} / both {self.both_gbs:.1f} GB/s; "
+        link = "" if self.both_busy_gbs is None else f" ({self.both_busy_gbs:.1f} beside CPU AdamW)"
+        return (f"h2d {self.h2d_gbs:.1f} / d2h {self.d2h_gbs:.1f} / both {self.both_gbs:.1f}{link} GB/s; "
                 f"CPU AdamW {self.cpu_adam_s:.2f} s{busy}, GPU AdamW {self.gpu_adam_s:.3f} s per 1e9 params "
                 f"(measured {self.measured_at[:10]})")
 
@@ -202,12 +213,33 @@ def _measure(dev: torch.device) -> Rates:
     cpu_step = _cpu_adam_stepper(CPU_ADAM_NUMEL)
     cpu_alone = statistics.median(cpu_step() for _ in range(TRIALS))
     cpu_busy = _busy_step_seconds(cpu_step, [upload, download], both_gbs=both, alone_s=cpu_alone)
+    both_busy = _copy_gbs_beside(cpu_step, [upload, download])
     per = GB / CPU_ADAM_NUMEL
     return Rates(h2d_gbs=h2d, d2h_gbs=d2h, both_gbs=both, cpu_adam_s=cpu_alone * per,
                  cpu_adam_busy_s=None if cpu_busy is None else cpu_busy * per, gpu_adam_s=gpu_adam_s,
                  device_name=torch.cuda.get_device_name(dev), torch_version=torch.__version__,
                  host=socket.gethostname(), cpus=_usable_cpus(),
-                 measured_at=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+                 measured_at=datetime.now(timezone.utc).isoformat(timespec="seconds"), both_busy_gbs=both_busy)
+
+
+def _copy_gbs_beside(step, copies) -> float:
+    """`_copy_gbs` of `copies` while a thread keeps stepping the CPU AdamW (torch's kernels run without the
+    interpreter lock, so the two truly overlap)."""
+    stop = threading.Event()
+
+    def keep_stepping() -> None:
+        while not stop.is_set():
+            step()
+
+    worker = threading.Thread(target=keep_stepping, name="zerofit-probe-cpu-adam", daemon=True)
+    worker.start()
+    try:
+        step_s = step()  # the worker is at full speed by now
+        time.sleep(min(0.05, step_s))
+        return _copy_gbs(copies)
+    finally:
+        stop.set()
+        worker.join()
 
 
 def _issue(copies: list[tuple[torch.cuda.Stream, torch.Tensor, torch.Tensor]], count: int) -> None:
@@ -406,11 +438,16 @@ def host_seconds(rates: Rates, numel: int, *, grad_bytes: int = 4, param_bytes: 
     _count("grad_bytes", grad_bytes)
     _count("param_bytes", param_bytes)
     cpu_s = (_busy_rate(rates) if busy else rates.cpu_adam_s) * numel / GB
-    return max(cpu_s, max(grad_bytes, param_bytes) * numel / (rates.both_gbs * GB))
+    return max(cpu_s, max(grad_bytes, param_bytes) * numel / (_link_beside_cpu(rates) * GB))
 
 
 def _busy_rate(rates: Rates) -> float:
     return rates.cpu_adam_s if rates.cpu_adam_busy_s is None else rates.cpu_adam_busy_s
+
+
+def _link_beside_cpu(rates: Rates) -> float:
+    """The link's rate each way while the CPU steps (host memory is shared): measured, else `both_gbs`."""
+    return rates.both_gbs if rates.both_busy_gbs is None else rates.both_busy_gbs
 
 
 def offload_seconds(rates: Rates, numel_streamed: int, numel_host: int, *, state_tensors: int = 2,
@@ -423,15 +460,23 @@ def offload_seconds(rates: Rates, numel_streamed: int, numel_host: int, *, state
     _count("grad_bytes", grad_bytes)
     _count("param_bytes", param_bytes)
     down, up = stream + grad_bytes * numel_host, stream + param_bytes * numel_host
-    return max(_busy_rate(rates) * numel_host / GB, max(down, up) / (rates.both_gbs * GB),
+    link = _link_beside_cpu(rates) if numel_host else rates.both_gbs
+    return max(_busy_rate(rates) * numel_host / GB, max(down, up) / (link * GB),
                rates.gpu_adam_s * numel_streamed / GB)
+
+
+SPLIT_MIN_GAIN = 0.10
+"""A split must beat stepping everything one way by this much in the model to be chosen: the model
+leaves out the host path's waits and publishes (on the H200 box a split the model put 2 % ahead ran
+6 % behind)."""
 
 
 def best_host_share(rates: Rates, numel: int, *, state_tensors: int = 2, grad_bytes: int = 4,
                     param_bytes: int = 2, steps: int = 20) -> float:
     """The share of `numel` offloaded parameters, one of 0, 1/steps, ..., 1, to step on the host (the rest
     GPU-stepped, at once) that minimises `offload_seconds`; a tie goes to the smaller share (fewer CPU
-    threads busy)."""
+    threads busy), and a split that gains less than `SPLIT_MIN_GAIN` over the better of all-streamed
+    and all-host gives way to it."""
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be an integer >= 1 (got {steps!r})")
     best, best_s = 0.0, math.inf
@@ -441,4 +486,12 @@ def best_host_share(rates: Rates, numel: int, *, state_tensors: int = 2, grad_by
                                   grad_bytes=grad_bytes, param_bytes=param_bytes)
         if seconds < best_s * (1 - 1e-9):  # a real gain, not float noise, to move to a larger share
             best, best_s = i / steps, seconds
+    if 0 < best < 1:
+        ends = {0.0: offload_seconds(rates, numel, 0, state_tensors=state_tensors, grad_bytes=grad_bytes,
+                                     param_bytes=param_bytes),
+                1.0: offload_seconds(rates, 0, numel, state_tensors=state_tensors, grad_bytes=grad_bytes,
+                                     param_bytes=param_bytes)}
+        end = min(ends, key=lambda k: (ends[k], k))
+        if best_s > (1 - SPLIT_MIN_GAIN) * ends[end]:
+            return end
     return best
