@@ -178,7 +178,8 @@ def _planned_zero(model, args):
     from zerofit.frontend.auto_plan import budget_for, machine_host_share, wants_host_share
     from zerofit.plan.auto import choose, describe
 
-    config = RunConfig(zero=ZeroConfig(stage=AUTO, offload_optimizer=OffloadConfig(device=AUTO, ratio=AUTO),
+    config = RunConfig(zero=ZeroConfig(stage=AUTO, offload_optimizer=OffloadConfig(device=AUTO, ratio=AUTO,
+                                                                                  host_share=args.host_share),
                                        offload_param=OffloadConfig(device=AUTO)),
                        precision=PrecisionConfig(mixed_precision="bf16"))
     device = torch.device("cuda")

@@ -120,7 +120,7 @@ def test_with_measured_rates_the_split_rows_and_their_offload_time_are_shown(cap
     monkeypatch.setattr(bandwidth, "cached", lambda device=None: H200)
     share = bandwidth.best_host_share(H200, 10**9, param_bytes=2)
     assert main(["estimate", "--model", TINY, "--checkpointing", "off", "--gpu_memory_gib", "8",
-                 "--host_memory_gib", "16", "--offload_ratio", "1", "--json"]) == 0
+                 "--host_memory_gib", "16", "--offload_ratio", "1", "--host_share", "auto", "--json"]) == 0
     rows = {s["setting"]: s for s in json.loads(capsys.readouterr().out)["settings"]}
     split = rows[f"ZeRO-2 + opt cpu (GPU-stepped, {share:.0%} on the CPU)"]
     whole = rows["ZeRO-2 + opt cpu (GPU-stepped)"]

@@ -110,9 +110,11 @@ def test_the_machines_share_comes_from_its_cached_rates(monkeypatch):
 
 def test_only_an_open_share_of_offload_that_may_be_gpu_stepped_is_planned():
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    for off, expected in ((OffloadConfig(device="cpu"), True), (OffloadConfig(device=AUTO), True),
+    for off, expected in ((OffloadConfig(device="cpu", host_share=AUTO), True),
+                          (OffloadConfig(device=AUTO, host_share=AUTO), True),
+                          (OffloadConfig(device="cpu"), False),  # unset: no split
                           (OffloadConfig(device="cpu", host_share=0.3), False),
-                          (OffloadConfig(device="cpu", step_on="host"), False),
+                          (OffloadConfig(device="cpu", step_on="host", host_share=AUTO), False),
                           (OffloadConfig(device="nvme", nvme_path="/tmp"), False), (OffloadConfig(), False)):
         config = RunConfig(zero=ZeroConfig(stage=2, offload_optimizer=off))
         assert auto_plan.wants_host_share(config, cuda) is expected, off

@@ -49,9 +49,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_flag(p, "--step_on", default="auto", choices=("auto", "host", "device"),
              help="where the offloading rows step the state (offload_optimizer.step_on); auto (default): "
                   "device when there is a GPU (this machine's or --gpu_memory_gib), else host")
-    add_flag(p, "--host_share", type=_ratio, default="auto",
+    add_flag(p, "--host_share", type=_ratio, default=0.0,
              help="share of the GPU-stepped state the offloading rows step on the host at the same time "
-                  "(offload_optimizer.host_share); auto (default): the share this machine's measured offload "
+                  "(offload_optimizer.host_share; default 0); auto: the share this machine's measured offload "
                   "rates favour (zerofit env --probe), none without them")
     add_flag(p, "--nvme", action="store_true", help="also list ZeRO-3 with the optimizer state on NVMe")
     add_flag(p, "--headroom", type=float, default=0.10, help="fraction of memory kept free (default 0.10)")

@@ -65,7 +65,7 @@ class OffloadConfig:
     step_on: StepOn = "auto"
     """Where offloaded optimizer state is stepped: host (the CPU optimizer, on host memory) or device (streamed through the GPU in chunks and stepped there by the same fused kernel as without offload); auto: device on a CUDA machine, host on CPU-only ones and for NVMe. offload_optimizer only."""
     host_share: float | Any | None = None
-    """Where offloaded state is GPU-stepped (step_on device, or auto on a CUDA machine): the share of it stepped on the host instead (whole units, the last ones), both at once; unset or "auto": from this machine's measured offload rates (`zerofit env --probe`) at prepare(), none when none are cached. offload_optimizer only."""
+    """Where offloaded state is GPU-stepped (step_on device, or auto on a CUDA machine): the share of it stepped on the host instead (whole units, the last ones), both at once; unset: none; "auto": the share this machine's measured offload rates favour (`zerofit env --probe`), chosen at prepare() (none when none are cached). offload_optimizer only."""
 
     @property
     def enabled(self) -> bool:
