@@ -390,3 +390,51 @@ def test_a_manifest_listing_a_100_kb_name_is_refused_shortly(failed_saves, tmp_p
                                               r"checkpoint") as caught:
         load_state(ckpt, engine)
     assert len(str(caught.value)) < 600
+
+
+def load_wrong_shaped_loop_state(rank, world, root):
+    """Save through the Accelerator, give rank 0's file a list where the optimizer's loop state (a dict)
+    belongs, and load: every rank reports what it raised."""
+    from engine_cases import SEQ, VOCAB, TinyLM, loss_fn
+
+    from zerofit import Accelerator
+    from zerofit.config.schema import RunConfig, ZeroConfig
+
+    acc = Accelerator(config=RunConfig(zero=ZeroConfig(stage=2)))
+    torch.manual_seed(0)
+    model = TinyLM()
+    model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    x = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(rank))
+    acc.backward(loss_fn(model(x), x))
+    opt.step()
+    ckpt = Path(acc.save_state(str(Path(root) / "ckpt")))
+    if rank == 0:
+        data = json.loads((ckpt / "rank-00000.json").read_text())
+
+        def damage(node):  # every "optimizers" list gets a list where each dict was
+            if isinstance(node, dict):
+                for key, value in node.items():
+                    if key == "optimizers" and isinstance(value, list) and value:
+                        node[key] = [[1, 2] for _ in value]
+                        return True
+                    if damage(value):
+                        return True
+            elif isinstance(node, list):
+                return any(damage(v) for v in node)
+            return False
+
+        assert damage(data), "no optimizers entry in the rank file"
+        _edit(ckpt, "rank-00000.json", json.dumps(data).encode())
+    acc.wait_for_everyone()
+    error = _error_of(lambda: acc.load_state(str(ckpt)))
+    acc.wait_for_everyone()  # no rank is left in a collective
+    return error
+
+
+def test_a_rank_file_of_the_wrong_shape_is_one_error_on_every_rank(tmp_path):
+    """#18's leftover: a rank file that parses but holds a list where a dict belongs failed in the loop
+    state's restore on rank 0 alone, after the ranks had agreed the files were sound."""
+    errors = run_distributed(load_wrong_shaped_loop_state, 2, str(tmp_path))
+    assert errors[0] == errors[1] and errors[0] is not None
+    assert errors[0].startswith("rank 0: ") and "loop state saved with the checkpoint" in errors[0]
+    assert "cannot be restored: TypeError" in errors[0]

@@ -126,16 +126,25 @@ class PersistenceMixin:
     def _load(self, input_dir: str | os.PathLike | None, *, custom_may_follow: bool) -> dict[str, Any]:
         """`load_state`; returns the checkpoint's extra state (its `client_state`, for one)."""
         from zerofit.checkpoint import load_state
+        from zerofit.checkpoint.ranks import Ranks
 
         engine = self._prepared.any_engine()
         if engine is None:
             raise ValueError("load_state() needs the prepared model: call prepare(model, optimizer, ...) first")
         if input_dir is None and self.project_configuration.automatic_checkpoint_naming:
             input_dir = _latest_checkpoint(os.path.join(self.project_dir or ".", "checkpoints"))
-        extra = load_state(self._checkpoint_dir(input_dir), engine)
-        self._custom_to_restore = checkpointing.restore(
-            extra, schedulers=self._prepared.schedulers, optimizers=self._prepared.optimizers,
-            dataloaders=self._prepared.dataloaders, custom=self._prepared.custom, custom_may_follow=custom_may_follow)
+        where = self._checkpoint_dir(input_dir)
+        extra = load_state(where, engine)
+        error = None
+        try:  # a rank file that parses but has the wrong shape fails here, on its rank alone
+            self._custom_to_restore = checkpointing.restore(
+                extra, schedulers=self._prepared.schedulers, optimizers=self._prepared.optimizers,
+                dataloaders=self._prepared.dataloaders, custom=self._prepared.custom,
+                custom_may_follow=custom_may_follow)
+        except (ValueError, TypeError, KeyError, AttributeError, IndexError) as bad:
+            error = (f"rank {engine.comm.rank}: {where}: the loop state saved with the checkpoint (schedulers, "
+                     f"dataloaders, optimizers, registered objects) cannot be restored: {type(bad).__name__}: {bad}")
+        Ranks(engine.comm.group).agree(error)  # every rank raises the same error, none waits in a collective
         if self.project_configuration.automatic_checkpoint_naming:
             self.project_configuration.iteration = extra.get("iteration", 0) + 1
         return extra
