@@ -438,3 +438,35 @@ def test_a_rank_file_of_the_wrong_shape_is_one_error_on_every_rank(tmp_path):
     assert errors[0] == errors[1] and errors[0] is not None
     assert errors[0].startswith("rank 0: ") and "loop state saved with the checkpoint" in errors[0]
     assert "cannot be restored: TypeError" in errors[0]
+
+
+def resume_when_choosing_fails(rank, world, root):
+    """checkpoint.resume: auto while rank 0's choice raises something unforeseen: what each rank raised."""
+    from engine_cases import TinyLM
+
+    from zerofit import Accelerator
+    from zerofit.checkpoint import resume
+    from zerofit.config.schema import CheckpointConfig, RunConfig, ZeroConfig
+    from zerofit.utils import ProjectConfiguration
+
+    def boom(*_args, **_kwargs):
+        raise PermissionError("[Errno 13] Permission denied: 'checkpoints/latest'")
+
+    if rank == 0:
+        resume.choose = boom
+    acc = Accelerator(config=RunConfig(zero=ZeroConfig(stage=2), checkpoint=CheckpointConfig(resume="auto")),
+                      project_config=ProjectConfiguration(project_dir=root, automatic_checkpoint_naming=True))
+    torch.manual_seed(0)
+    model = TinyLM()
+    error = _error_of(lambda: acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1)))
+    acc.wait_for_everyone()  # no rank is left waiting for the decision
+    return error
+
+
+def test_an_unforeseen_failure_choosing_the_checkpoint_is_one_error_on_every_rank(tmp_path):
+    """#18's leftover: an exception other than ConfigError/CheckpointError on rank 0 while it picked the
+    checkpoint to resume from was raised there alone, and the peers waited for the broadcast."""
+    errors = run_distributed(resume_when_choosing_fails, 2, str(tmp_path), timeout=120)
+    assert errors[0] == errors[1] and errors[0] is not None
+    assert errors[0].startswith("rank 0: choosing the checkpoint to resume from under ")
+    assert "PermissionError: [Errno 13] Permission denied" in errors[0]

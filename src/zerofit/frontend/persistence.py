@@ -144,6 +144,9 @@ class PersistenceMixin:
         except (ValueError, TypeError, KeyError, AttributeError, IndexError) as bad:
             error = (f"rank {engine.comm.rank}: {where}: the loop state saved with the checkpoint (schedulers, "
                      f"dataloaders, optimizers, registered objects) cannot be restored: {type(bad).__name__}: {bad}")
+            if custom_may_follow and isinstance(bad, ValueError):  # objects this prepare() has not seen
+                error += (" (checkpoint.resume loads at the end of the prepare() call that prepares the model: "
+                          "pass the model, optimizer, scheduler and dataloaders to that one call)")
         Ranks(engine.comm.group).agree(error)  # every rank raises the same error, none waits in a collective
         if self.project_configuration.automatic_checkpoint_naming:
             self.project_configuration.iteration = extra.get("iteration", 0) + 1
@@ -165,17 +168,17 @@ class PersistenceMixin:
                 problems, bad_config = e.problems, True
             except CheckpointError as e:
                 problems = [str(e)]
+            except Exception as e:  # noqa: BLE001 - anything else too: the peers must not wait for a decision
+                resume.logger.exception("zerofit: choosing the checkpoint to resume from failed")
+                problems = [f"rank 0: choosing the checkpoint to resume from under {root} failed: "
+                            f"{type(e).__name__}: {e}"]
         chosen, problems, bad_config = ops.broadcast_object(
             (None if chosen is None else str(chosen), problems, bad_config))
         if problems:  # raised on every rank alike, so none is left waiting in a collective
             raise ConfigError(problems) if bad_config else CheckpointError(problems[0])
         if chosen is None:
             return
-        try:
-            self._load(chosen, custom_may_follow=True)
-        except ValueError as e:  # the checkpoint holds dataloaders or schedulers this prepare() has not seen
-            raise ValueError(f"{e} (checkpoint.resume loads at the end of the prepare() call that prepares the "
-                             "model: pass the model, optimizer, scheduler and dataloaders to that one call)") from e
+        self._load(chosen, custom_may_follow=True)
         for loader in self._prepared.dataloaders:
             loader.skip_batches(loader.resume_position)  # its next epoch continues after the saved batch
         self.resumed_from = chosen
