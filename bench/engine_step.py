@@ -170,12 +170,14 @@ def zerofit_or_torch_step(method: str, args, ids):
 
 
 def _planned_zero(model, args):
-    """`stage: auto` with the offload devices and ratio open: what the planner picks at prepare() for this
-    model, batch and machine (the same call Accelerator.prepare makes), printed as prepare prints it."""
+    """`stage: auto` with the offload devices, ratio and checkpointing open: what the planner picks at
+    prepare() for this model, batch and machine (the same calls Accelerator.prepare makes), printed as
+    prepare prints it."""
     import torch
 
     from zerofit.config.schema import AUTO, OffloadConfig, PrecisionConfig, RunConfig, ZeroConfig
-    from zerofit.frontend.auto_plan import budget_for, machine_host_share, wants_host_share
+    from zerofit.frontend.auto_plan import apply_checkpointing, budget_for, machine_host_share, machine_rates, \
+        wants_host_share
     from zerofit.plan.auto import choose, describe
 
     config = RunConfig(zero=ZeroConfig(stage=AUTO, offload_optimizer=OffloadConfig(device=AUTO, ratio=AUTO,
@@ -185,7 +187,8 @@ def _planned_zero(model, args):
     device = torch.device("cuda")
     share = machine_host_share(device, 1, 2) if wants_host_share(config, device) else None
     chosen, result = choose(config, model, world=1, shape=(args.batch, args.seq), budget=budget_for(device, 1),
-                            host_share=share)
+                            host_share=share, rates=machine_rates(device, 1))
+    apply_checkpointing(chosen, model)  # where the planner turned it on, as prepare() does
     print(describe(config, result), file=sys.stderr, flush=True)
     _planned_zero.label = (result.choice or result.smallest).setting.label
     return chosen.zero

@@ -25,7 +25,7 @@ GPU = "NVIDIA H200"
 # measured 55.3 / 55.4 / 50.2 GB/s, 0.21 / 0.29 s and 0.008 s on such a box).
 H200 = Rates(h2d_gbs=55.0, d2h_gbs=55.0, both_gbs=49.0, cpu_adam_s=0.252, cpu_adam_busy_s=0.388, gpu_adam_s=0.006,
              device_name=GPU, torch_version=torch.__version__, host=socket.gethostname(), cpus=16,
-             measured_at="2026-12-03T10:00:00+00:00")
+             measured_at="2026-12-03T10:00:00+00:00", gpu_tflops=650.0)
 
 
 def _pcie(gbs: float) -> Rates:
@@ -190,8 +190,9 @@ def test_from_json_names_the_wrong_keys():
 
 def test_summary_is_one_short_line():
     assert H200.summary() == ("h2d 55.0 / d2h 55.0 / both 49.0 GB/s; CPU AdamW 0.25 s (0.39 s beside copies), "
-                              "GPU AdamW 0.006 s per 1e9 params (measured 2026-12-03)")
+                              "GPU AdamW 0.006 s per 1e9 params; bf16 matmul 650 TFLOP/s (measured 2026-12-03)")
     assert "beside copies" not in dataclasses.replace(H200, cpu_adam_busy_s=None).summary()
+    assert "matmul" not in dataclasses.replace(H200, gpu_tflops=None).summary()
 
 
 # -- measuring ---------------------------------------------------------------------------------------

@@ -126,9 +126,9 @@ def test_with_measured_rates_the_split_rows_and_their_offload_time_are_shown(cap
     whole = rows["ZeRO-2 + opt cpu (GPU-stepped)"]
     assert split["host_share"] == share and split["host_bytes"]["grads"] > 0 == whole["host_bytes"]["grads"]
     # whole units: this tiny model's split is coarse, so only that both are timed is checked here
-    assert split["offload_seconds"] > 0 and whole["offload_seconds"] > 0
-    assert rows["DDP (stage 0)"]["offload_seconds"] == 0.0
+    assert split["added_seconds"] > 0 and whole["added_seconds"] > 0
+    assert rows["DDP (stage 0)"]["added_seconds"] == 0.0
     assert main(["estimate", "--model", TINY, "--checkpointing", "off", "--gpu_memory_gib", "8",
                  "--host_memory_gib", "16", "--host_share", "0"]) == 0
     out = capsys.readouterr().out
-    assert "on the CPU)" not in out and "offload s" in out
+    assert "on the CPU)" not in out and "added s" in out

@@ -13,6 +13,7 @@ from zerofit.config import load_config
 from zerofit.config.schema import AUTO, OffloadConfig, RunConfig, ZeroConfig
 from zerofit.errors import ConfigError
 from zerofit.frontend.auto_plan import budget_for
+from zerofit.plan.activations import checkpointing_switch
 from zerofit.plan.auto import candidates, choose
 from zerofit.plan.choose import HOST_BASELINE_BYTES
 from zerofit.testing.distributed import run_distributed
@@ -146,3 +147,89 @@ def test_the_allowed_gpu_memory_takes_a_device_without_an_index(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     for device in (torch.device("cuda"), "cuda", torch.device("cuda", 0), 0):
         assert allowed_gpu_bytes(device) == 24 * GIB
+
+
+# -- activation checkpointing as a planned choice (zero.gradient_checkpointing) -----------------------
+
+def _checkpoints(model) -> bool:
+    return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
+
+
+def _long_gpt2():
+    """A tiny GPT-2 whose activations at 8 x 512 tokens dwarf its states: checkpointing decides what fits."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=512,
+                                      use_cache=False, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+
+
+def _long_loader():
+    g = torch.Generator().manual_seed(1)
+    rows = [{"input_ids": torch.randint(0, 64, (512,), generator=g)} for _ in range(8)]
+    return DataLoader(rows, batch_size=8)
+
+
+@pytest.mark.parametrize(("written", "has", "expected"), [
+    (None, False, (False, True)), (AUTO, False, (False, True)), (True, False, (True,)), (False, False, (False,)),
+    (None, True, (True,)), (False, True, (True,)),  # a script's own call stands
+])
+def test_which_checkpointing_settings_the_planner_weighs(written, has, expected):
+    from zerofit.plan.auto import checkpointing_choices
+
+    model = _tiny_gpt2()
+    if has:
+        checkpointing_switch(model)[0]()
+    config = RunConfig(zero=ZeroConfig(stage=AUTO, gradient_checkpointing=written))
+    assert checkpointing_choices(config, model) == expected
+    assert checkpointing_choices(RunConfig(zero=ZeroConfig(stage=AUTO)), torch.nn.Linear(2, 2)) == (False,)
+
+
+def test_the_planner_turns_checkpointing_on_where_only_that_fits(monkeypatch, capsys):
+    monkeypatch.setenv("ZEROFIT_HOST_MEMORY_GIB", "1000")
+    _, result = choose(RunConfig(zero=ZeroConfig(stage=AUTO)), _long_gpt2(), world=1, shape=(8, 512),
+                       budget=budget_for(torch.device("cpu"), 1))
+    need = {e.setting.label: e.gpu_total + e.host_total + HOST_BASELINE_BYTES for e in result.estimates}
+    assert need["DDP (stage 0)"] - need["DDP (stage 0) + ckpt"] > 16 << 20  # activations decide
+    budget = (need["DDP (stage 0)"] + need["DDP (stage 0) + ckpt"]) / 2 / 0.9  # only checkpointing fits
+    monkeypatch.setenv("ZEROFIT_HOST_MEMORY_GIB", repr(budget / GIB))
+    reference = _long_gpt2()
+    batch = next(iter(_long_loader()))["input_ids"]
+    expected = reference(input_ids=batch, labels=batch).loss
+    expected.backward()
+    torch.optim.SGD(reference.parameters(), lr=0.1).step()
+
+    acc = Accelerator(config=RunConfig(zero=ZeroConfig(stage=AUTO)), cpu=True)
+    model = _long_gpt2()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt, dl = acc.prepare(model, opt, _long_loader())
+    assert acc.config.zero.gradient_checkpointing is True and _checkpoints(model)
+    assert "zero.gradient_checkpointing auto -> DDP (stage 0) + ckpt" in capsys.readouterr().out.replace(
+        "zero.stage, zero.offload_optimizer.device, zero.offload_param.device, ", "")
+    for b in dl:
+        loss = model(input_ids=b["input_ids"], labels=b["input_ids"]).loss
+        acc.backward(loss)
+        opt.step()
+    assert torch.equal(loss.detach(), expected.detach())  # the recomputed forward is the same forward
+    for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+        assert torch.allclose(p, q, rtol=1e-5, atol=1e-7), name
+
+    # written false: the planner never turns it on, and says what does not fit
+    acc = Accelerator(config=RunConfig(zero=ZeroConfig(stage=AUTO, gradient_checkpointing=False)), cpu=True)
+    model = _long_gpt2()
+    model, opt, dl = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.0), _long_loader())
+    assert acc.config.zero.gradient_checkpointing is False and not _checkpoints(model)
+
+
+def test_written_checkpointing_is_turned_on_and_refused_for_a_plain_module(tmp_path):
+    acc = Accelerator(config=RunConfig(zero=ZeroConfig(stage=2, gradient_checkpointing=True)), cpu=True)
+    model = _tiny_gpt2()
+    model, _ = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert _checkpoints(model)
+    path = _write(tmp_path, "ds.json", json.dumps({"zero_optimization": {"stage": 2, "gradient_checkpointing": True},
+                                                   "train_micro_batch_size_per_gpu": 1}))
+    acc = Accelerator(config=load_config(path), cpu=True)
+    plain = torch.nn.Linear(4, 4)
+    with pytest.raises(ConfigError, match=r"zero_optimization\.gradient_checkpointing is true, but Linear has no "
+                                          r"gradient_checkpointing_enable\(\).*remove the key"):
+        acc.prepare(plain, torch.optim.SGD(plain.parameters(), lr=0.1))

@@ -130,8 +130,9 @@ def run(args: argparse.Namespace) -> int:
     shares = [share, 0.0] if share and step_on == "device" else [share if step_on == "device" else 0.0]
     settings = [s for h in shares for s in all_settings(work.world, checkpointing=tuple(traces), nvme=args.nvme,
                                                          offload_ratio=ratio, step_on=step_on, host_share=h)]
-    result = plan(counts, work, budget, traces, open_ratio=open_ratio, settings=list(dict.fromkeys(settings)))
-    seconds = {e.setting: _offload_seconds(rates, counts, e.setting, args) for e in result.estimates} if rates else {}
+    result = plan(counts, work, budget, traces, open_ratio=open_ratio, settings=list(dict.fromkeys(settings)),
+                  rates=rates)
+    seconds = result.seconds or {}
     if args.json:
         print(json.dumps(_as_json(args, counts, work, budget, result, seconds), indent=1))
     else:
@@ -142,22 +143,8 @@ def run(args: argparse.Namespace) -> int:
 _BYTES = {"bf16": 2, "fp16": 2, "no": 4}
 
 
-def _offload_seconds(rates, counts, setting, args) -> float:
-    """The offloaded state's step time per optimizer step on this machine's measured rates."""
-    from zerofit.plan import bandwidth
-    from zerofit.plan.memory import offloaded_split
-
-    streamed, hosted = offloaded_split(counts, setting)
-    c, k = _BYTES[args.mixed_precision], args.optimizer_states
-    if setting.offload_optimizer == "none":
-        return 0.0
-    if setting.step_on == "host":
-        return bandwidth.host_seconds(rates, hosted, param_bytes=c)
-    return bandwidth.offload_seconds(rates, streamed, hosted, param_bytes=c, state_tensors=k)
-
-
 def _row(e, budget, seconds: dict) -> dict:
-    return {"offload_seconds": seconds.get(e.setting), "host_share": e.setting.host_share, "setting": e.setting.label, "stage": e.setting.stage, "offload_optimizer": e.setting.offload_optimizer,
+    return {"added_seconds": seconds.get(e.setting), "host_share": e.setting.host_share, "setting": e.setting.label, "stage": e.setting.stage, "offload_optimizer": e.setting.offload_optimizer,
             "offload_param": e.setting.offload_param, "offload_ratio": e.setting.offload_ratio,
             "step_on": e.setting.step_on,
             "checkpointing": e.setting.checkpointing,
@@ -188,7 +175,7 @@ def _as_table(args, counts, budget, result, seconds: dict) -> str:
             f"{args.num_processes} GPU(s), micro-batch {args.micro_batch} x {args.seq}, {args.mixed_precision}; GiB per rank")
     cols = ["setting", "params", "grads", "optim", "activ", "buffers", "GPU total", "host pinned", "fits"]
     if seconds:
-        cols.append("offload s")
+        cols.append("added s")
     rows = []
     for e in result.estimates:
         fits = {True: "yes", False: "no", None: "?"}
@@ -200,11 +187,11 @@ def _as_table(args, counts, budget, result, seconds: dict) -> str:
         rows.append([e.setting.label, _gib(e.params), _gib(e.grads), _gib(e.optimizer), _gib(e.activations),
                      _gib(e.buffers), _gib(e.gpu_total), _gib(e.host_total), verdict])
         if seconds:
-            rows[-1].append(f"{seconds[e.setting]:.3f}")
+            rows[-1].append("?" if seconds[e.setting] is None else f"{seconds[e.setting]:.3f}")
     widths = [max(len(str(r[i])) for r in [cols, *rows]) for i in range(len(cols))]
     line = lambda r: "  ".join(str(v).ljust(w) if i == 0 else str(v).rjust(w) for i, (v, w) in enumerate(zip(r, widths)))  # noqa: E731
     out = [head, line(cols), line(["-" * w for w in widths]), *map(line, rows), "", f"choice: {result.reason}"]
     if seconds:
-        out.append("offload s: the offloaded state's step per optimizer step on this machine's measured offload "
-                   "rates (zerofit env; the next forward overlaps it)")
+        out.append("added s: what the setting adds to an optimizer step on this machine's measured rates (zerofit env): "
+                   "offloaded state's update, parameter uploads, recomputed forward; the fastest that fits is chosen")
     return "\n".join(out)

@@ -100,6 +100,8 @@ class ZeroConfig:
     """Parameter count above which a module becomes its own communication unit when no repeated block is found."""
     aio: AioConfig = field(default_factory=AioConfig)
     """File I/O settings for NVMe offload."""
+    gradient_checkpointing: bool | Any | None = None
+    """Activation checkpointing of a transformers model (`gradient_checkpointing_enable()`, called at prepare()): true: on; false: zerofit never turns it on (a script's own call stands); "auto": the planner turns it on where that makes the fastest setting that fits; unset: "auto" when the planner runs (stage, an offload device or the ratio "auto"), else the model as the script built it."""
 
 
 @dataclass(frozen=True, kw_only=True)

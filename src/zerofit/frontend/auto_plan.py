@@ -20,7 +20,9 @@ from zerofit.config.naming import key_name
 from zerofit.config.schema import RunConfig, is_auto
 from zerofit.frontend.probe import StepProbe
 from zerofit.plan import bandwidth
-from zerofit.plan.auto import choose, describe
+from zerofit.errors import ConfigError
+from zerofit.plan.activations import checkpointing_switch
+from zerofit.plan.auto import can_checkpoint, choose, describe, has_checkpointing
 from zerofit.plan.choose import Budget, allowed_gpu_bytes, machine_budget
 
 
@@ -65,6 +67,43 @@ def machine_host_share(device: torch.device, world: int, compute_bytes: int) -> 
     return share if share > 0 else None
 
 
+def machine_rates(device: torch.device, world: int) -> bandwidth.Rates | None:
+    """This machine's measured rates for the planner, rank 0's for every rank (one broadcast): the cached
+    ones, or measured now and cached when none are (once per machine, a few seconds, printed); None
+    without CUDA or where they cannot be measured (the planner then keeps its fixed order)."""
+    rates = None
+    if device.type == "cuda" and (not dist.is_initialized() or dist.get_rank() == 0):
+        rates = bandwidth.cached(device)
+        if rates is None or rates.gpu_tflops is None:
+            print(f"zerofit: measuring this machine's offload and matmul rates once for the planner "
+                  f"(cached in {bandwidth.cache_path()}; `zerofit env` shows them)", flush=True)
+            try:
+                rates = bandwidth.probe(device, refresh=True)
+            except Exception as e:  # noqa: BLE001 - the planner still works without rates
+                print(f"zerofit: could not measure the rates ({e}); the planner keeps its fixed order", flush=True)
+                rates = None
+    if world > 1 and dist.is_initialized():
+        box = [rates]
+        dist.broadcast_object_list(box, src=0)
+        rates = box[0]
+    return rates
+
+
+def apply_checkpointing(config: RunConfig, model: nn.Module) -> None:
+    """Turn activation checkpointing on in `model` where `zero.gradient_checkpointing` is true (written, or
+    the planner's choice) and the model does not have it yet."""
+    if config.zero.gradient_checkpointing is not True or has_checkpointing(model):
+        return
+    if not can_checkpoint(model):
+        raise ConfigError(f"{key_name(config.source_format, 'zero.gradient_checkpointing')} is true, but "
+                          f"{type(model).__name__} has no gradient_checkpointing_enable() (a transformers model "
+                          "that supports it): remove the key, or checkpoint the model's blocks in the script",
+                          config.source)
+    checkpointing_switch(model)[0]()  # non-reentrant, as the planner traced it
+    if getattr(getattr(model, "config", None), "use_cache", False):
+        model.config.use_cache = False  # a cache is never used in training and conflicts with checkpointing
+
+
 def _env_gib(name: str) -> float | None:
     value = os.environ.get(name)
     if not value:
@@ -95,17 +134,20 @@ def first_batch_shape(loader: Any, micro_batch: int | None) -> tuple[int, int] |
 
 
 def plan_for(config: RunConfig, model: nn.Module, *, loaders: list[Any], micro_batch: int | None,
-             process: Any, host_share: float | None = None) -> tuple[RunConfig, StepProbe]:
+             process: Any, host_share: float | None = None,
+             rates: bandwidth.Rates | None = None) -> tuple[RunConfig, StepProbe]:
     """`config` with its "auto" stage / offload resolved for `model` (the choice is printed on the local
     main process), and the probe that checks the choice on the first optimizer step (`zerofit.frontend.probe`).
 
     `loaders` are the DataLoaders prepared so far (the first gives the batch shape), `micro_batch` the
     script's micro-batch if known, `process` this process's place in the run (`ProcessState`),
-    `host_share` the split `machine_host_share` found (tried where it fits)."""
+    `host_share` the split `machine_host_share` found (tried where it fits), `rates` this machine's
+    measured rates (`machine_rates`), which rank the settings that fit."""
     shape = first_batch_shape(loaders[0], micro_batch) if loaders else None
     world, device = process.num_processes, process.device
     budget = budget_for(device, world)
-    config_out, result = choose(config, model, world=world, shape=shape, budget=budget, host_share=host_share)
+    config_out, result = choose(config, model, world=world, shape=shape, budget=budget, host_share=host_share,
+                                rates=rates)
     if process.is_local_main_process:
         print(describe(config, result))
     fmt = config.source_format

@@ -21,7 +21,7 @@ from zerofit.config.schema import SchedulerConfig
 from zerofit.engine import ZeroEngine
 from zerofit.errors import ConfigError
 from zerofit.frontend import engine_surface, ops
-from zerofit.frontend.auto_plan import machine_host_share, plan_for, wants_host_share
+from zerofit.frontend.auto_plan import apply_checkpointing, machine_host_share, machine_rates, plan_for, wants_host_share
 from zerofit.frontend.data import ShardedDataLoader
 from zerofit.frontend.optimizers import AcceleratedOptimizer, build_optimizer
 from zerofit.frontend.progress import Progress
@@ -179,7 +179,8 @@ class PrepareMixin:
         if needs_planning(self.config) or share is not None:  # "auto": the planner picks (zerofit.frontend.auto_plan)
             self.config, probe = plan_for(self.config, model, loaders=self._prepared.dataloaders,
                                           micro_batch=self._facts.micro_batch_size, process=self.process,
-                                          host_share=share)
+                                          host_share=share, rates=machine_rates(self.device, self.num_processes))
+        apply_checkpointing(self.config, model)
         cfg = self.config
         engine = ZeroEngine(model, optimizer, zero=cfg.zero, precision=cfg.precision,
                             gradient_accumulation_steps=self.gradient_state.window,

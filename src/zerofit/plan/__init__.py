@@ -4,11 +4,12 @@
 - `activations`: the activation peak of one micro-step, measured on that model;
 - `memory`: the bytes of every engine buffer per setting, from the engine's own layout functions;
 - `choose`: every setting's estimate and the fastest that fits a memory budget;
-- `auto`: the decision behind `stage: auto` / offload `auto`, the same on every rank;
+- `auto`: the decision behind `stage: auto` / offload `auto` / activation checkpointing, the same on every rank;
 - `probe`: the judgement of a planned run's first optimizer step, its measured peak against the estimate;
 - `advice`: the estimate for the running model, for the error when memory runs out.
 - `bandwidth`: the machine's offload rates (measured once, cached) and the time model of host-stepped,
-  GPU-stepped and split optimizer offload on them.
+  GPU-stepped and split optimizer offload on them;
+- `step_time`: what a setting adds to a step on those rates, which ranks the settings that fit.
 
 The run-time halves live in the front end: `zerofit.frontend.auto_plan` (the budget over the ranks and
 the first batch, at `prepare()`), `zerofit.frontend.probe` (measuring the first step) and

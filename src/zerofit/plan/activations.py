@@ -230,21 +230,29 @@ def _prepare(model: nn.Module, checkpointing: bool) -> None:
                 value.p = 0.0
             elif isinstance(value, float) and not isinstance(m, nn.Dropout):
                 setattr(m, key, 0.0)
-    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x; the older name warns there
-        on, off, kwargs = model.activation_checkpointing_enable, model.activation_checkpointing_disable, \
-            {"activation_checkpointing_kwargs": {"use_reentrant": False}}
-    elif hasattr(model, "gradient_checkpointing_enable"):
-        on, off, kwargs = model.gradient_checkpointing_enable, model.gradient_checkpointing_disable, \
-            {"gradient_checkpointing_kwargs": {"use_reentrant": False}}
-    elif checkpointing:
-        raise ValueError(f"{type(model).__name__} has no gradient_checkpointing_enable(): activation "
-                         "checkpointing can only be planned for transformers models")
-    else:
+    switch = checkpointing_switch(model)
+    if switch is None:
+        if checkpointing:
+            raise ValueError(f"{type(model).__name__} has no gradient_checkpointing_enable(): activation "
+                             "checkpointing can only be planned for transformers models")
         return
+    on, off = switch
     if checkpointing:
-        on(**kwargs)
+        on()
     elif any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
         off()
+
+
+def checkpointing_switch(model: nn.Module):
+    """(turn on, turn off) activation checkpointing of a transformers model, non-reentrant (what the
+    planner traces and what zerofit turns on), or None for a model that has no such switch."""
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x; the older name warns there
+        kwargs = {"activation_checkpointing_kwargs": {"use_reentrant": False}}
+        return (lambda: model.activation_checkpointing_enable(**kwargs)), model.activation_checkpointing_disable
+    if hasattr(model, "gradient_checkpointing_enable"):
+        kwargs = {"gradient_checkpointing_kwargs": {"use_reentrant": False}}
+        return (lambda: model.gradient_checkpointing_enable(**kwargs)), model.gradient_checkpointing_disable
+    return None
 
 
 def trace_step(fake: FakeModel, *, batch: int, seq: int, checkpointing: bool = False,

@@ -29,7 +29,8 @@ from torch import nn
 from zerofit.config.naming import key_name
 from zerofit.config.schema import RunConfig, is_auto
 from zerofit.engine.policy import COMPUTE_DTYPES, step_on_for
-from zerofit.plan.activations import trace_step
+from zerofit.plan.activations import ActivationTrace, checkpointing_switch, trace_step
+from zerofit.plan.bandwidth import Rates
 from zerofit.plan.choose import Budget, Plan, plan
 from zerofit.plan.memory import DTYPE_BYTES, ModelCounts, Setting, Workload, all_settings
 from zerofit.plan.sources import replica_of
@@ -38,7 +39,29 @@ from zerofit.plan.sources import replica_of
 def needs_planning(config: RunConfig) -> bool:
     z = config.zero
     return (is_auto(z.stage) or is_auto(z.offload_optimizer.device) or is_auto(z.offload_param.device)
-            or is_auto(z.offload_optimizer.ratio))
+            or is_auto(z.offload_optimizer.ratio) or is_auto(z.gradient_checkpointing))
+
+
+def can_checkpoint(model: nn.Module) -> bool:
+    """`model` is a transformers model that can turn activation checkpointing on."""
+    return bool(getattr(model, "supports_gradient_checkpointing", False)) and checkpointing_switch(model) is not None
+
+
+def has_checkpointing(model: nn.Module) -> bool:
+    """Activation checkpointing is on somewhere in `model` (as transformers marks it)."""
+    return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
+
+
+def checkpointing_choices(config: RunConfig, model: nn.Module) -> tuple[bool, ...]:
+    """The activation checkpointing settings the planner may pick between for `model` (see
+    `zero.gradient_checkpointing`): the model as it is, and on too where the planner may turn it on."""
+    written = config.zero.gradient_checkpointing
+    on = has_checkpointing(model)
+    if written is True or on:
+        return (True,)
+    if written is False or not can_checkpoint(model):
+        return (False,)
+    return (False, True)
 
 
 def candidates(config: RunConfig, world: int, checkpointing: bool, *, host_share: float | None = None) -> list[Setting]:
@@ -81,41 +104,54 @@ def _written(value: Any, stage: int) -> str:
 
 
 def choose(config: RunConfig, model: nn.Module, *, world: int, shape: tuple[int, int] | None,
-           budget: Budget, host_share: float | None = None) -> tuple[RunConfig, Plan]:
-    """`config` with the open stage / offload devices / ratio / host share filled by the planner for
-    `budget`, and the plan behind it; `host_share`: the split between host- and GPU-stepped offload this
-    machine's measured rates favour (None: none known), tried before no split where it fits."""
+           budget: Budget, host_share: float | None = None, rates: Rates | None = None) -> tuple[RunConfig, Plan]:
+    """`config` with the open stage / offload devices / ratio / host share / checkpointing filled by the
+    planner for `budget`, and the plan behind it; `host_share`: the split between host- and GPU-stepped
+    offload this machine's measured rates favour (None: none known), tried before no split where it fits;
+    `rates`: this machine's measured rates, which rank the settings that fit (None: the fixed order).
+    `zero.gradient_checkpointing` comes back true or false: what the model must run with
+    (`zerofit.frontend.auto_plan.apply_checkpointing` turns it on)."""
     precision = config.precision.mixed_precision
-    checkpointing = any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
+    choices = checkpointing_choices(config, model)
     threshold = config.zero.param_persistence_threshold
     work = Workload(world=world, mixed_precision=precision if precision in DTYPE_BYTES else "no",
                     micro_batch=shape[0] if shape else 1, seq=shape[1] if shape else 1,
                     gradient_accumulation_steps=_int(config.batch.gradient_accumulation_steps, 1),
                     persistence_threshold=_int(threshold, 100_000),
                     unit_size_threshold=config.zero.unit_size_threshold)
-    trace = None
-    if shape is not None:
-        fake = replica_of(model, COMPUTE_DTYPES.get(precision, torch.float32))
-        if fake is not None:
-            try:
-                trace = trace_step(fake, batch=shape[0], seq=shape[1], checkpointing=checkpointing,
-                                   unit_size_threshold=work.unit_size_threshold)
-            except Exception:  # noqa: BLE001 - the states are still planned, and the reason says so
-                trace = None
+    traces = {ck: _trace(model, shape, ck, precision, work) for ck in choices}
+    if len(choices) > 1 and traces[True] is None:
+        traces.pop(True)  # what checkpointing saves is unknown: it would only add recomputation
     counts = ModelCounts.of(model, unit_size_threshold=work.unit_size_threshold)
-    result = plan(counts, work, budget, {checkpointing: trace},
-                  settings=candidates(config, world, checkpointing, host_share=host_share),
+    settings = [s for ck in traces for s in candidates(config, world, ck, host_share=host_share)]
+    result = plan(counts, work, budget, traces, settings=settings, rates=rates,
                   open_ratio=is_auto(config.zero.offload_optimizer.ratio))
     chosen = result.choice or result.smallest
     s = chosen.setting
     z = config.zero
     zero = dataclasses.replace(
-        z, stage=s.stage,
+        z, stage=s.stage, gradient_checkpointing=s.checkpointing,
         offload_optimizer=dataclasses.replace(
             z.offload_optimizer, device=s.offload_optimizer, ratio=s.offload_ratio,
             host_share=s.host_share if s.step_on == "device" else z.offload_optimizer.host_share),
         offload_param=dataclasses.replace(z.offload_param, device=s.offload_param))
     return config.replace(zero=zero), result
+
+
+def _trace(model: nn.Module, shape: tuple[int, int] | None, checkpointing: bool, precision: str,
+           work: Workload) -> ActivationTrace | None:
+    """The activation trace of `model` at the batch `shape`, with or without checkpointing (None: no
+    shape, not a model the replica knows, or the trace failed: the states are still planned)."""
+    if shape is None:
+        return None
+    fake = replica_of(model, COMPUTE_DTYPES.get(precision, torch.float32))
+    if fake is None:
+        return None
+    try:
+        return trace_step(fake, batch=shape[0], seq=shape[1], checkpointing=checkpointing,
+                          unit_size_threshold=work.unit_size_threshold)
+    except Exception:  # noqa: BLE001 - the states are still planned, and the reason says so
+        return None
 
 
 def _int(value: Any, default: int) -> int:
@@ -127,6 +163,8 @@ def describe(config: RunConfig, result: Plan) -> str:
     planned = ["zero.stage", "zero.offload_optimizer.device", "zero.offload_param.device"]
     if is_auto(config.zero.offload_optimizer.ratio):
         planned.append("zero.offload_optimizer.ratio")
+    if len({e.setting.checkpointing for e in result.estimates}) > 1:
+        planned.append("zero.gradient_checkpointing")
     share = config.zero.offload_optimizer.host_share
     if (share is None or is_auto(share)) and any(e.setting.host_share for e in result.estimates):
         planned.append("zero.offload_optimizer.host_share")

@@ -46,7 +46,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -69,6 +69,9 @@ TRIALS = 5
 """Timed repeats of each measurement after one warm-up; the median is kept."""
 COPIES_PER_TRIAL = 4
 GPU_STEPS_PER_TRIAL = 4
+GEMM_SHAPE = (4096, 4096, 4096)
+"""(tokens, in features, out features) of the timed bf16 matrix product: a micro-batch of 8 x 512 tokens
+through a 4096-wide projection, the size of the layers fine-tuned on one GPU."""
 MAX_BUSY_COPY_S = 3.0
 """The longest the copies behind the busy CPU measurement may run; past it that rate is not measured."""
 
@@ -106,12 +109,15 @@ class Rates:
     both_busy_gbs: float | None = None
     """Each way, GB/s, both directions at once while the CPU runs fused AdamW: host memory is shared, so
     the link slows while the CPU steps (None: not measured)."""
+    gpu_tflops: float | None = None
+    """Tera-FLOP/s of a bf16 matrix product of a fine-tuning layer's shape (`GEMM_SHAPE`): what a recomputed
+    forward runs at, for the planner's price of activation checkpointing (None: measured by an older zerofit)."""
 
     def __post_init__(self):
         for name in ("h2d_gbs", "d2h_gbs", "both_gbs", "cpu_adam_s", "cpu_adam_busy_s", "gpu_adam_s",
-                     "both_busy_gbs"):
+                     "both_busy_gbs", "gpu_tflops"):
             value = getattr(self, name)
-            if value is None and name in ("cpu_adam_busy_s", "both_busy_gbs"):
+            if value is None and name in ("cpu_adam_busy_s", "both_busy_gbs", "gpu_tflops"):
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
                     or value <= 0:
@@ -134,12 +140,14 @@ class Rates:
 
     @classmethod
     def from_json(cls, data: Mapping) -> Rates:
-        """Rates from `to_json`'s dict: exactly its keys, each value checked (ValueError otherwise)."""
+        """Rates from `to_json`'s dict: its keys (those with a default may be missing: an older zerofit's
+        entry), each value checked (ValueError otherwise)."""
         if not isinstance(data, Mapping):
             raise ValueError(f"offload rates must be a JSON object (got {type(data).__name__})")
         names = {f.name for f in fields(cls)}
-        if set(data) != names:
-            extra, missing = sorted(map(str, set(data) - names)), sorted(names - set(data))
+        required = {f.name for f in fields(cls) if f.default is MISSING}
+        if not required <= set(data) <= names:
+            extra, missing = sorted(map(str, set(data) - names)), sorted(required - set(data))
             raise ValueError(f"offload rates: unknown keys {extra[:5]}, missing keys {missing}")
         return cls(**data)
 
@@ -147,8 +155,9 @@ class Rates:
         """One line: `h2d 55.2 / d2h 54.8 / both 48.8 GB/s; CPU AdamW 0.25 s (...) per 1e9 params (...)`."""
         busy = "" if self.cpu_adam_busy_s is None else f" ({self.cpu_adam_busy_s:.2f} s beside copies)"
         link = "" if self.both_busy_gbs is None else f" ({self.both_busy_gbs:.1f} beside CPU AdamW)"
+        gemm = "" if self.gpu_tflops is None else f"; bf16 matmul {self.gpu_tflops:.0f} TFLOP/s"
         return (f"h2d {self.h2d_gbs:.1f} / d2h {self.d2h_gbs:.1f} / both {self.both_gbs:.1f}{link} GB/s; "
-                f"CPU AdamW {self.cpu_adam_s:.2f} s{busy}, GPU AdamW {self.gpu_adam_s:.3f} s per 1e9 params "
+                f"CPU AdamW {self.cpu_adam_s:.2f} s{busy}, GPU AdamW {self.gpu_adam_s:.3f} s per 1e9 params{gemm} "
                 f"(measured {self.measured_at[:10]})")
 
 
@@ -210,6 +219,7 @@ def _measure(dev: torch.device) -> Rates:
     h2d, d2h = _copy_gbs([upload]), _copy_gbs([download])
     both = _copy_gbs([upload, download])
     gpu_adam_s = _gpu_adam_seconds(dev)
+    gpu_tflops = _gemm_tflops(dev)
     cpu_step = _cpu_adam_stepper(CPU_ADAM_NUMEL)
     cpu_alone = statistics.median(cpu_step() for _ in range(TRIALS))
     cpu_busy = _busy_step_seconds(cpu_step, [upload, download], both_gbs=both, alone_s=cpu_alone)
@@ -219,7 +229,8 @@ def _measure(dev: torch.device) -> Rates:
                  cpu_adam_busy_s=None if cpu_busy is None else cpu_busy * per, gpu_adam_s=gpu_adam_s,
                  device_name=torch.cuda.get_device_name(dev), torch_version=torch.__version__,
                  host=socket.gethostname(), cpus=_usable_cpus(),
-                 measured_at=datetime.now(timezone.utc).isoformat(timespec="seconds"), both_busy_gbs=both_busy)
+                 measured_at=datetime.now(timezone.utc).isoformat(timespec="seconds"), both_busy_gbs=both_busy,
+                 gpu_tflops=gpu_tflops)
 
 
 def _copy_gbs_beside(step, copies) -> float:
@@ -290,6 +301,24 @@ def _gpu_adam_seconds(dev: torch.device) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3 / GPU_STEPS_PER_TRIAL)
     return statistics.median(times) * GB / GPU_ADAM_NUMEL
+
+
+def _gemm_tflops(dev: torch.device) -> float:
+    """TFLOP/s of one bf16 matrix product of `GEMM_SHAPE`, the median of TRIALS timings."""
+    m, k, n = GEMM_SHAPE
+    a = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(k, n, device=dev, dtype=torch.bfloat16)
+    out = torch.mm(a, b)  # warm-up: cuBLAS picks its kernel
+    times = []
+    for _ in range(TRIALS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(GPU_STEPS_PER_TRIAL):
+            torch.mm(a, b, out=out)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / GPU_STEPS_PER_TRIAL)
+    return 2 * m * k * n / statistics.median(times) / 1e12
 
 
 def _cpu_adam_stepper(numel: int):
@@ -369,14 +398,15 @@ def cached(device: torch.device | str | int | None = None) -> Rates | None:
 
 
 def probe(device: torch.device | str | int | None = None, *, refresh: bool = False) -> Rates:
-    """The cached rates, or (none cached, or `refresh`) freshly measured ones, then cached.
+    """The cached rates, or (none cached, an older zerofit's entry without the matmul rate, or `refresh`)
+    freshly measured ones, then cached.
 
     A cache that cannot be written (a read-only home, a full disk) costs only a warning: the rates are
     returned all the same. Raises ValueError on a device that is not CUDA, as `measure` does.
     """
     if not refresh:
         hit = cached(device)
-        if hit is not None:
+        if hit is not None and hit.gpu_tflops is not None:
             return hit
     rates = measure(device)
     store(rates)

@@ -36,8 +36,10 @@ from torch import nn
 
 from zerofit.engine.policy import offload_ratios
 from zerofit.plan.activations import ActivationTrace, trace_step
+from zerofit.plan.bandwidth import Rates
 from zerofit.plan.memory import GIB, Estimate, ModelCounts, Setting, Workload, all_settings, estimate
 from zerofit.plan.sources import FakeModel
+from zerofit.plan.step_time import added_seconds
 
 GPU_RESERVE_BYTES = 1 * GIB
 HOST_BASELINE_BYTES = 3 * GIB // 2
@@ -96,6 +98,9 @@ class Plan:
     reason: str
     smallest: Estimate | None = None
     """The setting needing the least memory (what runs when nothing fits)."""
+    seconds: dict | None = None
+    """Setting -> seconds it adds to a step on the machine's measured rates (`zerofit.plan.step_time`;
+    None for one that cannot be priced); None: no rates, the fixed order of [Note: speed order] decided."""
 
 
 def machine_budget(*, gpu_memory_gib: float | None = None, host_memory_gib: float | None = None,
@@ -153,12 +158,14 @@ def least_offload(counts: ModelCounts, setting: Setting, work: Workload, budget:
 
 
 def plan(counts: ModelCounts, work: Workload, budget: Budget, traces: dict[bool, ActivationTrace | None], *,
-         settings: list[Setting] | None = None, open_ratio: bool = False) -> Plan:
+         settings: list[Setting] | None = None, open_ratio: bool = False, rates: Rates | None = None) -> Plan:
     """Estimate `settings` (default: all for the world size) and choose the fastest that fits `budget`.
 
     `traces` maps checkpointing on/off to its activation trace (None: activations unknown, counted 0).
     `open_ratio`: each optimizer-offloading setting offloads the least that fits (`least_offload`) instead
-    of its own `offload_ratio`.
+    of its own `offload_ratio`. `rates`: this machine's measured rates; where given and every setting that
+    fits can be priced, the fastest is the one that adds the fewest seconds (`zerofit.plan.step_time`),
+    else the first in [Note: speed order].
     """
     if settings is None:
         settings = all_settings(work.world, checkpointing=tuple(sorted(traces)))
@@ -167,22 +174,35 @@ def plan(counts: ModelCounts, work: Workload, budget: Budget, traces: dict[bool,
         least_offload(counts, s, work, budget, traces.get(s.checkpointing))
         if open_ratio and s.offload_optimizer != "none" else estimate(counts, s, work, traces.get(s.checkpointing))
         for s in settings)
+    seconds = {e.setting: added_seconds(rates, counts, e.setting, work) for e in estimates} if rates else None
     fitting = [e for e in estimates if budget.fits(e)]
+    if seconds is not None and all(seconds[e.setting] is not None for e in fitting):
+        fitting.sort(key=lambda e: (round(seconds[e.setting], 4), speed_rank(e.setting)))
     if not fitting:
         smallest = min(estimates, key=budget.need)
         what = "memory" if budget.unified else "GPU need"
         why = (f"nothing fits: the smallest {what} is {smallest.setting.label} at {budget.need(smallest) / GIB:.2f} GiB"
                f"{_of(budget)}; lower the micro-batch, add GPUs or turn on checkpointing")
-        return Plan(estimates, None, why, smallest)
+        return Plan(estimates, None, why, smallest, seconds)
     choice = fitting[0]
-    faster = [e for e in estimates if speed_rank(e.setting) < speed_rank(choice.setting)]
+    faster = [e for e in estimates if _faster(e, choice, seconds)]
     why = f"{choice.setting.label}: the fastest setting that fits, {choice.gpu_total / GIB:.1f} GiB GPU"
     why += f" and {choice.host_total / GIB:.1f} GiB pinned host{_of(budget)}"
     if faster:
         why += f"; faster ones do not fit ({faster[-1].setting.label} needs {faster[-1].gpu_total / GIB:.1f} GiB GPU)"
+    if seconds is not None and seconds.get(choice.setting) is not None:
+        why += f"; it adds {seconds[choice.setting]:.3f} s a step on this machine's measured rates"
     if not any(traces.values()):
         why += "; activations unknown (not counted)"
-    return Plan(estimates, choice, why)
+    return Plan(estimates, choice, why, None, seconds)
+
+
+def _faster(e: Estimate, choice: Estimate, seconds: dict | None) -> bool:
+    """`e` would have been chosen before `choice` had it fit."""
+    if seconds is not None and seconds.get(e.setting) is not None and seconds.get(choice.setting) is not None:
+        return (round(seconds[e.setting], 4), speed_rank(e.setting)) < \
+            (round(seconds[choice.setting], 4), speed_rank(choice.setting))
+    return speed_rank(e.setting) < speed_rank(choice.setting)
 
 
 def _of(budget: Budget) -> str:
