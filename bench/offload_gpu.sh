@@ -11,6 +11,10 @@
 #         batch 32 under a 24 GiB cap; this machine's offload rates first
 # big:    stage: auto on the 13 B Llama-2 architecture 8x512 (activation checkpointing: on, then off)
 # bigpeer: DeepSpeed's best try at the 13 B model (ZeRO-3, optimizer state partly offloaded, checkpointing)
+# rows:   issue #19's GPT-2 XL rows, peers beside: ZeRO-2/3 offload 16x128 (DeepSpeed, FSDP2), and
+#         stage: auto at batch 32 under a 24 GiB cap (DeepSpeed ZeRO-3 offload beside); the rates first
+# rowsbig: issue #19's Llama rows: 6.7 B full offload forced, 6.7 B and 13 B stage: auto (checkpointing
+#         left to the planner)
 # DeepSpeed comes from wheels in .whl/ when present (see ../shared/ANCHORS.md).
 set -uo pipefail
 OUT="${1:-out/offload_gpu}"; WHAT="${2:-clip}"
@@ -51,6 +55,19 @@ case "$WHAT" in
   bigpeer)
     $B --methods deepspeed-s3-offload --model llama --n_embd 5120 --n_layer 40 --n_head 40 --intermediate 13824 \
        --batch 8 --seq 512 --steps 2 --checkpointing --offload-ratio 0.5 --timeout 500 --out "$OUT/llama13b_deepspeed" ;;
+  rows)
+    python3 bench/bandwidth_probe.py > "$OUT/bandwidth.json"; cat "$OUT/bandwidth.json"
+    $B --methods zerofit-s2-offload zerofit-s3-offload deepspeed-s2-offload deepspeed-s3-offload fsdp2-offload \
+       --steps 6 --timeout 200 --out "$OUT/gpt2xl"
+    $B --methods zerofit-auto deepspeed-s3-offload --gpu-memory-gib 24 --batch 32 --steps 4 --timeout 200 \
+       --out "$OUT/cap24_auto" ;;
+  rowsbig)
+    python3 bench/bandwidth_probe.py > "$OUT/bandwidth_big.json"
+    L7="--model llama --n_embd 4096 --n_layer 32 --n_head 32 --intermediate 11008 --batch 8 --seq 512 --meta"
+    $B --methods zerofit-s3-offload $L7 --steps 3 --timeout 200 --out "$OUT/llama7b_full"
+    $B --methods zerofit-auto $L7 --steps 4 --timeout 150 --out "$OUT/llama7b_auto"
+    $B --methods zerofit-auto --model llama --n_embd 5120 --n_layer 40 --n_head 40 --intermediate 13824 \
+       --batch 8 --seq 512 --steps 3 --meta --timeout 220 --out "$OUT/llama13b_auto" ;;
   scale)
     $B --methods zerofit-s3-offload --model llama --n_embd 4096 --n_layer 32 --n_head 32 --intermediate 11008 \
        --batch 8 --seq 512 --steps 2 --meta --timeout 330 --out "$OUT/llama7b"
