@@ -49,13 +49,14 @@ NVME = ([dataclasses.replace(c, offload="nvme", step_on="device", chunk=64) for 
            for i in (4, 9)]
         + [dataclasses.replace(BASE[2], offload="nvme", ratio=0.5, step_on="device", chunk=64),
            dataclasses.replace(BASE[3], offload="nvme", step_on="device")])  # one chunk per piece
+NVME_SPLIT = [dataclasses.replace(BASE[i], offload="nvme", step_on="device", chunk=64, host_share=0.5) for i in (3, 7)]
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("nvme"))
-    cases = BASE + STREAMED + SPLIT + NVME
-    run = BASE + STREAMED + SPLIT + [dataclasses.replace(c, nvme_path=path) for c in NVME]
+    cases = BASE + STREAMED + SPLIT + NVME + NVME_SPLIT
+    run = BASE + STREAMED + SPLIT + [dataclasses.replace(c, nvme_path=path) for c in NVME + NVME_SPLIT]
     return dict(zip(cases, run_distributed(run_cases, 2, run, timeout=600)[0]))
 
 
@@ -99,6 +100,14 @@ def test_gpu_stepped_from_nvme_equals_on_device(results, case):
         assert got["param_offloaded"] > 0
     if case.ratio < 1:
         assert got["streamed"] < results[NVME[2]]["streamed"]
+    _assert_bit_equal(got, base)
+
+
+@pytest.mark.parametrize("case", NVME_SPLIT, ids=repr)
+def test_a_split_with_nvme_streams_and_host_steps_from_files(results, case):
+    """Each part has its own swapper over its own groups' files (the host mode's is `nvme_files`)."""
+    got, base = results[case], results[_on_device(case)]
+    assert got["streamed"] > 0 and got["offloaded"] > 0 and got["nvme_files"] == got["offloaded"]
     _assert_bit_equal(got, base)
 
 
