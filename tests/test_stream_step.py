@@ -240,6 +240,24 @@ def _nvme_rank(rank, world, root):
         out["error"] = None
     except EngineError as e:
         out["error"] = (step, str(e))
+    engine.streamer.close()
+    # every write fails (the files turn read-only), with fewer slots than groups: raised, no hang
+    engine = _engine("device", nvme_path=swap, buffer_count=2)
+    try:
+        for step in range(4):
+            x = torch.randint(0, 37, (4, 5), generator=g)
+            engine.backward(engine.model(x).float().pow(2).mean())
+            engine.step()
+            if step == 1:
+                engine.streamer.issuer.wait_all()
+                engine.swapper.flush()
+                for name, info in zip(sorted(os.listdir(engine.swapper.dir)), engine.swapper._infos):
+                    fd = os.open(os.path.join(engine.swapper.dir, name), os.O_RDONLY)
+                    os.dup2(fd, info.fd)
+                    os.close(fd)
+        out["write_error"] = None
+    except EngineError as e:
+        out["write_error"] = (step, str(e))
     return out
 
 
@@ -266,12 +284,18 @@ def test_gpu_stepped_nvme_checkpoint_resumes_bit_for_bit(nvme_checks):
         assert max_diff(first, out["host"][0]) == 0.0  # the files change nothing
 
 
-def test_gpu_stepped_nvme_read_failure_surfaces_at_the_next_forward(nvme_checks):
+def test_gpu_stepped_nvme_io_failures_surface_at_the_next_forward(nvme_checks):
     for out in nvme_checks:
         assert out["error"] is not None
         step, message = out["error"]
         assert step == 3  # step 2 failed on the issuing thread; step 3's forward raised it
         assert "GPU-stepped optimizer step failed" in message and "short read" in message
+    # Step 2's writes failed, and so did its later reads (no slot would come back). When that happens
+    # is a race, so one rank may raise at an earlier unit than the other, which then sees it leave.
+    writes = [out["write_error"] for out in nvme_checks]
+    assert all(w is not None and w[0] == 3 for w in writes)
+    assert any("GPU-stepped optimizer step failed" in m and "NVMe write failed" in m for _, m in writes)
+    assert all("NVMe write failed" in m or "another rank left the run" in m for _, m in writes)
 
 
 def test_step_on_device_with_nvme_is_accepted_and_auto_still_means_host(tmp_path):

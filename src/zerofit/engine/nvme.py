@@ -25,7 +25,8 @@ An offloaded group is in exactly one of three states, and its tensors say which:
 Rebinding with `set_` keeps every tensor object (the keys of `optimizer.state`, the entries of the
 param groups) alive and identical, so the optimizer, schedulers and checkpoints never notice.
 A slot goes back to the pool only after its write succeeded: a failed write leaves the group bound
-to its slot, so the file is never the only copy of values it does not hold.
+to its slot, so the file is never the only copy of values it does not hold; it also fails the pool, so
+every later read raises instead of waiting for a slot that will not come back.
 
 I/O is plain `os.preadv`/`os.pwritev` into the slots (pinned when CUDA, so uploads are DMA):
 `torch.from_file`/`numpy.memmap` would make the page cache the buffer - unpinnable, faulted in at
@@ -163,11 +164,16 @@ class BufferPool:
         self.allocated = 0
         self._free: list[torch.Tensor] = []
         self._cond = threading.Condition()
+        self._failed: BaseException | None = None
 
     def acquire(self) -> torch.Tensor:
         with self._cond:
-            while not self._free and self.allocated >= self.count:
+            while not self._free and self.allocated >= self.count and self._failed is None:
                 self._cond.wait()
+            if self._failed is not None:
+                raise EngineError(f"an NVMe write failed ({self._failed}), so its buffer never returns to the pool: "
+                                  f"check the disk under {_KEY}.nvme_path and resume from the last checkpoint"
+                                  ) from self._failed
             if self._free:
                 return self._free.pop()
             self.allocated += 1
@@ -177,6 +183,13 @@ class BufferPool:
         with self._cond:
             self._free.append(buf)
             self._cond.notify()
+
+    def fail(self, error: BaseException) -> None:
+        """A buffer is kept by a failed write: every acquire raises from now on (a dead disk fails every
+        write, and a read waiting for their buffers would wait forever)."""
+        with self._cond:
+            self._failed = error
+            self._cond.notify_all()
 
 
 @dataclass
@@ -348,9 +361,12 @@ class NvmeSwapper:
     def _write(self, info: _Swapped, slot: torch.Tensor, ready, uploaded) -> None:
         if ready is not None:
             ready.synchronize()  # downloads into the slot (and uploads from it) are done
-        # On failure the group stays bound to its slot: the file may now be half-written.
-        self._collect(info, slot)
-        _io(os.pwritev, info.fd, slot[:info.numel], 0, self._chunk)
+        try:
+            self._collect(info, slot)
+            _io(os.pwritev, info.fd, slot[:info.numel], 0, self._chunk)
+        except BaseException as e:
+            self.pool.fail(e)  # the group stays bound to its slot: the file may now be half-written
+            raise
         self._bind(info, None)
         if uploaded is not None:
             uploaded.synchronize()  # the upload reads the slot; it must finish before the slot is reused
