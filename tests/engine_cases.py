@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -66,6 +67,7 @@ class Case:
     step_on: str = "auto"  # offload_optimizer.step_on ("device": GPU-stepped, the CPU standing in for the GPU)
     chunk: int = 0  # elements per streamed chunk (0: the engine's default)
     host_share: float | None = None  # offload_optimizer.host_share (None: not written)
+    buffer_count: int = 4  # offload_optimizer.buffer_count (NVMe: host slots in the swapper's pool)
 
 
 def batches(case: Case):
@@ -120,7 +122,7 @@ def run_engine(rank: int, world: int, case: Case, record_grads: bool = True, dev
     zero = ZeroConfig(stage=case.stage, param_persistence_threshold=case.persistence,
                       offload_optimizer=OffloadConfig(device=case.offload, ratio=case.ratio,
                                                       nvme_path=case.nvme_path, step_on=case.step_on,
-                                                      host_share=case.host_share),
+                                                      host_share=case.host_share, buffer_count=case.buffer_count),
                       offload_param=OffloadConfig(device=case.offload_param))
     stream_step.STREAM_CHUNK = case.chunk or DEFAULT_CHUNK  # read when the engine builds its step mode
     engine = ZeroEngine(model, opt, zero=zero,
@@ -154,7 +156,8 @@ def run_engine(rank: int, world: int, case: Case, record_grads: bool = True, dev
             "offloaded": sum(g.placement.offload_state for g in engine.groups),
             "streamed": sum(g.placement.stream_state for g in engine.groups),
             "early": engine.times.host_steps_in_backward,
-            "param_offloaded": sum(g.placement.offload_params for g in engine.groups)}
+            "param_offloaded": sum(g.placement.offload_params for g in engine.groups),
+            "nvme_files": len(os.listdir(engine.swapper.dir)) if engine.swapper is not None else 0}
 
 
 def run_cases(rank: int, world: int, cases: list[Case]) -> list[dict]:

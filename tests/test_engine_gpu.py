@@ -48,15 +48,20 @@ def test_cuda_low_precision_trains(precision):
 
 
 def _train_offload(stage: int, precision: str, optim: str, *, offload: str, offload_param: str = "none",
-                   chunk: int = 0, gas: int = 1, clip: float = 0.5, host_share: float | None = None):
-    """One GPU: `offload` "none" (state on the GPU) or "cpu" (GPU-stepped from host memory, step_on auto)."""
+                   chunk: int = 0, gas: int = 1, clip: float = 0.5, host_share: float | None = None,
+                   nvme_path: str | None = None, buffer_count: int = 4):
+    """One GPU: `offload` "none" (state on the GPU), "cpu" (GPU-stepped from host memory, step_on auto) or
+    "nvme" (GPU-stepped from files under `nvme_path`, step_on device)."""
     from zerofit.config.schema import LossScaleConfig, OffloadConfig
     from zerofit.engine import stream_step
 
     case = Case(stage=stage, gas=gas, steps=6, optim=optim)
     model, opt = make_model_and_optim(case)
     stream_step.STREAM_CHUNK = chunk or DEFAULT_CHUNK
-    zero = ZeroConfig(stage=stage, offload_optimizer=OffloadConfig(device=offload, host_share=host_share),
+    step_on = "device" if offload == "nvme" else "auto"
+    zero = ZeroConfig(stage=stage, offload_optimizer=OffloadConfig(device=offload, host_share=host_share,
+                                                                   nvme_path=nvme_path, step_on=step_on,
+                                                                   buffer_count=buffer_count),
                       offload_param=OffloadConfig(device=offload_param))
     engine = ZeroEngine(model, opt, zero=zero, device=torch.device("cuda"), gradient_accumulation_steps=gas,
                         precision=PrecisionConfig(mixed_precision=precision,
@@ -71,6 +76,7 @@ def _train_offload(stage: int, precision: str, optim: str, *, offload: str, offl
         losses.append(loss.item())
     streamed = sum(g.placement.stream_state for g in engine.groups)
     _train_offload.hosted = sum(g.placement.offload_state for g in engine.groups)
+    _train_offload.pinned_slots = engine.swapper is not None and engine.swapper.pool.pin
     return losses, {k: v.cpu() for k, v in engine.named_full_tensors("master").items()}, streamed
 
 
@@ -117,4 +123,32 @@ def test_gpu_stepped_offload_resumes_from_a_checkpoint_bit_for_bit(tmp_path):
     from zerofit.testing.distributed import run_distributed
 
     first, resumed = run_distributed(_checkpoint_rank, 1, str(tmp_path), "cuda")[0]
+    assert all(torch.equal(first[k], resumed[k]) for k in first)
+
+
+@requires_cuda
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("precision", ["bf16", "no"])
+def test_gpu_stepped_offload_from_nvme_is_bit_identical_to_state_on_the_gpu(stage, precision, tmp_path):
+    """File -> pinned slot -> GPU chunks -> slot -> file, with clipping: the writes wait for the downloads
+    (a write before them would store stale state, and the next step would differ)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    ref_losses, ref, _ = _train_offload(stage, precision, "adamw", offload="none")
+    for chunk, param, buffers in ((0, "none", 4), (64, "cpu" if stage == 3 else "none", 2)):
+        losses, got, streamed = _train_offload(stage, precision, "adamw", offload="nvme", offload_param=param,
+                                               chunk=chunk, nvme_path=str(tmp_path), buffer_count=buffers)
+        assert streamed > 0 and _train_offload.hosted == 0 and _train_offload.pinned_slots
+        assert losses == ref_losses, (chunk, param)
+        assert all(torch.equal(ref[k], got[k]) for k in ref), (chunk, param)
+
+
+@requires_cuda
+def test_gpu_stepped_offload_from_nvme_resumes_from_a_checkpoint_bit_for_bit(tmp_path):
+    from test_stream_step import _checkpoint_rank
+
+    from zerofit.testing.distributed import run_distributed
+
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    first, resumed = run_distributed(_checkpoint_rank, 1, str(tmp_path), "cuda", str(swap))[0]
     assert all(torch.equal(first[k], resumed[k]) for k in first)

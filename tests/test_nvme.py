@@ -191,3 +191,22 @@ def test_checkpoint_saved_with_nvme_loads_anywhere(tmp_path):
         assert got.keys() == want.keys()
         assert all(torch.equal(got[k], want[k]) for k in want), name
         assert per_rank[0][name + "_next"] == per_rank[0]["next"]
+
+
+def test_a_failed_write_fails_every_later_slot_request_instead_of_hanging():
+    import threading
+
+    from zerofit.engine.nvme import BufferPool
+
+    pool = BufferPool(1, 4, pin=False)
+    held = pool.acquire()  # kept by a write that fails
+    got: list = []
+    waiter = threading.Thread(target=lambda: got.append(pytest.raises(EngineError, pool.acquire)))
+    waiter.start()
+    pool.fail(OSError(28, "No space left on device"))
+    waiter.join(timeout=10)
+    assert not waiter.is_alive()
+    assert got and got[0].match(r"an NVMe write failed \(.*No space left on device\).*nvme_path")
+    with pytest.raises(EngineError, match="NVMe write failed"):
+        pool.acquire()
+    assert held.numel() == 4

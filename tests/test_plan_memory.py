@@ -214,3 +214,19 @@ def test_budget_from_the_environment_names_the_variable(monkeypatch):
     monkeypatch.setenv("ZEROFIT_HOST_MEMORY_GIB", "2")
     budget = budget_for(torch.device("cpu"), 1)
     assert budget.unified and budget.host_bytes == 2 << 30 and budget.gpu_bytes is None
+
+
+def test_gpu_stepped_nvme_keeps_the_gradient_and_pool_on_the_gpu_and_the_state_in_files():
+    work = Workload(mixed_precision="bf16", persistence_threshold=0)
+    host = estimate(counts(), Setting(stage=3, offload_optimizer="cpu", step_on="device"), work, None)
+    nvme = estimate(counts(), Setting(stage=3, offload_optimizer="nvme", step_on="device"), work, None)
+    # the GPU holds what GPU-stepped offload from host memory holds: gradient shards, streaming pool
+    assert (nvme.params, nvme.grads, nvme.optimizer, nvme.buffers) == (host.params, host.grads, host.optimizer,
+                                                                        host.buffers)
+    assert nvme.grads == (48 + 3 * 112) * 2 and nvme.optimizer == 0  # bf16 ("compact"): one rank, no accumulation
+    # master + 2 Adam states in files; in host memory only the swapper's slots of the largest group
+    assert nvme.nvme == host.host_optimizer == (48 + 3 * 112) * 3 * 4
+    assert nvme.host_optimizer == 2 * 112 * 3 * 4 and nvme.host_grads == 0
+    assert Setting(stage=3, offload_optimizer="nvme", step_on="device").label == "ZeRO-3 + opt nvme (GPU-stepped)"
+    with pytest.raises(ValueError, match="step_on device needs offload_optimizer cpu or nvme"):
+        Setting(stage=3, step_on="device")

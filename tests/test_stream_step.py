@@ -12,13 +12,17 @@ same elements: bit for bit.
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
 from engine_cases import Case, make_model_and_optim, max_diff, run_cases
 
+from zerofit.config import load_config
 from zerofit.config.schema import OffloadConfig, ZeroConfig
 from zerofit.engine import ZeroEngine
+from zerofit.engine.nvme import NvmeSwapper
+from zerofit.engine.policy import step_on_for
 from zerofit.engine.stream_step import StreamStep, plan_chunks, stream_pool_bytes
 from zerofit.testing.distributed import run_distributed
 
@@ -36,29 +40,46 @@ SPLIT = [dataclasses.replace(c, offload="cpu", step_on="device", chunk=64, host_
          for c in (BASE[2], BASE[3], BASE[6], BASE[9], BASE[12])] + [
     dataclasses.replace(BASE[5], offload="cpu", offload_param="cpu", step_on="device", chunk=64, host_share=0.3),
     dataclasses.replace(BASE[2], offload="cpu", ratio=0.6, step_on="device", chunk=64, host_share=0.5)]
-
-
+# NVMe as the state's home: streamed the same way, read from and written back to files around it
+# (nvme_path is filled in at run time); a pool of 2 slots for fewer slots than groups.
+NVME = ([dataclasses.replace(c, offload="nvme", step_on="device", chunk=64) for c in BASE[:6]]
+        + [dataclasses.replace(BASE[i], offload="nvme", step_on="device", chunk=64, buffer_count=2)
+           for i in (6, 7, 8, 9, 11, 12)]  # clip, clip + accumulation, SGD, bf16, a scheduler, fp16 overflow
+        + [dataclasses.replace(BASE[i], offload="nvme", offload_param="cpu", step_on="device", chunk=64)
+           for i in (4, 9)]
+        + [dataclasses.replace(BASE[2], offload="nvme", ratio=0.5, step_on="device", chunk=64),
+           dataclasses.replace(BASE[3], offload="nvme", step_on="device")])  # one chunk per piece
+NVME_SPLIT = [dataclasses.replace(BASE[i], offload="nvme", step_on="device", chunk=64, host_share=0.5) for i in (3, 7)]
 
 
 @pytest.fixture(scope="module")
-def results():
-    cases = BASE + STREAMED + SPLIT
-    return dict(zip(cases, run_distributed(run_cases, 2, cases, timeout=600)[0]))
+def results(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("nvme"))
+    cases = BASE + STREAMED + SPLIT + NVME + NVME_SPLIT
+    run = BASE + STREAMED + SPLIT + [dataclasses.replace(c, nvme_path=path) for c in NVME + NVME_SPLIT]
+    return dict(zip(cases, run_distributed(run_cases, 2, run, timeout=600)[0]))
 
 
 def _on_device(case: Case) -> Case:
     return dataclasses.replace(case, offload="none", offload_param="none", ratio=1.0, step_on="auto", chunk=0,
-                               host_share=None)
+                               host_share=None, buffer_count=4)
+
+
+def _assert_bit_equal(got: dict, base: dict) -> None:
+    """Losses, skipped steps, every step's gradients and the final masters: equal bit for bit."""
+    assert got["losses"] == base["losses"]
+    assert got["skipped"] == base["skipped"]
+    assert max_diff(got["params"], base["params"]) == 0.0
+    assert len(got["grads"]) == len(base["grads"])
+    for g1, g2 in zip(got["grads"], base["grads"]):
+        assert max_diff(g1, g2) == 0.0
 
 
 @pytest.mark.parametrize("case", SPLIT, ids=repr)
 def test_a_split_between_host_and_gpu_steps_equals_on_device(results, case):
     got, base = results[case], results[_on_device(case)]
     assert got["streamed"] > 0 and got["offloaded"] > 0  # both ways in the same step
-    assert got["losses"] == base["losses"] and got["skipped"] == base["skipped"]
-    assert max_diff(got["params"], base["params"]) == 0.0
-    for g1, g2 in zip(got["grads"], base["grads"]):
-        assert max_diff(g1, g2) == 0.0
+    _assert_bit_equal(got, base)
 
 
 @pytest.mark.parametrize("case", STREAMED, ids=repr)
@@ -67,11 +88,27 @@ def test_gpu_stepped_equals_on_device(results, case):
     assert got["streamed"] > 0 and got["offloaded"] == 0
     if case.offload_param != "none":
         assert got["param_offloaded"] > 0
-    assert got["losses"] == base["losses"]
-    assert got["skipped"] == base["skipped"]
-    assert max_diff(got["params"], base["params"]) == 0.0
-    for g1, g2 in zip(got["grads"], base["grads"]):
-        assert max_diff(g1, g2) == 0.0
+    _assert_bit_equal(got, base)
+
+
+@pytest.mark.parametrize("case", NVME, ids=repr)
+def test_gpu_stepped_from_nvme_equals_on_device(results, case):
+    got, base = results[case], results[_on_device(case)]
+    assert got["streamed"] > 0 and got["offloaded"] == 0
+    assert got["nvme_files"] == got["streamed"]  # every GPU-stepped group has its file
+    if case.offload_param != "none":
+        assert got["param_offloaded"] > 0
+    if case.ratio < 1:
+        assert got["streamed"] < results[NVME[2]]["streamed"]
+    _assert_bit_equal(got, base)
+
+
+@pytest.mark.parametrize("case", NVME_SPLIT, ids=repr)
+def test_a_split_with_nvme_streams_and_host_steps_from_files(results, case):
+    """Each part has its own swapper over its own groups' files (the host mode's is `nvme_files`)."""
+    got, base = results[case], results[_on_device(case)]
+    assert got["streamed"] > 0 and got["offloaded"] > 0 and got["nvme_files"] == got["offloaded"]
+    _assert_bit_equal(got, base)
 
 
 def test_partial_ratio_streams_only_some_units(results):
@@ -103,10 +140,12 @@ def test_pool_bytes_count_every_buffer_of_every_slot():
         3 * (1 << 24) * 8
 
 
-def _engine(step_on: str, stage: int = 2, device: str = "cpu") -> ZeroEngine:
+def _engine(step_on: str, stage: int = 2, device: str = "cpu", nvme_path: str | None = None,
+            buffer_count: int = 4) -> ZeroEngine:
     model, opt = make_model_and_optim(Case(stage=stage))
-    return ZeroEngine(model, opt, zero=ZeroConfig(stage=stage, offload_optimizer=OffloadConfig(
-        device="cpu", step_on=step_on)), device=torch.device(device))
+    offload = OffloadConfig(device="nvme" if nvme_path else "cpu", nvme_path=nvme_path, step_on=step_on,
+                            buffer_count=buffer_count)
+    return ZeroEngine(model, opt, zero=ZeroConfig(stage=stage, offload_optimizer=offload), device=torch.device(device))
 
 
 def test_auto_steps_on_the_host_without_cuda_and_device_when_asked():
@@ -126,8 +165,9 @@ def test_state_written_by_a_checkpoint_load_is_what_the_next_step_streams(tmp_pa
     assert max_diff(first, resumed) == 0.0
 
 
-def _checkpoint_rank(rank, world, directory, device="cpu"):
-    """Train, save, train; load into a fresh engine and train the same: both masters (on the CPU)."""
+def _checkpoint_rank(rank, world, directory, device="cpu", nvme_path=None):
+    """Train, save, train; load into a fresh engine and train the same: both masters (on the CPU).
+    `nvme_path`: both engines keep the state in files there."""
     from zerofit.checkpoint.sharded import load_state, save_state
 
     def train(engine, seed, steps):
@@ -137,12 +177,135 @@ def _checkpoint_rank(rank, world, directory, device="cpu"):
             engine.backward(engine.model(x).float().pow(2).mean())
             engine.step()
 
-    a = _engine("device", device=device)
+    a = _engine("device", device=device, nvme_path=nvme_path)
     train(a, 1, 2)
     save_state(directory + "/ck", a)
     train(a, 2, 2)
-    b = _engine("device", device=device)
+    b = _engine("device", device=device, nvme_path=nvme_path)
     load_state(directory + "/ck", b)
     train(b, 2, 2)
     return ({k: v.cpu() for k, v in a.named_full_tensors("master").items()},
             {k: v.cpu() for k, v in b.named_full_tensors("master").items()})
+
+
+# --- NVMe as the home of GPU-stepped state ---------------------------------------------------------
+def _nvme_rank(rank, world, root):
+    """One launch for the NVMe checks that are not parity sweeps: memory, checkpoints, a failing file."""
+    import os
+
+    from zerofit.errors import EngineError
+
+    swap = os.path.join(root, "swap")
+    out = {}
+    # memory: a pool of 2 slots, more groups than that; between steps every group is on file
+    engine = _engine("device", nvme_path=swap, buffer_count=2)
+    swapper, issuer = engine.swapper, engine.streamer.issuer
+    out["files"] = len(os.listdir(swapper.dir))
+    out["groups"] = sum(g.placement.stream_state for g in engine.groups)
+    resident = []
+    for seed in range(3):
+        x = torch.randint(0, 37, (4, 5), generator=torch.Generator().manual_seed(seed))
+        engine.backward(engine.model(x).float().pow(2).mean())
+        engine.step()
+        resident.append(swapper.resident())  # right after step(): some groups may still be in a slot
+        issuer.wait_all()
+        swapper.flush()
+        resident.append(swapper.resident())
+    out["resident"] = resident
+    out["allocated"] = swapper.pool.allocated
+    out["state_numel"] = [v.numel() for st in engine.optimizer.state.values() for v in st.values()
+                          if isinstance(v, torch.Tensor) and v.ndim == 1]
+    directory = swapper.dir
+    engine.streamer.close()  # what collecting the engine (or the process exiting) does
+    out["removed"] = not os.path.exists(directory)
+    # checkpoints: NVMe -> NVMe resumes bit for bit, and ends where the host-memory GPU-stepped run ends
+    out["nvme"] = _checkpoint_rank(rank, world, os.path.join(root, "ck-nvme"), nvme_path=swap)
+    out["host"] = _checkpoint_rank(rank, world, os.path.join(root, "ck-host"))
+    # a group's file that can no longer be read: the next forward raises it, on every rank, no hang
+    engine = _engine("device", nvme_path=swap)
+    g = torch.Generator().manual_seed(5)
+    try:
+        for step in range(4):
+            x = torch.randint(0, 37, (4, 5), generator=g)
+            engine.backward(engine.model(x).float().pow(2).mean())
+            engine.step()
+            if step == 1:
+                engine.streamer.issuer.wait_all()
+                engine.swapper.flush()
+                broken = os.path.join(root, f"empty-{rank}")
+                open(broken, "w").close()
+                fd = os.open(broken, os.O_RDONLY)  # reads come back short, writes fail
+                os.dup2(fd, engine.swapper._infos[0].fd)
+                os.close(fd)
+        out["error"] = None
+    except EngineError as e:
+        out["error"] = (step, str(e))
+    engine.streamer.close()
+    # every write fails (the files turn read-only), with fewer slots than groups: raised, no hang
+    engine = _engine("device", nvme_path=swap, buffer_count=2)
+    try:
+        for step in range(4):
+            x = torch.randint(0, 37, (4, 5), generator=g)
+            engine.backward(engine.model(x).float().pow(2).mean())
+            engine.step()
+            if step == 1:
+                engine.streamer.issuer.wait_all()
+                engine.swapper.flush()
+                for name, info in zip(sorted(os.listdir(engine.swapper.dir)), engine.swapper._infos):
+                    fd = os.open(os.path.join(engine.swapper.dir, name), os.O_RDONLY)
+                    os.dup2(fd, info.fd)
+                    os.close(fd)
+        out["write_error"] = None
+    except EngineError as e:
+        out["write_error"] = (step, str(e))
+    return out
+
+
+@pytest.fixture(scope="module")
+def nvme_checks(tmp_path_factory):
+    root = tmp_path_factory.mktemp("nvme-checks")
+    (root / "swap").mkdir()
+    return run_distributed(_nvme_rank, 2, str(root), timeout=300)
+
+
+def test_gpu_stepped_nvme_keeps_host_memory_bounded_and_removes_its_files(nvme_checks):
+    for out in nvme_checks:
+        assert out["groups"] > 2 and out["files"] == out["groups"]
+        assert max(out["resident"]) <= 2 and out["resident"][1::2] == [0, 0, 0]
+        assert out["allocated"] <= 2
+        assert out["state_numel"] and not any(out["state_numel"])  # on file: the tensors stay, empty
+        assert out["removed"]
+
+
+def test_gpu_stepped_nvme_checkpoint_resumes_bit_for_bit(nvme_checks):
+    for out in nvme_checks:
+        first, resumed = out["nvme"]
+        assert max_diff(first, resumed) == 0.0
+        assert max_diff(first, out["host"][0]) == 0.0  # the files change nothing
+
+
+def test_gpu_stepped_nvme_io_failures_surface_at_the_next_forward(nvme_checks):
+    for out in nvme_checks:
+        assert out["error"] is not None
+        step, message = out["error"]
+        assert step == 3  # step 2 failed on the issuing thread; step 3's forward raised it
+        assert "GPU-stepped optimizer step failed" in message and "short read" in message
+    # Step 2's writes failed, and so did its later reads (no slot would come back). When that happens
+    # is a race, so one rank may raise at an earlier unit than the other, which then sees it leave.
+    writes = [out["write_error"] for out in nvme_checks]
+    assert all(w is not None and w[0] == 3 for w in writes)
+    assert any("GPU-stepped optimizer step failed" in m and "NVMe write failed" in m for _, m in writes)
+    assert all("NVMe write failed" in m or "another rank left the run" in m for _, m in writes)
+
+
+def test_step_on_device_with_nvme_is_accepted_and_auto_still_means_host(tmp_path):
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"zero_optimization": {"stage": 3, "offload_optimizer": {
+        "device": "nvme", "nvme_path": str(tmp_path), "step_on": "device"}}}))
+    assert load_config(str(config)).zero.offload_optimizer.step_on == "device"
+    assert step_on_for("device", cuda=True, nvme=True) == "device"
+    assert step_on_for("auto", cuda=True, nvme=True) == "host"  # the default is unchanged
+    model, opt = make_model_and_optim(Case(stage=3))
+    engine = ZeroEngine(model, opt, device=torch.device("cpu"), zero=ZeroConfig(stage=3, offload_optimizer=OffloadConfig(
+        device="nvme", nvme_path=str(tmp_path), step_on="auto")))
+    assert engine.step_on == "host" and isinstance(engine.stepper.swap, NvmeSwapper) and engine.streamer is None

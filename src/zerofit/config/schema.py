@@ -63,7 +63,7 @@ class OffloadConfig:
     ratio: float | Any = 1.0
     """Fraction of the parameters whose optimizer state is offloaded, whole units from the last one back (the rest stay on the GPU); "auto": the planner keeps as much on the GPU as fits (also what an unwritten ratio means under `stage: auto` or `device: auto`)."""
     step_on: StepOn = "auto"
-    """Where offloaded optimizer state is stepped: host (the CPU optimizer, on host memory) or device (streamed through the GPU in chunks and stepped there by the same fused kernel as without offload); auto: device on a CUDA machine, host on CPU-only ones and for NVMe. offload_optimizer only."""
+    """Where offloaded optimizer state is stepped: host (the CPU optimizer, on host memory) or device (streamed through the GPU in chunks and stepped there by the same fused kernel as without offload); auto: device on a CUDA machine, host on CPU-only ones and for NVMe (write device to stream NVMe-homed state through the GPU). offload_optimizer only."""
     host_share: float | Any | None = None
     """Where offloaded state is GPU-stepped (step_on device, or auto on a CUDA machine): the share of it stepped on the host instead (whole units, the last ones), both at once; unset: none; "auto": the share this machine's measured offload rates favour (`zerofit env --probe`), chosen at prepare() (none when none are cached). offload_optimizer only."""
 

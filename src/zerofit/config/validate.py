@@ -106,11 +106,6 @@ def _offload(c: _Checker) -> None:
         c.add(f"{c.name('zero.offload_param.step_on')} is only for the optimizer state (got "
               f"{c.values['zero.offload_param.step_on']!r}): remove it, or set zero.offload_optimizer.step_on",
               "zero.offload_param.step_on")
-    if c.values.get("zero.offload_optimizer.step_on") == "device" and c.values[
-            "zero.offload_optimizer.device"] == "nvme":
-        c.add(f"{c.name('zero.offload_optimizer.step_on')} 'device' does not work with NVMe offload yet "
-              "(NVMe-homed state is stepped on the host): set it to auto or host, or offload to cpu",
-              "zero.offload_optimizer.step_on", "zero.offload_optimizer.device")
     ratio = c.values["zero.offload_optimizer.ratio"]
     if isinstance(ratio, (int, float)) and not 0 < ratio <= 1:
         c.add(

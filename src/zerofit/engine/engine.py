@@ -97,10 +97,6 @@ class ZeroEngine:
         self.host_share = host_share_for(off.step_on, None if is_auto(off.host_share) else off.host_share,  # None: unset
                                          cuda=self.device.type == "cuda", nvme=off.device == "nvme")
         """Share of the offloaded state stepped on the host when the rest is GPU-stepped (see `host_share_for`)."""
-        if self.step_on == "device" and off.device == "nvme":
-            raise EngineError("zero_optimization.offload_optimizer.step_on 'device' with device 'nvme' is not "
-                              "supported by this zerofit version yet: set step_on to 'auto' or 'host' "
-                              "(NVMe-homed state is stepped on the host)")
         self.comm = Collectives(group, self.device)
         self.compute_dtype = COMPUTE_DTYPES[self.precision.mixed_precision]
         self.scaler = LossScaler(self.precision.loss_scale, enabled=self.precision.mixed_precision == "fp16")
@@ -130,9 +126,11 @@ class ZeroEngine:
         self._hooks = [p.register_post_accumulate_grad_hook(partial(self._on_grad, u, gi, i))
                        for u in self.units for gi, g in enumerate(u.trainable) for i, p in enumerate(g.params)]
         self.mode: StepMode = self._step_mode()  # before the stage-3 hooks: see HostStep
-        # The host mode's worker and NVMe swapper, for inspection (tests, benchmarks); None without them.
+        # The host mode's worker and the NVMe swapper (the host mode's, else the GPU-stepped mode's), for
+        # inspection (tests, benchmarks); None without them.
         self.stepper = self.mode.stepper if isinstance(self.mode, HostStep) else None
-        self.swapper = self.mode.swapper if isinstance(self.mode, HostStep) else None
+        hosted_swapper = self.stepper.swap if self.stepper is not None else None
+        self.swapper = hosted_swapper or (self.streamer.swapper if self.streamer is not None else None)
         self.stage3 = Stage3Hooks(self.units[0], self.units, lambda: self._in_backward)
         self.full_state = FullStateDict(model, self.units)  # model.state_dict() gathers (see its note)
         if self.shards_parameters:
@@ -145,13 +143,15 @@ class ZeroEngine:
         """How the optimizer step runs (see [Note: step modes] in zerofit.engine.step_mode)."""
         hosted = [g for g in self._trainable if g.placement.offload_state]
         streamed = [g for g in self._trainable if g.placement.stream_state]
+        self.streamer: StreamStep | None = None
+        """The GPU-stepped part of the step mode, if any (for inspection: tests, benchmarks)."""
         if self.optimizer is None or not (hosted or streamed):
             return self._device_step(PlainStep(self.optimizer, self._trainable, self.comm))
         on_device = [g for g in self._trainable if not (g.placement.offload_state or g.placement.stream_state)]
         mode = self._device_step(PlainStep.part_of(self.optimizer, on_device, self.comm))
         if streamed:
-            mode = StreamStep(self.optimizer, streamed, mode, model=self.model, units=self.units, comm=self.comm,
-                              times=self.times)
+            mode = self.streamer = StreamStep(self.optimizer, streamed, mode, model=self.model, units=self.units, comm=self.comm,
+                              times=self.times, offload=self.zero.offload_optimizer, aio=self.zero.aio)
         if not hosted:
             return mode
         return HostStep(self.optimizer, hosted, mode, model=self.model, units=self.units,

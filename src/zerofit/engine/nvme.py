@@ -8,19 +8,25 @@ the master's layout). The host stepper swaps a group in just before its step and
 
     read k+1.. (I/O threads)   step k (stepper thread)   write k-1 (I/O threads)
 
+GPU-stepped offload (`step_on: device`) drives the same swapper from `StreamStep`'s issuing thread:
+step k is its chunks' upload, step and download on the device, and write k waits for the downloads.
+
 [Note: NVMe residency]
 An offloaded group is in exactly one of three states, and its tensors say which:
 - *on file*: `g.master`, its optimizer pieces and their 1-D state tensors are zero-element tensors
   (so a stray read fails loudly instead of reading garbage); the file holds the values;
 - *in a slot*: bound (`Tensor.set_`) to one buffer of the bounded pool, only between `swap_in` and
-  the end of its `swap_out` write; the stepper thread owns it;
+  the end of its `swap_out` write; the stepper thread (host-stepped) or the issuing thread
+  (GPU-stepped: the device reads and writes the slot until the group's downloads are done) owns it,
+  then the I/O thread that writes it;
 - *materialised*: bound to a private temporary buffer, for inspection and checkpoints
   (`materialize`), until the next step writes it back (`evict_materialized`). This is the one time
   a whole rank's state is in host memory at once; training never does it.
 Rebinding with `set_` keeps every tensor object (the keys of `optimizer.state`, the entries of the
 param groups) alive and identical, so the optimizer, schedulers and checkpoints never notice.
 A slot goes back to the pool only after its write succeeded: a failed write leaves the group bound
-to its slot, so the file is never the only copy of values it does not hold.
+to its slot, so the file is never the only copy of values it does not hold; it also fails the pool, so
+every later read raises instead of waiting for a slot that will not come back.
 
 I/O is plain `os.preadv`/`os.pwritev` into the slots (pinned when CUDA, so uploads are DMA):
 `torch.from_file`/`numpy.memmap` would make the page cache the buffer - unpinnable, faulted in at
@@ -158,11 +164,16 @@ class BufferPool:
         self.allocated = 0
         self._free: list[torch.Tensor] = []
         self._cond = threading.Condition()
+        self._failed: BaseException | None = None
 
     def acquire(self) -> torch.Tensor:
         with self._cond:
-            while not self._free and self.allocated >= self.count:
+            while not self._free and self.allocated >= self.count and self._failed is None:
                 self._cond.wait()
+            if self._failed is not None:
+                raise EngineError(f"an NVMe write failed ({self._failed}), so its buffer never returns to the pool: "
+                                  f"check the disk under {_KEY}.nvme_path and resume from the last checkpoint"
+                                  ) from self._failed
             if self._free:
                 return self._free.pop()
             self.allocated += 1
@@ -172,6 +183,13 @@ class BufferPool:
         with self._cond:
             self._free.append(buf)
             self._cond.notify()
+
+    def fail(self, error: BaseException) -> None:
+        """A buffer is kept by a failed write: every acquire raises from now on (a dead disk fails every
+        write, and a read waiting for their buffers would wait forever)."""
+        with self._cond:
+            self._failed = error
+            self._cond.notify_all()
 
 
 @dataclass
@@ -294,7 +312,7 @@ class NvmeSwapper:
             if t.numel() == length and t.data_ptr() != region.data_ptr():
                 region.copy_(t)
 
-    # --- the step path (stepper thread) ---------------------------------------------------------
+    # --- the step path (stepper / issuing thread) ------------------------------------------------
     def schedule(self, groups: list[FlatGroup]) -> None:
         """The groups about to be stepped, in order: start reading the first ones."""
         with self._lock:
@@ -330,21 +348,26 @@ class NvmeSwapper:
         info.slot = read.result()
         self._bind(info, info.slot)
 
-    def swap_out(self, g: FlatGroup, uploaded=None) -> None:
+    def swap_out(self, g: FlatGroup, uploaded=None, ready=None) -> None:
         """Write `g` back in the background; its slot returns to the pool once the write succeeded
-        and `uploaded` (the event of the parameter upload that reads the slot) has completed."""
-        info = self._info[id(g)]
-        slot = info.slot
-        self._collect(info, slot)
-        self._bind(info, None)
-        info.write = self._io.submit(self._write, info, slot, uploaded)
+        and `uploaded` (the event of the parameter upload that reads the slot) has completed.
 
-    def _write(self, info: _Swapped, slot: torch.Tensor, uploaded) -> None:
+        `ready`: the event after which the device no longer writes the slot (a GPU-stepped group's last
+        download; None: the values are final now). The group stays bound to its slot until the I/O
+        thread has waited for it, gathered the values and written them (see [Note: NVMe residency])."""
+        info = self._info[id(g)]
+        info.write = self._io.submit(self._write, info, info.slot, ready, uploaded)
+
+    def _write(self, info: _Swapped, slot: torch.Tensor, ready, uploaded) -> None:
+        if ready is not None:
+            ready.synchronize()  # downloads into the slot (and uploads from it) are done
         try:
+            self._collect(info, slot)
             _io(os.pwritev, info.fd, slot[:info.numel], 0, self._chunk)
-        except BaseException:
-            self._bind(info, slot)  # keep the values readable: the file may now be half-written
+        except BaseException as e:
+            self.pool.fail(e)  # the group stays bound to its slot: the file may now be half-written
             raise
+        self._bind(info, None)
         if uploaded is not None:
             uploaded.synchronize()  # the upload reads the slot; it must finish before the slot is reused
         info.slot = None

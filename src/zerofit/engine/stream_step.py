@@ -22,22 +22,45 @@ piece's first step its chunks start with no state and the optimizer creates it a
 whole piece (zeros for Adam's moments, the gradient for SGD's momentum); it is kept in host memory
 from then on, where checkpoints find it. Host-side readers call `settle(state=True)`, which waits for
 the downloads in flight; gradients are zeroed by the step itself (`FlatGroup.step_in_flight`).
+
+The main thread only decides the step (factor, this step's settings, the "gradients final" event) and
+hands the groups to `IssueThread`, which queues their chunks (see [Note: issuing off the main thread]
+in zerofit.engine.stream_issue); a unit's pre-hook waits until its groups are queued.
+
+[Note: GPU-stepped offload from NVMe]
+With `offload_optimizer.device: nvme` a group's master and state live in its file (`NvmeSwapper`, see
+[Note: NVMe residency]), and host memory holds only the swapper's pool of pinned slots. Per group,
+on the issuing thread:
+  swap_in   block until the group's file is read into a slot; master, pieces and state are bound to it
+            (later groups' reads are already under way on the I/O threads)
+  issue     the chunks as above: uploads read the slot, downloads write it back
+  swap_out  hand the slot to an I/O thread, which waits for the group's last download event, then
+            writes the slot to the file and returns it to the pool
+so reads of the next groups, the device work of this one and the writes of earlier ones overlap. The
+pool cannot deadlock: a write waits only for the device, which never waits for the host, and the
+swapper reads at most one group fewer ahead than it has slots (its FIFO argument). A checkpoint's
+`settle(state=True)` waits for the writes and materialises every group in host memory; the next
+`step()` writes them back (`evict_materialized`) before any group is read.
 """
 
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import dataclass
 from functools import partial
 
 import torch
 from torch import nn
 
+from zerofit.config.schema import AioConfig, OffloadConfig
 from zerofit.engine.comm import Collectives, Pending
 from zerofit.engine.flat_group import FlatGroup
+from zerofit.engine.nvme import NvmeSwapper
 from zerofit.engine.optim import folds_grad_scale, mark_stepped, step_with_factor
 from zerofit.engine.pinned import pinned_copy, pinned_empty
 from zerofit.engine.step_mode import StepFactors, StepMode, gather_params
+from zerofit.engine.stream_issue import IssueThread
 from zerofit.engine.timing import StepTimes
 from zerofit.engine.unit import Unit
 
@@ -129,8 +152,11 @@ class StreamStep(StepMode):
 
     def __init__(self, optimizer: torch.optim.Optimizer, groups: list[FlatGroup], inner: StepMode, *,
                  model: nn.Module, units: list[Unit], comm: Collectives, times: StepTimes,
+                 offload: OffloadConfig | None = None, aio: AioConfig | None = None,
                  chunk: int | None = None, slots: int = STREAM_SLOTS):
-        """`chunk`: elements per chunk (default `STREAM_CHUNK`, read when the mode is built)."""
+        """`offload`, `aio`: with `offload.device` "nvme" the state's home is a file per group (see
+        [Note: GPU-stepped offload from NVMe]); `chunk`: elements per chunk (default `STREAM_CHUNK`,
+        read when the mode is built)."""
         chunk = chunk or STREAM_CHUNK
         self.optimizer = optimizer
         self.groups = groups
@@ -172,8 +198,18 @@ class StreamStep(StepMode):
                 target = model if unit is units[0] else unit.module
                 # registered before the stage-3 hooks, so a unit is stepped before it is gathered
                 target.register_forward_pre_hook(lambda *_a, u=unit: self._await(u))
+        self.swapper: NvmeSwapper | None = None
+        if offload is not None and offload.device == "nvme":
+            # After the pieces were matched (by address): swapping out empties the tensors.
+            self.swapper = NvmeSwapper(groups, optimizer, offload, aio or AioConfig(), comm, self.device)
+        self.issuer = IssueThread(groups, self.device)
+        # The thread never holds this mode while idle; stop it (and remove the NVMe files) with the mode,
+        # or at the latest when the process exits.
+        self.close = weakref.finalize(self, _close, self.issuer, self.swapper)
+        """Stop the issuing thread and remove the NVMe files now (idempotent)."""
+        settle = self._settle_state  # one object: local_fragments calls each distinct hook once
         for g in groups:
-            g.before_read = self._settle_state  # checkpoints read and write host state: no copy in flight
+            g.before_read = settle  # checkpoints read and write host state: no copy in flight
 
     # --- delegated to the device part -----------------------------------------------------------
     @property
@@ -222,37 +258,52 @@ class StreamStep(StepMode):
         mark_stepped(self.optimizer)
         self._await_all()  # a group still in flight (never used since the last step) finishes first
         self._keep = [f for f in (factors.whole, factors.remaining) if isinstance(f, torch.Tensor)]
-        with self.times.measure("stream_issue"):
-            ready = self._record(None)  # the gradients and the factor are final on the main stream
-            if self._written is not None:
-                self._up.wait_event(self._written)  # host state holds the last step's values
-            if ready is not None:
-                self._work.wait_event(ready)
-            folded = folds_grad_scale(self.optimizer)
-            for g in self.groups:
-                if g.compact:  # upcast chunk by chunk; the whole factor goes with it
-                    scale, kernel = (None, factors.whole) if folded else (factors.whole, None)
-                else:  # fp32 gradients were scaled in place already unless the kernel folds the factor
-                    scale, kernel = None, factors.remaining
-                for piece in self._pieces[id(g)]:
-                    self._step_piece(g, piece, scale, kernel)
-                self._done[id(g)] = self._record(self._down if g.placement.offload_params else self._work)
-                g.step_in_flight = True
-            self._written = self._record(self._down)
+        ready = self._record(None)  # the gradients and the factor are final on the main stream
+        if self._written is not None:
+            self._up.wait_event(self._written)  # host state holds the last step's values
+        if ready is not None:
+            self._work.wait_event(ready)
+        if self.swapper is not None:
+            self.swapper.evict_materialized()  # inspected or loaded state goes back to its files
+            self.swapper.schedule(self.groups)  # the first reads start now
+        folded = folds_grad_scale(self.optimizer)
+        # this step's lr & co., taken now: the script's scheduler moves on while the groups are issued
+        settings = [{k: v for k, v in pg.items() if k != "params"} for pg in self.optimizer.param_groups]
+        for g in self.groups:
+            g.step_in_flight = True  # before zero_grad, which must leave these gradients to the step
+        self.issuer.submit(self.groups, partial(self._issue, factors=factors, folded=folded, settings=settings))
 
-    def _step_piece(self, g: FlatGroup, piece: _Piece, scale, kernel) -> None:
+    def _issue(self, g: FlatGroup, *, factors: StepFactors, folded: bool, settings: list[dict]) -> None:
+        """On the issuing thread: queue `g`'s chunks on the side streams (swapped in from NVMe around them)."""
+        if g.compact:  # upcast chunk by chunk; the whole factor goes with it
+            scale, kernel = (None, factors.whole) if folded else (factors.whole, None)
+        else:  # fp32 gradients were scaled in place already unless the kernel folds the factor
+            scale, kernel = None, factors.remaining
+        if self.swapper is not None:
+            with self.times.measure("nvme_wait"):
+                self.swapper.swap_in(g)  # master and state bound to a pinned slot (uploads are DMA)
+        with self.times.measure("stream_issue"):
+            for piece in self._pieces[id(g)]:
+                self._step_piece(g, piece, scale, kernel, settings)
+            self._done[id(g)] = self._record(self._down if g.placement.offload_params else self._work)
+            downloaded = self._record(self._down)
+            self._written = downloaded  # the download stream is in order: the last group's covers all
+        if self.swapper is not None:
+            self.swapper.swap_out(g, ready=downloaded)  # written once the downloads into the slot are done
+
+    def _step_piece(self, g: FlatGroup, piece: _Piece, scale, kernel, settings: list[dict]) -> None:
         state = self.optimizer.state[piece.master]
         length = piece.master.numel()
         # per-element state streamed with the master; none yet: the piece's first step creates it
         keys = [k for k, v in state.items() if _is_streamed(v, length)]
         scalars = {k: v for k, v in state.items() if k not in keys}
-        if keys and self._cuda:
+        if keys and self._cuda and self.swapper is None:  # with NVMe the state is in a pool slot
             for k in keys:  # state a checkpoint load allocated in pageable memory: page-lock it once
                 if state[k].data_ptr() not in self._pinned:
                     if not state[k].is_pinned():
                         state[k] = pinned_copy(state[k])
                     self._pinned.add(state[k].data_ptr())
-        opt = self._optimizer_for(piece.group)
+        opt = self._optimizer_for(piece.group, settings[piece.group])
         last: dict = {}
         for span in piece.chunks:
             slot = self._slots[self._next_slot]
@@ -327,9 +378,9 @@ class StreamStep(StepMode):
         g.grad_shard[span.start:span.start + n].zero_()
         return created, scalars
 
-    def _optimizer_for(self, index: int) -> torch.optim.Optimizer:
-        """The one-tensor optimizer of param group `index`, with that group's current settings."""
-        settings = {k: v for k, v in self.optimizer.param_groups[index].items() if k != "params"}
+    def _optimizer_for(self, index: int, settings: dict) -> torch.optim.Optimizer:
+        """The one-tensor optimizer of param group `index`, with this step's `settings` of that group."""
+        settings = dict(settings)
         if self._cuda and settings.get("fused") and type(self.optimizer).__name__ not in _FUSED_ON_CUDA:
             settings["fused"] = None  # a CPU-only fused kernel: the default implementation on the device
         opt = self._opts.get(index)
@@ -371,6 +422,8 @@ class StreamStep(StepMode):
         """The main stream waits for `g`'s update; returns the all-gather of its parameters, if any."""
         if not g.step_in_flight:
             return None
+        with self.times.measure("wait_stream_issue"):
+            self.issuer.wait(g)  # raises what the issuing thread raised
         g.step_in_flight = False
         event = self._done.pop(id(g), None)
         if event is not None:
@@ -393,8 +446,18 @@ class StreamStep(StepMode):
     def settle(self, *, state: bool = False) -> None:
         self.inner.settle(state=state)
         self._await_all()
-        if state and self._written is not None:
-            self._written.synchronize()  # host masters and state hold the last step's values
+        if state:
+            self.issuer.wait_all()  # a failure of the last step is raised here, not hidden
+            if self._written is not None:
+                self._written.synchronize()  # host masters and state hold the last step's values
+            if self.swapper is not None:
+                self.swapper.materialize()  # after the writes: in host memory until the next step
 
     def _settle_state(self) -> None:
         self.settle(state=True)
+
+
+def _close(issuer: IssueThread, swapper: NvmeSwapper | None) -> None:
+    issuer.close()
+    if swapper is not None:
+        swapper.close()

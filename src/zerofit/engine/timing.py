@@ -22,13 +22,17 @@ class StepTimes:
     host_publish: float = 0.0
     """Worker thread: issuing the upload of stepped masters (and NVMe swaps); the copies run async."""
     nvme_wait: float = 0.0
-    """Worker thread: waiting for a group's state to be read from / handed to its NVMe file."""
+    """Worker thread (host stepper or stream issuer): waiting for a group's state to be read from / handed
+    to its NVMe file."""
     wait_host_step: float = 0.0
     """Main thread: forward (or a read of the state) blocked until a group's host step finished."""
     wait_grad_download: float = 0.0
     """Main thread: end of backward blocked until the gradient shards reached host memory."""
     stream_issue: float = 0.0
-    """Main thread: queuing the chunks of GPU-stepped groups on their streams (the work itself runs async)."""
+    """Issuing thread: queuing the chunks of GPU-stepped groups on their streams (the work itself runs async)."""
+    wait_stream_issue: float = 0.0
+    """Main thread: forward (or a read of the state) blocked until the issuing thread had queued a group's
+    chunks (with NVMe: read its state from the file first)."""
     host_steps_in_backward: int = 0
     """Groups whose host step started during backward ([Note: host steps during backward], host_mode)."""
 

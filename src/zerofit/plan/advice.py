@@ -17,7 +17,7 @@ def _setting_of(config: Any) -> Setting | None:
         step_on = step_on_for(z.offload_optimizer.step_on, cuda=torch.cuda.is_available(),
                               nvme=z.offload_optimizer.device == "nvme")
         return Setting(stage=z.stage, offload_optimizer=z.offload_optimizer.device, offload_param=z.offload_param.device,
-                       offload_ratio=ratio, step_on=step_on if z.offload_optimizer.device == "cpu" else "host")
+                       offload_ratio=ratio, step_on=step_on if z.offload_optimizer.device in ("cpu", "nvme") else "host")
     except (ValueError, TypeError):
         return None
 

@@ -13,12 +13,16 @@ c bytes per compute element (4 fp32, 2 bf16/fp16) and k optimizer state tensors 
 | gathered parameters | N*c of the root unit (if sharded) + each sharded unit's N*c while gathered: on the activation timeline (see `zerofit.plan.activations`), else the 2 largest (current + prefetched) | GPU, stage 3 only |
 | fp32 master | S*4, none when compute is fp32 and the state is on the GPU (it is the parameter itself) | with the optimizer state |
 | gradients | S*4 shard (S*c on one rank without accumulation or offload: "compact"); + N*4 full buffer when it persists (stage 1 on several ranks) | with the optimizer state |
-| optimizer states | k*S*4 | GPU; host with optimizer offload; files with NVMe (one group's worth in host slots) |
+| optimizer states | k*S*4 | GPU; host with optimizer offload; files with NVMe, host- or GPU-stepped (one group's worth in host slots) |
 | transient gradients | N*4 (+ S*4 reduce output) per unit while reduced, at most 2 reductions in flight | GPU, on the activation timeline |
 | step upcast | S*4 of the largest compact group, while it steps (after backward) | GPU, against the activation peak |
 | offload staging | S*4 pinned per group, when accumulating over several micro-steps (host-stepped) | host |
 | streaming pool | GPU-stepped offload (`step_on: device`): 3 slots of min(16 M, largest S) elements x 4 bytes x (1 master + k states + 1 upcast if compact) (+ c per element with param offload); the gradient shard stays on the GPU | GPU |
 | activations | measured by `zerofit.plan.activations` at the planned batch | GPU |
+
+GPU-stepped offload from NVMe (`step_on: device`, `offload_optimizer.device: nvme`) counts the master and
+state in files and the swapper's host slots as host-stepped NVMe does, and on the GPU the gradient shard
+and the streaming pool as GPU-stepped offload from host memory does.
 
 With GPU-stepped offload and `offload_optimizer.host_share` above 0, the offloaded units
 `host_stepped_units` picks are counted as host-stepped, the others as GPU-stepped.
@@ -83,8 +87,8 @@ class Setting:
             raise ValueError(f"host_share must be in [0, 1], and 0 unless step_on is device (got {self.host_share})")
         if self.step_on not in ("host", "device"):
             raise ValueError(f"step_on must be host or device (got {self.step_on!r})")
-        if self.step_on == "device" and self.offload_optimizer != "cpu":
-            raise ValueError("step_on device needs offload_optimizer cpu")
+        if self.step_on == "device" and self.offload_optimizer not in ("cpu", "nvme"):
+            raise ValueError("step_on device needs offload_optimizer cpu or nvme")
         if self.stage not in (0, 1, 2, 3):
             raise ValueError(f"stage must be 0, 1, 2 or 3 (got {self.stage})")
         if self.offload_optimizer not in ("none", "cpu", "nvme"):
@@ -231,7 +235,7 @@ def estimate(counts: ModelCounts, setting: Setting, work: Workload, trace: Activ
                 largest_streamed = max(largest_streamed, lay.shard_numel)
                 streamed_compact = streamed_compact or compact
             master = b.master.nbytes if b.master is not None else 0
-            if pl.offload_state and setting.offload_optimizer == "nvme":  # master and state in files
+            if setting.offload_optimizer == "nvme" and (pl.offload_state or pl.stream_state):  # in files
                 nvme += master + b.optimizer_state.nbytes
                 largest_state = max(largest_state, master + b.optimizer_state.nbytes)
             else:  # with the gradient shard, except GPU-stepped: state on the host, gradient on the GPU
