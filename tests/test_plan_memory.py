@@ -8,6 +8,7 @@ from torch import nn
 
 from zerofit.plan.activations import trace_step
 from zerofit.plan.choose import GPU_RESERVE_BYTES, Budget, plan
+from zerofit.engine.stream_step import stream_pool_bytes
 from zerofit.plan.memory import ModelCounts, Setting, Workload, all_settings, estimate
 from zerofit.plan.sources import FakeModel, ModelSpecError, build_fake_model, fake_mode, parse_overrides
 
@@ -220,9 +221,12 @@ def test_gpu_stepped_nvme_keeps_the_gradient_and_pool_on_the_gpu_and_the_state_i
     work = Workload(mixed_precision="bf16", persistence_threshold=0)
     host = estimate(counts(), Setting(stage=3, offload_optimizer="cpu", step_on="device"), work, None)
     nvme = estimate(counts(), Setting(stage=3, offload_optimizer="nvme", step_on="device"), work, None)
-    # the GPU holds what GPU-stepped offload from host memory holds: gradient shards, streaming pool
-    assert (nvme.params, nvme.grads, nvme.optimizer, nvme.buffers) == (host.params, host.grads, host.optimizer,
-                                                                        host.buffers)
+    # the GPU holds what GPU-stepped offload from host memory holds: gradient shards, streaming pool (less
+    # the split master's buffers: from a file the master travels whole)
+    assert (nvme.params, nvme.grads, nvme.optimizer) == (host.params, host.grads, host.optimizer)
+    pool = {split: stream_pool_bytes(112, state_tensors=2, compact=True, offload_params=False, compute_bytes=2,
+                                     split=split) for split in (False, True)}
+    assert host.buffers - nvme.buffers == pool[True] - pool[False] > 0
     assert nvme.grads == (48 + 3 * 112) * 2 and nvme.optimizer == 0  # bf16 ("compact"): one rank, no accumulation
     # master + 2 Adam states in files; in host memory only the swapper's slots of the largest group
     assert nvme.nvme == host.host_optimizer == (48 + 3 * 112) * 3 * 4

@@ -19,7 +19,7 @@ import torch
 from engine_cases import Case, make_model_and_optim, max_diff, run_cases
 
 from zerofit.config import load_config
-from zerofit.config.schema import OffloadConfig, ZeroConfig
+from zerofit.config.schema import OffloadConfig, PrecisionConfig, ZeroConfig
 from zerofit.engine import ZeroEngine
 from zerofit.engine.nvme import NvmeSwapper
 from zerofit.engine.policy import step_on_for
@@ -29,7 +29,10 @@ from zerofit.testing.distributed import run_distributed
 BASE = ([Case(stage=s, gas=g) for s in (1, 2, 3) for g in (1, 4)]
         + [Case(stage=2, clip=0.05), Case(stage=3, clip=0.05, gas=2), Case(stage=2, optim="sgd", clip=0.05),
            Case(stage=3, gas=2, precision="bf16"), Case(stage=3, freeze=True, gas=2), Case(stage=2, sched=True),
-           Case(stage=2, precision="fp16", overflow_at=3)])
+           Case(stage=2, precision="fp16", overflow_at=3),
+           # bf16: the master travels split (bf16 parameter + low halves + carries, zerofit.engine.master_split)
+           Case(stage=1, precision="bf16", gas=4), Case(stage=2, precision="bf16", clip=0.05),
+           Case(stage=2, optim="sgd", precision="bf16", clip=0.05, sched=True)])
 STREAMED = ([dataclasses.replace(c, offload="cpu", step_on="device", chunk=64) for c in BASE]
             + [dataclasses.replace(c, offload="cpu", offload_param="cpu", step_on="device", chunk=64)
                for c in BASE if c.stage == 3]
@@ -141,11 +144,12 @@ def test_pool_bytes_count_every_buffer_of_every_slot():
 
 
 def _engine(step_on: str, stage: int = 2, device: str = "cpu", nvme_path: str | None = None,
-            buffer_count: int = 4) -> ZeroEngine:
+            buffer_count: int = 4, precision: str = "no") -> ZeroEngine:
     model, opt = make_model_and_optim(Case(stage=stage))
     offload = OffloadConfig(device="nvme" if nvme_path else "cpu", nvme_path=nvme_path, step_on=step_on,
                             buffer_count=buffer_count)
-    return ZeroEngine(model, opt, zero=ZeroConfig(stage=stage, offload_optimizer=offload), device=torch.device(device))
+    return ZeroEngine(model, opt, zero=ZeroConfig(stage=stage, offload_optimizer=offload), device=torch.device(device),
+                      precision=PrecisionConfig(mixed_precision=precision))
 
 
 def test_auto_steps_on_the_host_without_cuda_and_device_when_asked():
@@ -158,14 +162,52 @@ def test_auto_steps_on_the_host_without_cuda_and_device_when_asked():
     assert g.master.data_ptr() != g.param_shard.data_ptr()
 
 
-def test_state_written_by_a_checkpoint_load_is_what_the_next_step_streams(tmp_path):
+@pytest.mark.parametrize("precision", ["no", "bf16"])
+def test_state_written_by_a_checkpoint_load_is_what_the_next_step_streams(tmp_path, precision):
     """Save after 2 steps, train 2 more; a fresh engine loading the checkpoint and training the same 2
-    steps ends bit for bit where the first did (state found in host memory, scalars included)."""
-    first, resumed = run_distributed(_checkpoint_rank, 1, str(tmp_path))[0]
+    steps ends bit for bit where the first did (state found in host memory, scalars included; in bf16
+    the saved masters are joined from their split form first)."""
+    first, resumed = run_distributed(_checkpoint_rank, 1, str(tmp_path), "cpu", None, precision)[0]
     assert max_diff(first, resumed) == 0.0
 
 
-def _checkpoint_rank(rank, world, directory, device="cpu", nvme_path=None):
+def test_a_bf16_master_travels_split_and_every_host_reader_gets_it_whole():
+    """Between steps the host master of a bf16 group holds its packed form (low halves and carries); a
+    host reader (`settle(state=True)`: checkpoints, inspection) gets the fp32 master rebuilt, bit for bit
+    what GPU-resident state gives, and the next step uploads it whole and packs it again."""
+    def train(engine, steps):
+        g = torch.Generator().manual_seed(3)
+        for _ in range(steps):
+            x = torch.randint(0, 37, (4, 5), generator=g)
+            engine.backward(engine.model(x).float().pow(2).mean())
+            engine.step()
+
+    streamed, resident = _engine("device", precision="bf16"), _engine("device", precision="bf16")
+    resident_masters = None
+    for engine in (streamed, resident):
+        if engine is resident:  # the same run with the split off: the master crosses whole
+            engine.mode._splits.clear()
+        train(engine, 2)
+        mode = engine.mode
+        mode.issuer.wait_all()  # the groups are issued on the issuing thread
+        if engine is streamed:
+            assert mode._packed == {id(g) for g in engine.groups if g.trainable}
+            g = next(g for g in engine.groups if g.trainable)
+            packed_view = g.master.clone()
+        masters = engine.named_full_tensors("master")  # settles: joined in place
+        if engine is streamed:
+            assert not mode._packed and not torch.equal(packed_view, g.master)
+            train(engine, 1)  # uploaded whole, packed again
+            mode.issuer.wait_all()
+            assert mode._packed
+        else:
+            resident_masters = masters
+            train(engine, 1)
+    assert max_diff(streamed.named_full_tensors("master"), resident.named_full_tensors("master")) == 0.0
+    assert resident_masters is not None
+
+
+def _checkpoint_rank(rank, world, directory, device="cpu", nvme_path=None, precision="no"):
     """Train, save, train; load into a fresh engine and train the same: both masters (on the CPU).
     `nvme_path`: both engines keep the state in files there."""
     from zerofit.checkpoint.sharded import load_state, save_state
@@ -177,11 +219,11 @@ def _checkpoint_rank(rank, world, directory, device="cpu", nvme_path=None):
             engine.backward(engine.model(x).float().pow(2).mean())
             engine.step()
 
-    a = _engine("device", device=device, nvme_path=nvme_path)
+    a = _engine("device", device=device, nvme_path=nvme_path, precision=precision)
     train(a, 1, 2)
     save_state(directory + "/ck", a)
     train(a, 2, 2)
-    b = _engine("device", device=device, nvme_path=nvme_path)
+    b = _engine("device", device=device, nvme_path=nvme_path, precision=precision)
     load_state(directory + "/ck", b)
     train(b, 2, 2)
     return ({k: v.cpu() for k, v in a.named_full_tensors("master").items()},

@@ -23,6 +23,11 @@ whole piece (zeros for Adam's moments, the gradient for SGD's momentum); it is k
 from then on, where checkpoints find it. Host-side readers call `settle(state=True)`, which waits for
 the downloads in flight; gradients are zeroed by the step itself (`FlatGroup.step_in_flight`).
 
+With bf16 parameters on the device the master does not cross whole: the host keeps its low halves and
+carries and the device rebuilds it from the parameter it holds (see [Note: split master] in
+zerofit.engine.master_split), 2.125 bytes instead of 4 each way; `settle(state=True)` rebuilds the fp32
+masters in host memory for host readers, and the next step uploads those whole.
+
 The main thread only decides the step (factor, this step's settings, the "gradients final" event) and
 hands the groups to `IssueThread`, which queues their chunks (see [Note: issuing off the main thread]
 in zerofit.engine.stream_issue); a unit's pre-hook waits until its groups are queued.
@@ -54,6 +59,7 @@ import torch
 from torch import nn
 
 from zerofit.config.schema import AioConfig, OffloadConfig
+from zerofit.engine import master_split
 from zerofit.engine.comm import Collectives, Pending
 from zerofit.engine.flat_group import FlatGroup
 from zerofit.engine.nvme import NvmeSwapper
@@ -104,11 +110,14 @@ def plan_chunks(pieces: list[tuple[int, int]], chunk: int) -> list[list[ChunkSpa
 
 
 def stream_pool_bytes(largest_piece: int, *, state_tensors: int, compact: bool,
-                      offload_params: bool, compute_bytes: int) -> int:
+                      offload_params: bool, compute_bytes: int, split: bool = False) -> int:
     """Device bytes of the chunk pool: per slot, fp32 master + state chunks (+ the fp32 gradient upcast
-    when gradients are compact, + the compute-dtype parameter chunk on its way down with param offload)."""
+    when gradients are compact, + the compute-dtype parameter chunk on its way down with param offload,
+    + the packed master and its carries' scratch when the master travels split)."""
     n = min(STREAM_CHUNK, largest_piece)
     per_slot = n * 4 * (1 + state_tensors + (1 if compact else 0)) + (n * compute_bytes if offload_params else 0)
+    if split:
+        per_slot += master_split.packed_bytes(n) + n + 8
     return STREAM_SLOTS * per_slot
 
 
@@ -133,6 +142,14 @@ class _Slot:
         if key not in self._buffers:
             self._buffers[key] = torch.empty(self.capacity + _VECTOR, dtype=dtype, device=self.device)
         return self._buffers[key][shift:shift + n]
+
+    def packed(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the packed form of an `n`-element split master, the carries' scratch): uint8 buffers."""
+        if "packed" not in self._buffers:
+            cap = self.capacity
+            self._buffers["packed"] = torch.empty(master_split.packed_bytes(cap), dtype=torch.uint8, device=self.device)
+            self._buffers["carry"] = torch.empty(cap + 8, dtype=torch.uint8, device=self.device)
+        return self._buffers["packed"][:master_split.packed_bytes(n)], self._buffers["carry"]
 
 
 class _Piece:
@@ -190,6 +207,8 @@ class StreamStep(StepMode):
         self._keep: list = []
         """Tensors the side streams still read (the step's factor), held until the next step."""
         self._pinned: set[int] = set()
+        self._packed: set[int] = set()
+        """Groups whose host master holds the packed form, chunk by chunk (issuing thread; `settle` joins)."""
         """data_ptr of host state tensors known to be page-locked."""
         self._backward_ran = False
         for unit in units:
@@ -202,6 +221,8 @@ class StreamStep(StepMode):
         if offload is not None and offload.device == "nvme":
             # After the pieces were matched (by address): swapping out empties the tensors.
             self.swapper = NvmeSwapper(groups, optimizer, offload, aio or AioConfig(), comm, self.device)
+        self._splits = {id(g) for g in groups if self._can_split(g)}
+        """Groups whose master travels split (see [Note: split master] in zerofit.engine.master_split)."""
         self.issuer = IssueThread(groups, self.device)
         # The thread never holds this mode while idle; stop it (and remove the NVMe files) with the mode,
         # or at the latest when the process exits.
@@ -287,6 +308,8 @@ class StreamStep(StepMode):
                 self._step_piece(g, piece, scale, kernel, settings)
             self._done[id(g)] = self._record(self._down if g.placement.offload_params else self._work)
             downloaded = self._record(self._down)
+            if id(g) in self._splits:
+                self._packed.add(id(g))
             self._written = downloaded  # the download stream is in order: the last group's covers all
         if self.swapper is not None:
             self.swapper.swap_out(g, ready=downloaded)  # written once the downloads into the slot are done
@@ -304,6 +327,8 @@ class StreamStep(StepMode):
                         state[k] = pinned_copy(state[k])
                     self._pinned.add(state[k].data_ptr())
         opt = self._optimizer_for(piece.group, settings[piece.group])
+        split = id(g) in self._splits
+        packed_home = id(g) in self._packed  # the host master holds the packed form (the last step split it)
         last: dict = {}
         for span in piece.chunks:
             slot = self._slots[self._next_slot]
@@ -314,7 +339,11 @@ class StreamStep(StepMode):
                     self._up.wait_event(slot.free)
                 shift = _shift(piece.offset, length, span.start)
                 master = slot.buf("master", torch.float32, n, shift)
-                master.copy_(piece.master[lo:lo + n], non_blocking=True)
+                if packed_home:  # the low halves and carries come up; the device holds the rest
+                    packed, carries = slot.packed(n)
+                    packed.copy_(_packed_home(piece.master, lo, n), non_blocking=True)
+                else:
+                    master.copy_(piece.master[lo:lo + n], non_blocking=True)
                 chunk_state = {}
                 for k in keys:
                     chunk_state[k] = slot.buf(k, state[k].dtype, n)
@@ -323,9 +352,14 @@ class StreamStep(StepMode):
             with self._on(self._work):
                 if loaded is not None:
                     self._work.wait_event(loaded)
+                if packed_home:
+                    master_split.join(packed, g.param_shard[span.start:span.start + n], master, carries)
                 if keys:  # every chunk starts from the piece's scalar state (a fresh piece has none)
                     chunk_state.update({k: self._scalar_copy(v, opt) for k, v in scalars.items()})
                 created, last = self._step_chunk(g, opt, span, master, chunk_state, scale, kernel, slot)
+                if split:  # after the parameter is published: its rounding is what the carries refer to
+                    packed, carries = slot.packed(n)
+                    master_split.split(master, g.param_shard[span.start:span.start + n], packed, carries)
                 stepped = self._record(self._work)
             with self._on(self._down):
                 if stepped is not None:
@@ -333,7 +367,10 @@ class StreamStep(StepMode):
                 for k, v in created.items():  # a fresh piece's per-element state gets its home in host memory
                     if not _is_streamed(state.get(k), length):
                         state[k] = self._host_tensor(length, v.dtype)
-                piece.master[lo:lo + n].copy_(master, non_blocking=True)
+                if split:
+                    _packed_home(piece.master, lo, n).copy_(slot.packed(n)[0], non_blocking=True)
+                else:
+                    piece.master[lo:lo + n].copy_(master, non_blocking=True)
                 for k in {*keys, *created}:  # every per-element state tensor of the chunk is in its slot
                     state[k][lo:lo + n].copy_(slot.buf(k, state[k].dtype, n), non_blocking=True)
                 if g.placement.offload_params:
@@ -452,9 +489,36 @@ class StreamStep(StepMode):
                 self._written.synchronize()  # host masters and state hold the last step's values
             if self.swapper is not None:
                 self.swapper.materialize()  # after the writes: in host memory until the next step
+            self._join_packed()
 
     def _settle_state(self) -> None:
         self.settle(state=True)
+
+    # --- the split master (see [Note: split master]) ----------------------------------------------
+    def _can_split(self, g: FlatGroup) -> bool:
+        """`g`'s master may travel split: bf16 parameters on this device (not offloaded), no NVMe file."""
+        return (self.swapper is None and not g.placement.offload_params and g.param_shard.device == self.device
+                and master_split.eligible(g.compute_dtype, g.master, g.param_shard))
+
+    def _join_packed(self) -> None:
+        """Rebuild every packed host master as fp32 in place, for host readers (checkpoints, inspection);
+        the next step uploads those whole and packs them again."""
+        for g in self.groups:
+            if id(g) not in self._packed:
+                continue
+            param = g.param_shard.to("cpu")  # the rounding the carries refer to
+            carries = torch.empty(self._slots[0].capacity + 8, dtype=torch.uint8)
+            for piece in self._pieces[id(g)]:
+                for span in piece.chunks:
+                    lo, n = span.start - piece.offset, span.length
+                    packed = _packed_home(piece.master, lo, n).clone()  # the master's own bytes are rewritten
+                    master_split.join(packed, param[span.start:span.start + n], piece.master[lo:lo + n], carries)
+        self._packed.clear()
+
+
+def _packed_home(master: torch.Tensor, lo: int, n: int) -> torch.Tensor:
+    """Where chunk [lo, lo + n) of a host master keeps its packed form: the front of its own bytes."""
+    return master[lo:lo + n].view(torch.uint8)[:master_split.packed_bytes(n)]
 
 
 def _close(issuer: IssueThread, swapper: NvmeSwapper | None) -> None:

@@ -13,10 +13,13 @@ Per offloaded parameter, with k optimizer state tensors (AdamW: 2), G gradient b
 bytes on the host path (fp32 gradient 4 or bf16 2; compute-dtype parameter 2), B = both_gbs * 1e9
 bytes/s each way, and times in seconds for n parameters:
 
-    streamed   T_s(n)      = max(4(1+k) n / B,  gpu_adam_s n / 1e9)
+    streamed   T_s(n)      = max((M + 4k) n / B,  gpu_adam_s n / 1e9)
     host       T_h(n)      = max(c n / 1e9,     max(G, P) n / B')      c = cpu_adam_s, or cpu_adam_busy_s when busy
     split      T(n_s, n_h) = max(cpu_adam_busy_s n_h / 1e9,  max(down, up) / B',  gpu_adam_s n_s / 1e9)
-                             down = 4(1+k) n_s + G n_h,   up = 4(1+k) n_s + P n_h
+                             down = (M + 4k) n_s + G n_h,   up = (M + 4k) n_s + P n_h
+
+with M the master's bytes on the link: 4, or 2.125 where it travels split (bf16 parameters on the GPU:
+low halves and carries, zerofit.engine.master_split).
 
 B' = both_busy_gbs * 1e9: the link each way while the CPU steps (B where not measured). Host memory
 bandwidth is shared: on the H200 box the link falls from about 50 to about 33-36 GB/s each way while
@@ -449,16 +452,22 @@ def _count(name: str, value: int) -> None:
         raise ValueError(f"{name} must be an integer >= 0 (got {value!r})")
 
 
-def _stream_bytes(numel: int, state_tensors: int) -> int:
-    """Bytes each way of GPU-stepping `numel` offloaded parameters: fp32 master plus k fp32 state tensors."""
+SPLIT_MASTER_BYTES = 2.125
+"""Bytes per element a bf16 run's master takes on the link: low halves and carries (zerofit.engine.master_split)."""
+
+
+def _stream_bytes(numel: int, state_tensors: int, master_bytes: float = 4) -> float:
+    """Bytes each way of GPU-stepping `numel` offloaded parameters: the master (4 bytes, or
+    `SPLIT_MASTER_BYTES` when it travels split) plus k fp32 state tensors."""
     _count("numel", numel)
     _count("state_tensors", state_tensors)
-    return 4 * (1 + state_tensors) * numel
+    return (master_bytes + 4 * state_tensors) * numel
 
 
-def streamed_seconds(rates: Rates, numel: int, *, state_tensors: int = 2) -> float:
+def streamed_seconds(rates: Rates, numel: int, *, state_tensors: int = 2, master_bytes: float = 4) -> float:
     """Seconds to GPU-step `numel` offloaded parameters: T_s of [Note: offload time model]."""
-    return max(_stream_bytes(numel, state_tensors) / (rates.both_gbs * GB), rates.gpu_adam_s * numel / GB)
+    return max(_stream_bytes(numel, state_tensors, master_bytes) / (rates.both_gbs * GB),
+               rates.gpu_adam_s * numel / GB)
 
 
 def host_seconds(rates: Rates, numel: int, *, grad_bytes: int = 4, param_bytes: int = 2,
@@ -481,11 +490,11 @@ def _link_beside_cpu(rates: Rates) -> float:
 
 
 def offload_seconds(rates: Rates, numel_streamed: int, numel_host: int, *, state_tensors: int = 2,
-                    grad_bytes: int = 4, param_bytes: int = 2) -> float:
+                    grad_bytes: int = 4, param_bytes: int = 2, master_bytes: float = 4) -> float:
     """Seconds to step `numel_streamed` parameters on the GPU and `numel_host` on the host at once: T of
     [Note: offload time model], max(CPU time of the host part at the busy rate, the link's time for both
     parts' bytes in the busier direction, the GPU kernel's time for the streamed part)."""
-    stream = _stream_bytes(numel_streamed, state_tensors)
+    stream = _stream_bytes(numel_streamed, state_tensors, master_bytes)
     _count("numel_host", numel_host)
     _count("grad_bytes", grad_bytes)
     _count("param_bytes", param_bytes)

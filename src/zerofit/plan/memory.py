@@ -247,8 +247,10 @@ def estimate(counts: ModelCounts, setting: Setting, work: Workload, trace: Activ
                 if moving is not None:
                     transient[u] += moving.nbytes
     if largest_streamed:  # the device buffers GPU-stepped offload streams the state through
+        split = work.mixed_precision == "bf16" and setting.offload_param == "none" and setting.offload_optimizer == "cpu"
         gpu["buffers"] += stream_pool_bytes(largest_streamed, state_tensors=k, compact=streamed_compact,
-                                            offload_params=setting.offload_param != "none", compute_bytes=c)
+                                            offload_params=setting.offload_param != "none", compute_bytes=c,
+                                            split=split)  # the master travels split (engine.master_split)
     if setting.offload_optimizer == "nvme":
         host["optimizer"] += 2 * largest_state  # slots: the group being stepped and the next one read ahead
     activations, in_use = 0, sum(sorted(gathered)[-2:])

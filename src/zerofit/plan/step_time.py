@@ -13,7 +13,8 @@ checkpointed) and T the tokens of one micro-step:
 
     added = offload(n_s, n_h)  +  K * (2 P n_p / h2d  +  2 L T / F)
 
-- offload: `bandwidth.offload_seconds` (or `host_seconds` for host stepping): once per optimizer step;
+- offload: `bandwidth.offload_seconds` (or `host_seconds` for host stepping): once per optimizer step, the
+  master's bytes split where it travels so (bf16 parameters on the GPU, zerofit.engine.master_split);
 - parameter offload: the shard is uploaded for the forward's and again for the backward's gather, every
   micro-step;
 - checkpointing: a second forward of the layers, 2 FLOPs per parameter and token, at F = the measured
@@ -51,8 +52,10 @@ def added_seconds(rates: bandwidth.Rates, counts: ModelCounts, setting: Setting,
         if setting.step_on == "host":
             seconds += bandwidth.host_seconds(rates, hosted, param_bytes=param_bytes)
         else:
+            split = work.mixed_precision == "bf16" and setting.offload_param == "none"
             seconds += bandwidth.offload_seconds(rates, streamed, hosted, param_bytes=param_bytes,
-                                                 state_tensors=work.optimizer_states)
+                                                 state_tensors=work.optimizer_states,
+                                                 master_bytes=bandwidth.SPLIT_MASTER_BYTES if split else 4)
     elif setting.offload_optimizer == "nvme":
         return None  # bound by the disk, which the probe does not measure
     per_micro = 0.0
