@@ -13,6 +13,7 @@
 # bigpeer: DeepSpeed's best try at the 13 B model (ZeRO-3, optimizer state partly offloaded, checkpointing)
 # rows:   issue #19's GPT-2 XL rows, peers beside: ZeRO-2/3 offload 16x128 (DeepSpeed, FSDP2), and
 #         stage: auto at batch 32 under a 24 GiB cap (DeepSpeed ZeRO-3 offload beside); the rates first
+# rowsfinal: the capped stage: auto row (DeepSpeed beside), the 6.7 B full offload and the 13 B stage: auto
 # rowsbig: issue #19's Llama rows: 6.7 B full offload forced, 6.7 B and 13 B stage: auto (checkpointing
 #         left to the planner)
 # DeepSpeed comes from wheels in .whl/ when present (see ../shared/ANCHORS.md).
@@ -61,6 +62,14 @@ case "$WHAT" in
        --steps 6 --timeout 200 --out "$OUT/gpt2xl"
     $B --methods zerofit-auto deepspeed-s3-offload --gpu-memory-gib 24 --batch 32 --steps 4 --timeout 200 \
        --out "$OUT/cap24_auto" ;;
+  rowsfinal)
+    python3 bench/bandwidth_probe.py > "$OUT/bandwidth.json"
+    $B --methods zerofit-auto deepspeed-s3-offload --gpu-memory-gib 24 --batch 32 --steps 4 --timeout 200 \
+       --out "$OUT/cap24_auto"
+    L7="--model llama --n_embd 4096 --n_layer 32 --n_head 32 --intermediate 11008 --batch 8 --seq 512 --meta"
+    $B --methods zerofit-s3-offload $L7 --steps 3 --timeout 150 --out "$OUT/llama7b_full"
+    $B --methods zerofit-auto --model llama --n_embd 5120 --n_layer 40 --n_head 40 --intermediate 13824 \
+       --batch 8 --seq 512 --steps 3 --meta --timeout 220 --out "$OUT/llama13b_auto" ;;
   rowsbig)
     python3 bench/bandwidth_probe.py > "$OUT/bandwidth_big.json"
     L7="--model llama --n_embd 4096 --n_layer 32 --n_head 32 --intermediate 11008 --batch 8 --seq 512 --meta"
