@@ -24,6 +24,7 @@ from zerofit.engine import ZeroEngine
 from zerofit.engine.nvme import NvmeSwapper
 from zerofit.engine.policy import step_on_for
 from zerofit.engine.stream_step import StreamStep, plan_chunks, stream_pool_bytes
+from zerofit.errors import EngineError
 from zerofit.testing.distributed import run_distributed
 
 BASE = ([Case(stage=s, gas=g) for s in (1, 2, 3) for g in (1, 4)]
@@ -231,11 +232,28 @@ def _checkpoint_rank(rank, world, directory, device="cpu", nvme_path=None, preci
 
 
 # --- NVMe as the home of GPU-stepped state ---------------------------------------------------------
+
+def _train_breaking(engine, g, break_files):
+    """Four steps; after the second (its files written) `break_files(engine)`; None, or (step, message) of
+    the EngineError raised."""
+    step = 0
+    try:
+        for step in range(4):
+            x = torch.randint(0, 37, (4, 5), generator=g)
+            engine.backward(engine.model(x).float().pow(2).mean())
+            engine.step()
+            if step == 1:
+                engine.streamer.issuer.wait_all()
+                engine.swapper.flush()
+                break_files(engine)
+        return None
+    except EngineError as e:
+        return (step, str(e))
+
+
 def _nvme_rank(rank, world, root):
     """One launch for the NVMe checks that are not parity sweeps: memory, checkpoints, a failing file."""
     import os
-
-    from zerofit.errors import EngineError
 
     swap = os.path.join(root, "swap")
     out = {}
@@ -264,42 +282,26 @@ def _nvme_rank(rank, world, root):
     out["nvme"] = _checkpoint_rank(rank, world, os.path.join(root, "ck-nvme"), nvme_path=swap)
     out["host"] = _checkpoint_rank(rank, world, os.path.join(root, "ck-host"))
     # a group's file that can no longer be read: the next forward raises it, on every rank, no hang
+    def unreadable(engine):
+        broken = os.path.join(root, f"empty-{rank}")
+        open(broken, "w").close()
+        fd = os.open(broken, os.O_RDONLY)  # reads come back short, writes fail
+        os.dup2(fd, engine.swapper._infos[0].fd)
+        os.close(fd)
+
+    def read_only(engine):
+        for name, info in zip(sorted(os.listdir(engine.swapper.dir)), engine.swapper._infos):
+            fd = os.open(os.path.join(engine.swapper.dir, name), os.O_RDONLY)
+            os.dup2(fd, info.fd)
+            os.close(fd)
+
     engine = _engine("device", nvme_path=swap)
     g = torch.Generator().manual_seed(5)
-    try:
-        for step in range(4):
-            x = torch.randint(0, 37, (4, 5), generator=g)
-            engine.backward(engine.model(x).float().pow(2).mean())
-            engine.step()
-            if step == 1:
-                engine.streamer.issuer.wait_all()
-                engine.swapper.flush()
-                broken = os.path.join(root, f"empty-{rank}")
-                open(broken, "w").close()
-                fd = os.open(broken, os.O_RDONLY)  # reads come back short, writes fail
-                os.dup2(fd, engine.swapper._infos[0].fd)
-                os.close(fd)
-        out["error"] = None
-    except EngineError as e:
-        out["error"] = (step, str(e))
+    out["error"] = _train_breaking(engine, g, unreadable)
     engine.streamer.close()
     # every write fails (the files turn read-only), with fewer slots than groups: raised, no hang
     engine = _engine("device", nvme_path=swap, buffer_count=2)
-    try:
-        for step in range(4):
-            x = torch.randint(0, 37, (4, 5), generator=g)
-            engine.backward(engine.model(x).float().pow(2).mean())
-            engine.step()
-            if step == 1:
-                engine.streamer.issuer.wait_all()
-                engine.swapper.flush()
-                for name, info in zip(sorted(os.listdir(engine.swapper.dir)), engine.swapper._infos):
-                    fd = os.open(os.path.join(engine.swapper.dir, name), os.O_RDONLY)
-                    os.dup2(fd, info.fd)
-                    os.close(fd)
-        out["write_error"] = None
-    except EngineError as e:
-        out["write_error"] = (step, str(e))
+    out["write_error"] = _train_breaking(engine, g, read_only)
     return out
 
 

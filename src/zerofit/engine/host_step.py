@@ -27,6 +27,7 @@ import threading
 import torch
 
 from zerofit.engine.flat_group import FlatGroup
+from zerofit.engine.worker import serve
 from zerofit.engine.optim import master_pieces, step_with_factor, sub_optimizer, sync_hyperparams
 from zerofit.engine.timing import StepTimes
 
@@ -120,12 +121,7 @@ class HostStepper:
             raise RuntimeError("the host optimizer step failed") from err
 
     def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            self._run_one(*item)
-            del item  # hold no group while idle: groups reach the parameters, whose hooks reach the engine
+        serve(self._queue, self._run_one)
 
     def _run_one(self, g: FlatGroup, factor, hyper, settle_grads: bool) -> None:
         try:

@@ -27,6 +27,7 @@ from collections.abc import Callable
 import torch
 
 from zerofit.engine.flat_group import FlatGroup
+from zerofit.engine.worker import serve
 from zerofit.errors import EngineError
 
 
@@ -75,12 +76,7 @@ class IssueThread:
                               "above, fix it and resume from the last checkpoint") from err
 
     def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            self._run_one(*item)
-            del item  # hold no group and no step mode while idle: they reach the engine
+        serve(self._queue, self._run_one)
 
     def _run_one(self, groups: list[FlatGroup], issue: Callable[[FlatGroup], None]) -> None:
         device = torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
