@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import pytest
 import torch
 from torch import nn
@@ -230,7 +231,10 @@ def test_gpu_stepped_nvme_keeps_the_gradient_and_pool_on_the_gpu_and_the_state_i
     assert nvme.grads == (48 + 3 * 112) * 2 and nvme.optimizer == 0  # bf16 ("compact"): one rank, no accumulation
     # master + 2 Adam states in files; in host memory only the swapper's slots of the largest group
     assert nvme.nvme == host.host_optimizer == (48 + 3 * 112) * 3 * 4
-    assert nvme.host_optimizer == 2 * 112 * 3 * 4 and nvme.host_grads == 0
+    assert nvme.host_optimizer == 4 * 112 * 3 * 4 and nvme.host_grads == 0  # buffer_count 4: a slot per unit here
+    two = estimate(counts(), Setting(stage=3, offload_optimizer="nvme", step_on="device"),
+                   dataclasses.replace(work, nvme_buffer_count=2), None)
+    assert two.host_optimizer == 2 * 112 * 3 * 4
     assert Setting(stage=3, offload_optimizer="nvme", step_on="device").label == "ZeRO-3 + opt nvme (GPU-stepped)"
     with pytest.raises(ValueError, match="step_on device needs offload_optimizer cpu or nvme"):
         Setting(stage=3, step_on="device")

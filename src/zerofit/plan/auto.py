@@ -118,7 +118,8 @@ def choose(config: RunConfig, model: nn.Module, *, world: int, shape: tuple[int,
                     micro_batch=shape[0] if shape else 1, seq=shape[1] if shape else 1,
                     gradient_accumulation_steps=_int(config.batch.gradient_accumulation_steps, 1),
                     persistence_threshold=_int(threshold, 100_000),
-                    unit_size_threshold=config.zero.unit_size_threshold)
+                    unit_size_threshold=config.zero.unit_size_threshold,
+                    nvme_buffer_count=config.zero.offload_optimizer.buffer_count)
     traces = {ck: _trace(model, shape, ck, precision, work) for ck in choices}
     if len(choices) > 1 and traces[True] is None:
         traces.pop(True)  # what checkpointing saves is unknown: it would only add recomputation

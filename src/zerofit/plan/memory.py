@@ -17,7 +17,8 @@ c bytes per compute element (4 fp32, 2 bf16/fp16) and k optimizer state tensors 
 | transient gradients | N*4 (+ S*4 reduce output) per unit while reduced, at most 2 reductions in flight | GPU, on the activation timeline |
 | step upcast | S*4 of the largest compact group, while it steps (after backward) | GPU, against the activation peak |
 | offload staging | S*4 pinned per group, when accumulating over several micro-steps (host-stepped) | host |
-| streaming pool | GPU-stepped offload (`step_on: device`): 3 slots of min(16 M, largest S) elements x 4 bytes x (1 master + k states + 1 upcast if compact) (+ c per element with param offload); the gradient shard stays on the GPU | GPU |
+| streaming pool | GPU-stepped offload (`step_on: device`): 3 slots of min(16 M, largest S) elements x 4 bytes x (1 master + k states + 1 upcast if compact) (+ c per element with param offload; + 3.125 bytes per element for the split master in bf16 without param offload); the gradient shard stays on the GPU | GPU |
+| NVMe slots | `offload_optimizer.buffer_count` (at most one per offloaded unit) x the largest group's master and state | host |
 | activations | measured by `zerofit.plan.activations` at the planned batch | GPU |
 
 GPU-stepped offload from NVMe (`step_on: device`, `offload_optimizer.device: nvme`) counts the master and
@@ -131,6 +132,8 @@ class Workload:
     gradient_accumulation_steps: int = 1
     persistence_threshold: int = 100_000
     unit_size_threshold: int = 10_000_000
+    nvme_buffer_count: int = 4
+    """`offload_optimizer.buffer_count`: host slots of the NVMe swapper, each the largest group's state."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -251,8 +254,8 @@ def estimate(counts: ModelCounts, setting: Setting, work: Workload, trace: Activ
         gpu["buffers"] += stream_pool_bytes(largest_streamed, state_tensors=k, compact=streamed_compact,
                                             offload_params=setting.offload_param != "none", compute_bytes=c,
                                             split=split)  # the master travels split (engine.master_split)
-    if setting.offload_optimizer == "nvme":
-        host["optimizer"] += 2 * largest_state  # slots: the group being stepped and the next one read ahead
+    if setting.offload_optimizer == "nvme":  # the swapper's pool: one slot per buffer, at most one per group
+        host["optimizer"] += max(1, min(work.nvme_buffer_count, len(offloaded))) * largest_state
     activations, in_use = 0, sum(sorted(gathered)[-2:])
     if trace is not None:
         peak, in_use = trace.peak_parts(transient, gathered)
