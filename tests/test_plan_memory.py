@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+
 import pytest
 import torch
 from torch import nn
 
+from zerofit.engine.stream_step import stream_pool_bytes
 from zerofit.plan.activations import trace_step
 from zerofit.plan.choose import GPU_RESERVE_BYTES, Budget, plan
-from zerofit.engine.stream_step import stream_pool_bytes
 from zerofit.plan.memory import ModelCounts, Setting, Workload, all_settings, estimate
 from zerofit.plan.sources import FakeModel, ModelSpecError, build_fake_model, fake_mode, parse_overrides
 

@@ -5,13 +5,12 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from test_bandwidth import H200
 
 from zerofit.plan import bandwidth
 from zerofit.plan.choose import Budget, plan, traces_for
 from zerofit.plan.memory import GIB, ModelCounts, Setting, Workload, all_settings
 from zerofit.plan.step_time import RECOMPUTE_EFFICIENCY, added_seconds
-
-from test_bandwidth import H200
 
 # a root unit (embeddings, head) and two layers
 COUNTS = ModelCounts(units=(("", 100_000, 0), ("h.0", 1_000_000, 0), ("h.1", 1_000_000, 0)), buffer_bytes=0)

@@ -27,9 +27,9 @@ import threading
 import torch
 
 from zerofit.engine.flat_group import FlatGroup
-from zerofit.engine.worker import serve
 from zerofit.engine.optim import master_pieces, step_with_factor, sub_optimizer, sync_hyperparams
 from zerofit.engine.timing import StepTimes
+from zerofit.engine.worker import serve
 
 
 class HostStepper:

@@ -18,9 +18,9 @@ from torch import nn
 
 from zerofit.config.naming import key_name
 from zerofit.config.schema import RunConfig, is_auto
+from zerofit.errors import ConfigError
 from zerofit.frontend.probe import StepProbe
 from zerofit.plan import bandwidth
-from zerofit.errors import ConfigError
 from zerofit.plan.activations import checkpointing_switch
 from zerofit.plan.auto import can_checkpoint, choose, describe, has_checkpointing
 from zerofit.plan.choose import Budget, allowed_gpu_bytes, machine_budget
@@ -100,8 +100,6 @@ def apply_checkpointing(config: RunConfig, model: nn.Module) -> None:
                           "that supports it): remove the key, or checkpoint the model's blocks in the script",
                           config.source)
     checkpointing_switch(model)[0]()  # non-reentrant, as the planner traced it
-    if getattr(getattr(model, "config", None), "use_cache", False):
-        model.config.use_cache = False  # a cache is never used in training and conflicts with checkpointing
 
 
 def _env_gib(name: str) -> float | None:

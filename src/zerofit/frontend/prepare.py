@@ -21,7 +21,13 @@ from zerofit.config.schema import SchedulerConfig
 from zerofit.engine import ZeroEngine
 from zerofit.errors import ConfigError
 from zerofit.frontend import engine_surface, ops
-from zerofit.frontend.auto_plan import apply_checkpointing, machine_host_share, machine_rates, plan_for, wants_host_share
+from zerofit.frontend.auto_plan import (
+    apply_checkpointing,
+    machine_host_share,
+    machine_rates,
+    plan_for,
+    wants_host_share,
+)
 from zerofit.frontend.data import ShardedDataLoader
 from zerofit.frontend.optimizers import AcceleratedOptimizer, build_optimizer
 from zerofit.frontend.progress import Progress
