@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -233,3 +234,40 @@ def test_written_checkpointing_is_turned_on_and_refused_for_a_plain_module(tmp_p
     with pytest.raises(ConfigError, match=r"zero_optimization\.gradient_checkpointing is true, but Linear has no "
                                           r"gradient_checkpointing_enable\(\).*remove the key"):
         acc.prepare(plain, torch.optim.SGD(plain.parameters(), lr=0.1))
+
+
+def _train_checkpointed(rank: int, world: int):
+    """Per setting, with and without activation checkpointing turned on by zerofit: losses and masters."""
+    out = {}
+    settings = {"s2": ZeroConfig(stage=2), "s3": ZeroConfig(stage=3),
+                "s3-offload": ZeroConfig(stage=3, offload_optimizer=OffloadConfig(device="cpu", step_on="device"),
+                                         offload_param=OffloadConfig(device="cpu"))}
+    for name, zero in settings.items():
+        for ck in (False, True):
+            acc = Accelerator(config=RunConfig(zero=dataclasses.replace(zero, gradient_checkpointing=ck)))
+            model = _long_gpt2()
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            model, opt, dl = acc.prepare(model, opt, _long_loader())
+            assert _checkpoints(model) == ck
+            losses = []
+            for _ in range(3):
+                for b in dl:
+                    loss = model(input_ids=b["input_ids"][:, :64], labels=b["input_ids"][:, :64]).loss
+                    acc.backward(loss)
+                    opt.step()
+                    opt.zero_grad()
+                    losses.append(loss.item())
+            masters = acc._prepared.trained_engine().named_full_tensors("master")
+            out[(name, ck)] = (losses, masters)
+    return out
+
+
+@pytest.mark.slow  # two gloo ranks, three settings twice
+def test_checkpointing_zerofit_turns_on_trains_as_without_at_stages_2_and_3():
+    """The recomputed forward under stage 3's gathers (and GPU-stepped offload with parameter offload)
+    gives the same losses and weights as keeping the activations."""
+    out = run_distributed(_train_checkpointed, 2, timeout=300)[0]
+    for name in ("s2", "s3", "s3-offload"):
+        (l0, m0), (l1, m1) = out[(name, False)], out[(name, True)]
+        assert l0 == l1, name
+        assert all(torch.equal(m0[k], m1[k]) for k in m0), name
