@@ -184,6 +184,10 @@ def test_which_checkpointing_settings_the_planner_weighs(written, has, expected)
     config = RunConfig(zero=ZeroConfig(stage=AUTO, gradient_checkpointing=written))
     assert checkpointing_choices(config, model) == expected
     assert checkpointing_choices(RunConfig(zero=ZeroConfig(stage=AUTO)), torch.nn.Linear(2, 2)) == (False,)
+    # a written stage and devices (the planner runs for the host share only): unset keeps the model as it is
+    assert checkpointing_choices(RunConfig(zero=ZeroConfig(stage=2)), _tiny_gpt2()) == (False,)
+    assert checkpointing_choices(RunConfig(zero=ZeroConfig(stage=2, gradient_checkpointing=AUTO)),
+                                 _tiny_gpt2()) == (False, True)
 
 
 def test_the_planner_turns_checkpointing_on_where_only_that_fits(monkeypatch, capsys):

@@ -61,6 +61,8 @@ def checkpointing_choices(config: RunConfig, model: nn.Module) -> tuple[bool, ..
         return (True,)
     if written is False or not can_checkpoint(model):
         return (False,)
+    if written is None and not needs_planning(config):  # planned only for the host share: as the script built it
+        return (False,)
     return (False, True)
 
 
