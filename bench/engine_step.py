@@ -237,7 +237,8 @@ def _phases(marks, before: dict, after: dict) -> dict:
     marks[-1].synchronize()  # the main stream only: side-stream work of the step may still run
     span = [marks[i].elapsed_time(marks[i + 1]) / 1e3 for i in range(3)]
     out = {"forward": span[0], "backward": span[1], "step_call": span[2]}
-    for k in ("host_optimizer", "host_publish", "wait_host_step", "wait_grad_download", "nvme_wait", "stream_issue"):
+    for k in ("host_optimizer", "host_publish", "wait_host_step", "wait_grad_download", "nvme_wait", "stream_issue",
+              "wait_stream_issue"):
         out[k] = after[k] - before[k]
     return out
 
@@ -331,8 +332,8 @@ PEERS = {"zerofit-s2": ["deepspeed-s2"], "zerofit-s2-offload": ["deepspeed-s2-of
          "zerofit-s3-offload": ["deepspeed-s3-offload", "fsdp2-offload"],
          "zerofit-s2-offload-host": ["deepspeed-s2-offload"], "zerofit-s3-offload-host": ["deepspeed-s3-offload"],
          "zerofit-auto": ["deepspeed-s3-offload", "deepspeed-s2-offload"]}
-PHASES = ["forward", "backward", "step_call", "stream_issue", "host_optimizer", "host_publish", "wait_host_step",
-          "wait_grad_download", "copy_to_host", "copy_to_gpu"]
+PHASES = ["forward", "backward", "step_call", "stream_issue", "wait_stream_issue", "host_optimizer", "host_publish",
+          "wait_host_step", "wait_grad_download", "copy_to_host", "copy_to_gpu"]
 
 
 def tables(rows: list[dict]) -> list[str]:
