@@ -150,8 +150,9 @@ class ZeroEngine:
         on_device = [g for g in self._trainable if not (g.placement.offload_state or g.placement.stream_state)]
         mode = self._device_step(PlainStep.part_of(self.optimizer, on_device, self.comm))
         if streamed:
-            mode = self.streamer = StreamStep(self.optimizer, streamed, mode, model=self.model, units=self.units, comm=self.comm,
-                              times=self.times, offload=self.zero.offload_optimizer, aio=self.zero.aio)
+            mode = self.streamer = StreamStep(self.optimizer, streamed, mode, model=self.model, units=self.units,
+                                              comm=self.comm, times=self.times, offload=self.zero.offload_optimizer,
+                                              aio=self.zero.aio)
         if not hosted:
             return mode
         return HostStep(self.optimizer, hosted, mode, model=self.model, units=self.units,

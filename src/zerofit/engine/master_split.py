@@ -27,11 +27,18 @@ from __future__ import annotations
 import torch
 
 _BITS = 8
+LINK_BYTES = 2 + 1 / _BITS
+"""Bytes per element of the packed form (low half and carry): what a split master moves each way."""
 
 
 def packed_bytes(n: int) -> int:
     """Bytes of the packed form of `n` elements: low halves, then carries."""
     return 2 * n + (n + _BITS - 1) // _BITS
+
+
+def scratch_bytes(n: int) -> int:
+    """Bytes of the carries' scratch `split` and `join` need for up to `n` elements."""
+    return _round_up(n)
 
 
 def eligible(compute_dtype: torch.dtype, master: torch.Tensor | None, param: torch.Tensor) -> bool:
@@ -50,7 +57,7 @@ def _halves(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def split(master: torch.Tensor, param: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor) -> None:
     """Write the packed form of `master` (fp32, n) whose rounding is `param` (bf16, n) into `out` (uint8,
-    `packed_bytes(n)`); `scratch`: uint8, at least n rounded up to a multiple of 8 (same device)."""
+    `packed_bytes(n)`); `scratch`: uint8, at least `scratch_bytes(n)` (same device)."""
     n = master.numel()
     low, high = _halves(master)
     out[:2 * n].view(torch.int16).copy_(low)

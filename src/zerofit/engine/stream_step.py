@@ -117,7 +117,7 @@ def stream_pool_bytes(largest_piece: int, *, state_tensors: int, compact: bool,
     n = min(STREAM_CHUNK, largest_piece)
     per_slot = n * 4 * (1 + state_tensors + (1 if compact else 0)) + (n * compute_bytes if offload_params else 0)
     if split:
-        per_slot += master_split.packed_bytes(n) + n + 8
+        per_slot += master_split.packed_bytes(n) + master_split.scratch_bytes(n)
     return STREAM_SLOTS * per_slot
 
 
@@ -145,11 +145,13 @@ class _Slot:
 
     def packed(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(the packed form of an `n`-element split master, the carries' scratch): uint8 buffers."""
-        if "packed" not in self._buffers:
+        packed, carries = ("packed", torch.uint8), ("carries", torch.uint8)
+        if packed not in self._buffers:
             cap = self.capacity
-            self._buffers["packed"] = torch.empty(master_split.packed_bytes(cap), dtype=torch.uint8, device=self.device)
-            self._buffers["carry"] = torch.empty(cap + 8, dtype=torch.uint8, device=self.device)
-        return self._buffers["packed"][:master_split.packed_bytes(n)], self._buffers["carry"]
+            self._buffers[packed] = torch.empty(master_split.packed_bytes(cap), dtype=torch.uint8, device=self.device)
+            self._buffers[carries] = torch.empty(master_split.scratch_bytes(cap), dtype=torch.uint8,
+                                                 device=self.device)
+        return self._buffers[packed][:master_split.packed_bytes(n)], self._buffers[carries]
 
 
 class _Piece:
@@ -207,9 +209,9 @@ class StreamStep(StepMode):
         self._keep: list = []
         """Tensors the side streams still read (the step's factor), held until the next step."""
         self._pinned: set[int] = set()
+        """data_ptr of host state tensors known to be page-locked."""
         self._packed: set[int] = set()
         """Groups whose host master holds the packed form, chunk by chunk (issuing thread; `settle` joins)."""
-        """data_ptr of host state tensors known to be page-locked."""
         self._backward_ran = False
         for unit in units:
             if any(g.placement.stream_state for g in unit.trainable):
@@ -339,8 +341,8 @@ class StreamStep(StepMode):
                     self._up.wait_event(slot.free)
                 shift = _shift(piece.offset, length, span.start)
                 master = slot.buf("master", torch.float32, n, shift)
+                packed, carries = slot.packed(n) if split or packed_home else (None, None)
                 if packed_home:  # the low halves and carries come up; the device holds the rest
-                    packed, carries = slot.packed(n)
                     packed.copy_(_packed_home(piece.master, lo, n), non_blocking=True)
                 else:
                     master.copy_(piece.master[lo:lo + n], non_blocking=True)
@@ -358,7 +360,6 @@ class StreamStep(StepMode):
                     chunk_state.update({k: self._scalar_copy(v, opt) for k, v in scalars.items()})
                 created, last = self._step_chunk(g, opt, span, master, chunk_state, scale, kernel, slot)
                 if split:  # after the parameter is published: its rounding is what the carries refer to
-                    packed, carries = slot.packed(n)
                     master_split.split(master, g.param_shard[span.start:span.start + n], packed, carries)
                 stepped = self._record(self._work)
             with self._on(self._down):
@@ -368,7 +369,7 @@ class StreamStep(StepMode):
                     if not _is_streamed(state.get(k), length):
                         state[k] = self._host_tensor(length, v.dtype)
                 if split:
-                    _packed_home(piece.master, lo, n).copy_(slot.packed(n)[0], non_blocking=True)
+                    _packed_home(piece.master, lo, n).copy_(packed, non_blocking=True)
                 else:
                     piece.master[lo:lo + n].copy_(master, non_blocking=True)
                 for k in {*keys, *created}:  # every per-element state tensor of the chunk is in its slot
@@ -503,11 +504,11 @@ class StreamStep(StepMode):
     def _join_packed(self) -> None:
         """Rebuild every packed host master as fp32 in place, for host readers (checkpoints, inspection);
         the next step uploads those whole and packs them again."""
+        carries = torch.empty(master_split.scratch_bytes(self._slots[0].capacity), dtype=torch.uint8)
         for g in self.groups:
             if id(g) not in self._packed:
                 continue
             param = g.param_shard.to("cpu")  # the rounding the carries refer to
-            carries = torch.empty(self._slots[0].capacity + 8, dtype=torch.uint8)
             for piece in self._pieces[id(g)]:
                 for span in piece.chunks:
                     lo, n = span.start - piece.offset, span.length

@@ -21,8 +21,8 @@ from zerofit.config.schema import RunConfig, is_auto
 from zerofit.errors import ConfigError
 from zerofit.frontend.probe import StepProbe
 from zerofit.plan import bandwidth
-from zerofit.plan.activations import checkpointing_switch
-from zerofit.plan.auto import can_checkpoint, choose, describe, has_checkpointing
+from zerofit.plan.activations import checkpointing_switch, has_checkpointing
+from zerofit.plan.auto import can_checkpoint, choose, describe
 from zerofit.plan.choose import Budget, allowed_gpu_bytes, machine_budget
 
 

@@ -239,8 +239,13 @@ def _prepare(model: nn.Module, checkpointing: bool) -> None:
     on, off = switch
     if checkpointing:
         on()
-    elif any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
+    elif has_checkpointing(model):
         off()
+
+
+def has_checkpointing(model: nn.Module) -> bool:
+    """Activation checkpointing is on somewhere in `model` (as transformers marks it)."""
+    return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
 
 
 def checkpointing_switch(model: nn.Module):

@@ -29,9 +29,9 @@ from torch import nn
 from zerofit.config.naming import key_name
 from zerofit.config.schema import RunConfig, is_auto
 from zerofit.engine.policy import COMPUTE_DTYPES, step_on_for
-from zerofit.plan.activations import ActivationTrace, checkpointing_switch, trace_step
+from zerofit.plan.activations import ActivationTrace, checkpointing_switch, has_checkpointing
 from zerofit.plan.bandwidth import Rates
-from zerofit.plan.choose import Budget, Plan, plan
+from zerofit.plan.choose import Budget, Plan, plan, traces_for
 from zerofit.plan.memory import DTYPE_BYTES, ModelCounts, Setting, Workload, all_settings
 from zerofit.plan.sources import replica_of
 
@@ -45,11 +45,6 @@ def needs_planning(config: RunConfig) -> bool:
 def can_checkpoint(model: nn.Module) -> bool:
     """`model` is a transformers model that can turn activation checkpointing on."""
     return bool(getattr(model, "supports_gradient_checkpointing", False)) and checkpointing_switch(model) is not None
-
-
-def has_checkpointing(model: nn.Module) -> bool:
-    """Activation checkpointing is on somewhere in `model` (as transformers marks it)."""
-    return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
 
 
 def checkpointing_choices(config: RunConfig, model: nn.Module) -> tuple[bool, ...]:
@@ -122,9 +117,9 @@ def choose(config: RunConfig, model: nn.Module, *, world: int, shape: tuple[int,
                     persistence_threshold=_int(threshold, 100_000),
                     unit_size_threshold=config.zero.unit_size_threshold,
                     nvme_buffer_count=config.zero.offload_optimizer.buffer_count)
-    traces = {ck: _trace(model, shape, ck, precision, work) for ck in choices}
-    if len(choices) > 1 and traces[True] is None:
-        traces.pop(True)  # what checkpointing saves is unknown: it would only add recomputation
+    traces = _traces(model, shape, choices, precision, work)
+    if len(choices) > 1 and traces.get(True) is None:
+        traces.pop(True, None)  # what checkpointing saves is unknown: it would only add recomputation
     counts = ModelCounts.of(model, unit_size_threshold=work.unit_size_threshold)
     settings = [s for ck in traces for s in candidates(config, world, ck, host_share=host_share)]
     result = plan(counts, work, budget, traces, settings=settings, rates=rates,
@@ -141,20 +136,19 @@ def choose(config: RunConfig, model: nn.Module, *, world: int, shape: tuple[int,
     return config.replace(zero=zero), result
 
 
-def _trace(model: nn.Module, shape: tuple[int, int] | None, checkpointing: bool, precision: str,
-           work: Workload) -> ActivationTrace | None:
-    """The activation trace of `model` at the batch `shape`, with or without checkpointing (None: no
-    shape, not a model the replica knows, or the trace failed: the states are still planned)."""
-    if shape is None:
-        return None
-    fake = replica_of(model, COMPUTE_DTYPES.get(precision, torch.float32))
-    if fake is None:
-        return None
-    try:
-        return trace_step(fake, batch=shape[0], seq=shape[1], checkpointing=checkpointing,
-                          unit_size_threshold=work.unit_size_threshold)
-    except Exception:  # noqa: BLE001 - the states are still planned, and the reason says so
-        return None
+def _traces(model: nn.Module, shape: tuple[int, int] | None, choices: tuple[bool, ...], precision: str,
+            work: Workload) -> dict[bool, ActivationTrace | None]:
+    """The activation trace of `model` at the batch `shape` (the workload's) for each checkpointing choice,
+    from one data-free replica; None for a choice without one (no shape, not a model the replica knows,
+    or the trace failed: the states are still planned, and the reason says so)."""
+    fake = replica_of(model, COMPUTE_DTYPES.get(precision, torch.float32)) if shape is not None else None
+    traces: dict[bool, ActivationTrace | None] = {}
+    for ck in choices:
+        try:
+            traces[ck] = traces_for(fake, work, (ck,)).get(ck)  # no entry: the model cannot checkpoint
+        except Exception:  # noqa: BLE001 - see above
+            traces[ck] = None
+    return traces
 
 
 def _int(value: Any, default: int) -> int:

@@ -56,6 +56,7 @@ from pathlib import Path
 import torch
 
 from zerofit.config.files import BadFile, load
+from zerofit.engine import master_split
 from zerofit.engine.pinned import pinned_empty
 from zerofit.logging import get_logger
 
@@ -452,7 +453,7 @@ def _count(name: str, value: int) -> None:
         raise ValueError(f"{name} must be an integer >= 0 (got {value!r})")
 
 
-SPLIT_MASTER_BYTES = 2.125
+SPLIT_MASTER_BYTES = master_split.LINK_BYTES
 """Bytes per element a bf16 run's master takes on the link: low halves and carries (zerofit.engine.master_split)."""
 
 

@@ -250,10 +250,9 @@ def estimate(counts: ModelCounts, setting: Setting, work: Workload, trace: Activ
                 if moving is not None:
                     transient[u] += moving.nbytes
     if largest_streamed:  # the device buffers GPU-stepped offload streams the state through
-        split = work.mixed_precision == "bf16" and setting.offload_param == "none" and setting.offload_optimizer == "cpu"
         gpu["buffers"] += stream_pool_bytes(largest_streamed, state_tensors=k, compact=streamed_compact,
                                             offload_params=setting.offload_param != "none", compute_bytes=c,
-                                            split=split)  # the master travels split (engine.master_split)
+                                            split=master_travels_split(setting, work))
     if setting.offload_optimizer == "nvme":  # the swapper's pool: one slot per buffer, at most one per group
         host["optimizer"] += max(1, min(work.nvme_buffer_count, len(offloaded))) * largest_state
     activations, in_use = 0, sum(sorted(gathered)[-2:])
@@ -266,6 +265,13 @@ def estimate(counts: ModelCounts, setting: Setting, work: Workload, trace: Activ
                     activations=activations, buffers=gpu["buffers"], host_params=host["params"],
                     host_grads=host["grads"], host_optimizer=host["optimizer"], host_buffers=host["buffers"],
                     nvme=nvme, traced=trace is not None)
+
+
+def master_travels_split(setting: Setting, work: Workload) -> bool:
+    """GPU-stepped state's master crosses the link split (bf16 parameters on the GPU, state not in NVMe
+    files): what the engine's `StreamStep` decides per group (zerofit.engine.master_split)."""
+    return (work.mixed_precision == "bf16" and setting.offload_param == "none"
+            and setting.offload_optimizer == "cpu" and setting.step_on == "device")
 
 
 def offloaded_split(counts: ModelCounts, setting: Setting) -> tuple[int, int]:

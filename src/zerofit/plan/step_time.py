@@ -28,7 +28,14 @@ fixed order already puts fewer collectives first).
 from __future__ import annotations
 
 from zerofit.plan import bandwidth
-from zerofit.plan.memory import DTYPE_BYTES, ModelCounts, Setting, Workload, offloaded_split
+from zerofit.plan.memory import (
+    DTYPE_BYTES,
+    ModelCounts,
+    Setting,
+    Workload,
+    master_travels_split,
+    offloaded_split,
+)
 
 RECOMPUTE_EFFICIENCY = 0.5
 """A model's forward reaches about this share of the probe's matmul rate (smaller products, attention,
@@ -52,7 +59,7 @@ def added_seconds(rates: bandwidth.Rates, counts: ModelCounts, setting: Setting,
         if setting.step_on == "host":
             seconds += bandwidth.host_seconds(rates, hosted, param_bytes=param_bytes)
         else:
-            split = work.mixed_precision == "bf16" and setting.offload_param == "none"
+            split = master_travels_split(setting, work)
             seconds += bandwidth.offload_seconds(rates, streamed, hosted, param_bytes=param_bytes,
                                                  state_tensors=work.optimizer_states,
                                                  master_bytes=bandwidth.SPLIT_MASTER_BYTES if split else 4)
