@@ -497,8 +497,8 @@ class StreamStep(StepMode):
 
     # --- the split master (see [Note: split master]) ----------------------------------------------
     def _can_split(self, g: FlatGroup) -> bool:
-        """`g`'s master may travel split: bf16 parameters on this device (not offloaded), no NVMe file."""
-        return (self.swapper is None and not g.placement.offload_params and g.param_shard.device == self.device
+        """`g`'s master may travel split: bf16 parameters on the device (not offloaded), no NVMe file."""
+        return (self.swapper is None and not g.placement.offload_params
                 and master_split.eligible(g.compute_dtype, g.master, g.param_shard))
 
     def _join_packed(self) -> None:
