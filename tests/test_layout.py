@@ -28,7 +28,23 @@ def test_shards_cover_every_element_once(numels, world, align):
             assert lo <= flat_start and flat_start + o.length <= hi
             for e in range(flat_start, flat_start + o.length):
                 seen[e] += 1
-    assert seen == [1] * lay.numel
+    owned = [0] * lay.numel  # gap elements between aligned parameters belong to no one
+    for off, n in zip(lay.offsets, lay.numels):
+        owned[off:off + n] = [1] * n
+    assert seen == owned
+    assert all(off % align == 0 for off in lay.offsets)
+
+
+@pytest.mark.parametrize(("numels", "world"), list(itertools.product(SIZES, [2, 3, 4, 7])))
+def test_a_parameter_cut_by_a_shard_boundary_is_cut_after_a_multiple_of_the_alignment(numels, world):
+    # so a vectorised optimizer kernel treats each element of its pieces as in the whole parameter
+    lay = plan_layout(numels, world, align=16)
+    for rank in range(world):
+        for piece in lay.pieces(rank):
+            assert piece.shard_offset % 16 == 0
+            start = lay.shard_range(rank)[0] + piece.shard_offset - lay.offsets[piece.index]
+            assert start % 16 == 0
+            assert piece.group == lay.groups[piece.index]
 
 
 def test_padding_below_world_size_without_alignment():

@@ -35,21 +35,22 @@ def test_units_follow_the_engine():
 
 
 def test_stage0_one_rank_bf16():
-    # Padding to multiples of 16: 33 -> 48, 110 -> 112; flat total 48 + 3 * 112 = 384 elements.
+    # Each parameter from a multiple of 16, padded to 16: root 30 + 3 -> 48; a block 100 + 10 -> 112 + 16 = 128;
+    # flat total 48 + 3 * 128 = 432 elements.
     e = estimate(counts(), Setting(stage=0), Workload(mixed_precision="bf16"), None)
-    assert e.params == 384 * 2
-    assert e.grads == 384 * 2  # one rank, no accumulation: the gradient is kept in bf16 (compact)
+    assert e.params == 432 * 2
+    assert e.grads == 432 * 2  # one rank, no accumulation: the gradient is kept in bf16 (compact)
     accumulating = estimate(counts(), Setting(stage=0), Workload(mixed_precision="bf16", gradient_accumulation_steps=2),
                             None)
-    assert accumulating.grads == 384 * 4  # fp32 where micro-steps add up
-    assert e.optimizer == 384 * 4 + 2 * 384 * 4  # fp32 master + Adam's two states
+    assert accumulating.grads == 432 * 4  # fp32 where micro-steps add up
+    assert e.optimizer == 432 * 4 + 2 * 432 * 4  # fp32 master + Adam's two states
     assert e.buffers == 0 and e.host_total == 0
-    assert e.activations == 112 * 4  # no trace: only the largest unit's fp32 upcast while it steps
+    assert e.activations == 128 * 4  # no trace: only the largest unit's fp32 upcast while it steps
 
 
 def test_stage0_fp32_master_is_the_parameter():
     e = estimate(counts(), Setting(stage=0), Workload(mixed_precision="no"), None)
-    assert e.params == 384 * 4 and e.optimizer == 2 * 384 * 4
+    assert e.params == 432 * 4 and e.optimizer == 2 * 432 * 4
 
 
 def test_stage1_two_ranks_keeps_full_gradients():
@@ -70,11 +71,11 @@ def test_stage3_two_ranks_shards_parameters_and_counts_gathered_units():
 def test_offload_moves_state_to_the_host():
     e = estimate(counts(), Setting(stage=2, offload_optimizer="cpu"), Workload(gradient_accumulation_steps=2), None)
     assert (e.grads, e.optimizer) == (0, 0)
-    assert e.host_grads == 384 * 4 and e.host_optimizer == 3 * 384 * 4
-    assert e.host_buffers == 384 * 4  # the staging buffer of accumulated downloads
+    assert e.host_grads == 432 * 4 and e.host_optimizer == 3 * 432 * 4
+    assert e.host_buffers == 432 * 4  # the staging buffer of accumulated downloads
     p = estimate(counts(), Setting(stage=3, offload_optimizer="cpu", offload_param="cpu"),
                  Workload(persistence_threshold=0), None)
-    assert p.params == 0 and p.host_params == 384 * 2
+    assert p.params == 0 and p.host_params == 432 * 2
 
 
 class Toy(nn.Module):
@@ -226,16 +227,16 @@ def test_gpu_stepped_nvme_keeps_the_gradient_and_pool_on_the_gpu_and_the_state_i
     # the GPU holds what GPU-stepped offload from host memory holds: gradient shards, streaming pool (less
     # the split master's buffers: from a file the master travels whole)
     assert (nvme.params, nvme.grads, nvme.optimizer) == (host.params, host.grads, host.optimizer)
-    pool = {split: stream_pool_bytes(112, state_tensors=2, compact=True, offload_params=False, compute_bytes=2,
+    pool = {split: stream_pool_bytes(128, state_tensors=2, compact=True, offload_params=False, compute_bytes=2,
                                      split=split) for split in (False, True)}
     assert host.buffers - nvme.buffers == pool[True] - pool[False] > 0
-    assert nvme.grads == (48 + 3 * 112) * 2 and nvme.optimizer == 0  # bf16 ("compact"): one rank, no accumulation
+    assert nvme.grads == (48 + 3 * 128) * 2 and nvme.optimizer == 0  # bf16 ("compact"): one rank, no accumulation
     # master + 2 Adam states in files; in host memory only the swapper's slots of the largest group
-    assert nvme.nvme == host.host_optimizer == (48 + 3 * 112) * 3 * 4
-    assert nvme.host_optimizer == 4 * 112 * 3 * 4 and nvme.host_grads == 0  # buffer_count 4: a slot per unit here
+    assert nvme.nvme == host.host_optimizer == (48 + 3 * 128) * 3 * 4
+    assert nvme.host_optimizer == 4 * 128 * 3 * 4 and nvme.host_grads == 0  # buffer_count 4: a slot per unit here
     two = estimate(counts(), Setting(stage=3, offload_optimizer="nvme", step_on="device"),
                    dataclasses.replace(work, nvme_buffer_count=2), None)
-    assert two.host_optimizer == 2 * 112 * 3 * 4
+    assert two.host_optimizer == 2 * 128 * 3 * 4
     assert Setting(stage=3, offload_optimizer="nvme", step_on="device").label == "ZeRO-3 + opt nvme (GPU-stepped)"
     with pytest.raises(ValueError, match="step_on device needs offload_optimizer cpu or nvme"):
         Setting(stage=3, step_on="device")

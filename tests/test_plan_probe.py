@@ -129,6 +129,8 @@ def test_without_auto_there_is_no_probe():
 
 
 class _Engine:
+    backward_in_window = True
+
     def __init__(self, results):
         self.results = list(results)
 

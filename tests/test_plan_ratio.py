@@ -47,11 +47,13 @@ def test_offloaded_units_take_whole_units_from_the_last(ratio, expected):
 
 
 def test_ratio_splits_the_state_by_hand():
-    # ratio 0.5 of 363 elements: blocks 1 and 2 (220 elements) go to the host; padded sizes 48 and 112.
+    # ratio 0.5 of 363 elements: blocks 1 and 2 (220 elements) go to the host. Padded sizes: the root's
+    # weight (30) then its bias from 32, 35 in all -> 48; a block's weight (100) then its bias from 112,
+    # 122 -> 128 (each parameter starts at a multiple of 16, see [Note: flat layout]).
     counts = ModelCounts.of(Blocks())
     e = estimate(counts, Setting(stage=2, offload_optimizer="cpu", offload_ratio=0.5),
                  Workload(mixed_precision="bf16", gradient_accumulation_steps=2), None)
-    on_gpu, on_host = 48 + 112, 2 * 112
+    on_gpu, on_host = 48 + 128, 2 * 128
     assert e.params == (on_gpu + on_host) * 2  # parameters stay on the GPU either way
     assert e.grads == on_gpu * 4 and e.optimizer == on_gpu * (4 + 2 * 4)  # fp32 master + Adam's two states
     assert e.host_grads == on_host * 4 and e.host_optimizer == on_host * (4 + 2 * 4)

@@ -65,6 +65,9 @@ class Collectives:
         self.device = device
         self.calls = 0
         """Collectives issued so far (world > 1 only): lets tests prove a micro-step stayed silent."""
+        self.trace: list[tuple[str, tuple[int, ...]]] | None = None
+        """Set to a list to record every collective issued (world > 1): its label and the sizes of the
+        tensors it touches. Tests compare the ranks' traces (see [Note: one collective order])."""
         # High priority so that gathers needed by the next layer are not queued behind compute.
         self.stream = torch.cuda.Stream(device=device, priority=-1) if device.type == "cuda" else None
 
@@ -73,7 +76,7 @@ class Collectives:
         if run is None and then is None:
             return _finished()
         if self.world > 1:
-            self.calls += 1
+            self._count(label, keep)
         with record_function(f"zerofit::{label}"):
             if self.stream is None:
                 with failures.named(label, self.rank):
@@ -92,6 +95,11 @@ class Collectives:
                 event = torch.cuda.Event()
                 event.record(self.stream)
             return Pending(event=event, keep=keep)
+
+    def _count(self, label: str, tensors) -> None:
+        self.calls += 1
+        if self.trace is not None:
+            self.trace.append((label, tuple(t.numel() for t in tensors)))
 
     def all_gather(self, out_full: torch.Tensor, in_shard: torch.Tensor, label: str,
                    then: Callable[[], None] | None = None) -> Pending:
@@ -131,7 +139,7 @@ class Collectives:
     def all_reduce_now(self, tensor: torch.Tensor, label: str) -> torch.Tensor:
         """Sum `tensor` over ranks in place on the current stream (for small scalars on the step path)."""
         if self.world > 1:
-            self.calls += 1
+            self._count(f"all_reduce:{label}", (tensor,))
             with record_function(f"zerofit::all_reduce:{label}"), failures.named(f"all_reduce:{label}", self.rank):
                 dist.all_reduce(tensor, group=self.group)
         return tensor

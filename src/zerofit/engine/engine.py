@@ -111,6 +111,14 @@ class ZeroEngine:
             rebind_optimizer(optimizer, self._trainable, self.comm.rank)
         self._sync = True
         self._in_backward = False
+        self._backward_in_window = False
+        """A backward ran since the last step or zero_grad (else `step()` has nothing to apply)."""
+        self._warned_empty = False
+        self._reduction_order = [u for u in reversed(self.units) if u.trainable]
+        """Several ranks: the order every rank launches its units' reductions in, each backward (see
+        [Note: one collective order])."""
+        self._next_reduction = 0
+        """Index in `_reduction_order` of the next unit to launch (several ranks)."""
         self._prepared: StepFactors | None = None
         """The factors `clip_grad_norm_` measured for this window's step (else `step()` measures them)."""
         self.reductions = InFlight(MAX_INFLIGHT_REDUCTIONS)
@@ -260,19 +268,23 @@ class ZeroEngine:
         counting = sync is None
         if counting:
             sync = self.window.micro_step + 1 >= self.window.steps
+        if self._closed:
+            # The last backward closed the window and no step followed (several losses, GAN steps): its
+            # reductions read and write the buffers this backward adds to, so they finish first.
+            self.reductions.drain()
         self._sync = sync
         self.mode.begin_backward(sync)
         for unit in self.units:
             unit.begin_backward()
+        self._next_reduction = 0
         self._in_backward = True
+        self._backward_in_window = True
         try:
             (loss * (self.scaler.scale / self.window.steps)).backward()
         finally:
             self._in_backward = False
-        for unit in self.units:  # units backward did not finish (unused or frozen parameters)
-            needs_sync_reduce = sync and not self.policy.reduces_every_micro_step and unit.trainable
-            if not unit.reduced and (unit.has_new_grads() or needs_sync_reduce):
-                self._reduce(unit)
+        self._finish_reductions(sync)
+        for unit in self.units:
             unit.release()
         self.mode.end_backward()
         self._closed = sync
@@ -286,9 +298,41 @@ class ZeroEngine:
     def _on_grad(self, unit: Unit, group: int, index: int, param: nn.Parameter) -> None:
         grad, param.grad = param.grad, None
         if unit.on_grad(group, index, grad):
-            self._reduce(unit)
+            if self.comm.world == 1:
+                self._reduce(unit)
+            else:
+                self._launch_in_order()
             if unit is not self.units[0]:
                 unit.release()
+
+    def _launch_in_order(self, *, finishing: bool = False) -> None:
+        """Launch the reductions of the units next in `_reduction_order` whose gradients are complete (all
+        of them when `finishing`: backward is over).
+
+        [Note: one collective order]
+        NCCL pairs the collectives of a process group by the order each rank issues them, so every
+        rank must issue the same sequence whatever its data: a block one rank skips (LayerDrop, MoE
+        routing, a branch drawn per rank) must not move or drop a reduction there. With several ranks
+        every trainable unit is reduced once per backward, in one fixed order (the units backwards,
+        the root last - the order backward finishes them in a model that runs its blocks in the
+        order they are registered), whether or not it got gradients on this rank (zeros then): a unit
+        backward completes early waits for the units before it, and those backward never completes
+        go when it ends. On one rank nothing pairs, and a unit is reduced the moment it completes.
+        """
+        order = self._reduction_order
+        while self._next_reduction < len(order) and (finishing or order[self._next_reduction].complete):
+            self._reduce(order[self._next_reduction])
+            self._next_reduction += 1
+
+    def _finish_reductions(self, sync: bool) -> None:
+        """After backward: reduce the units backward did not complete (unused or partly used parameters)."""
+        if self.comm.world > 1:
+            self._launch_in_order(finishing=True)
+            return
+        for unit in self.units:
+            needs_sync_reduce = sync and not self.policy.reduces_every_micro_step and unit.trainable
+            if not unit.reduced and (unit.has_new_grads() or needs_sync_reduce):
+                self._reduce(unit)
 
     def _reduce(self, unit: Unit) -> None:
         pendings = unit.reduce(sync=self._sync)
@@ -321,9 +365,13 @@ class ZeroEngine:
         return StepFactors(norm, factor)
 
     def step(self) -> bool:
-        """Apply the accumulated gradients; returns False when the step was skipped (an fp16 overflow, or a
-        non-finite norm with `precision.skip_nonfinite_steps`)."""
+        """Apply the accumulated gradients; returns False when the step was skipped (an fp16 overflow, a
+        non-finite norm with `precision.skip_nonfinite_steps`, or no backward since the last step)."""
+        if not self._backward_in_window:
+            self._warn_empty_step()
+            return False
         self.reductions.drain()
+        self._mark_unused()
         self._warn_if_nonfinite()  # the previous step's norm: long computed, so reading it stalls nothing
         skip_nonfinite = self.precision.skip_nonfinite_steps and not self.scaler.enabled
         if self.mode.begin_step():
@@ -355,6 +403,58 @@ class ZeroEngine:
         self.zero_grad()
         return True
 
+    @property
+    def backward_in_window(self) -> bool:
+        """A backward ran since the last step or zero_grad: `step()` has gradients to apply."""
+        return self._backward_in_window
+
+    def _warn_empty_step(self) -> None:
+        if not self._warned_empty:
+            self._warned_empty = True
+            warnings.warn("optimizer.step() was called with no backward since the last step: nothing was "
+                          "applied (no weight decay, no moment update, no step count, the LR scheduler does "
+                          "not advance), as torch's optimizers do without gradients; this warning is shown "
+                          "once", stacklevel=3)
+
+    def _mark_unused(self) -> None:
+        """Tell every trainable group which of its parameters no rank gave a gradient in this window.
+
+        [Note: parameters without a gradient]
+        torch's optimizers skip a parameter whose `.grad` is None - no weight decay, no moment update,
+        no step count - and DDP leaves such a parameter's gradient None when no rank used it. The
+        engine does the same: each rank records which parameters got a gradient in the window
+        (`Unit.used`), the ranks sum one flag per parameter, and the step leaves the master pieces of
+        parameters with a sum of 0 out (`FlatGroup.unused`, `leaving_out_unused`). A parameter used on
+        some ranks only is stepped on every rank with the averaged gradient, as DDP does. The sum is
+        one small all-reduce per step, issued by every rank; a rank that used every parameter knows
+        the answer without reading it, so only a window with a parameter unused here waits for it.
+        """
+        per_unit = [(u, gi, g) for u in self.units for gi, g in enumerate(u.trainable)]
+        if not per_unit:
+            return
+        missing = any(len(u.used[gi]) < len(g.params) for u, gi, g in per_unit)
+        used_anywhere: list[float] | None = None
+        if self.comm.world > 1:
+            sizes = [len(g.params) for _, _, g in per_unit]
+            if missing:
+                flags = [float(i in u.used[gi]) for u, gi, g in per_unit for i in range(len(g.params))]
+                counts = torch.tensor(flags, dtype=torch.float32).to(self.device)
+            else:
+                counts = torch.ones(sum(sizes), dtype=torch.float32, device=self.device)
+            self.comm.all_reduce_now(counts, "used_params")
+            if missing:
+                used_anywhere = counts.tolist()  # host sync only where some parameter went unused here
+        cursor = 0
+        for u, gi, g in per_unit:
+            n = len(g.params)
+            if not missing:
+                g.unused = frozenset()
+            elif used_anywhere is None:
+                g.unused = frozenset(i for i in range(n) if i not in u.used[gi])
+            else:
+                g.unused = frozenset(i for i in range(n) if used_anywhere[cursor + i] == 0)
+            cursor += n
+
     def _warn_if_nonfinite(self) -> None:
         """Warn, once per run, about the last step whose gradient norm was NaN or inf (fp32 / bf16)."""
         pending, self._pending_finite = self._pending_finite, None
@@ -378,6 +478,9 @@ class ZeroEngine:
         self.mode.zero_grad()
         for g in self._trainable:
             g.zero_grads()
+        for unit in self.units:
+            unit.new_window()
+        self._backward_in_window = False
         self._closed = True
         self.window.micro_step = 0
 

@@ -81,6 +81,11 @@ class FlatGroup:
         self.step_in_flight = False
         """A GPU-stepped update of this group is queued on side streams; it zeroes the gradient shard
         itself once it has read it, so `zero_grads` must not touch it (see zerofit.engine.stream_step)."""
+        self.unused: frozenset[int] = frozenset()
+        """Parameters (layout positions) no rank gave a gradient in this window: the step leaves their
+        master pieces out (set by the engine before a step; see [Note: parameters without a gradient])."""
+        self.piece_masters: list[tuple[int, torch.Tensor]] = []
+        """(layout position, master piece) of every piece the optimizer steps (set by `rebind_optimizer`)."""
         self.before_read: Callable[[], None] | None = None
         """Set by the engine when `master` and optimizer state are not in memory between steps (NVMe):
         call it before reading them outside a step (see [Note: NVMe residency] in zerofit.engine.nvme)."""
@@ -199,11 +204,15 @@ class FlatGroup:
     # --- gradients --------------------------------------------------------------------------
     def accumulate(self, index: int, grad: torch.Tensor) -> None:
         """Add one parameter's gradient into the full gradient buffer (allocated on first use)."""
+        off = self.layout.offsets[index]
+        self.grad_flat_or_zeros()[off:off + grad.numel()].view_as(grad).add_(grad)
+
+    def grad_flat_or_zeros(self) -> torch.Tensor:
+        """The full gradient buffer, allocated (zeroed) if this micro-step has not needed it yet."""
         if self.grad_flat is None:
             full = self.buffers.grad_transient
             self.grad_flat = torch.zeros(full.numel, dtype=full.dtype, device=self.param_flat.device)
-        off = self.layout.offsets[index]
-        self.grad_flat[off:off + grad.numel()].view_as(grad).add_(grad)
+        return self.grad_flat
 
     def drop_grad_flat(self) -> None:
         """Forget the transient full gradient buffer (after it was handed to its reduction)."""

@@ -10,11 +10,14 @@ or `CompactStep` over a smaller optimizer sharing the script optimizer's state.
 When the step's gradient factor is known before backward ends - no clipping, no fp16 loss
 scale (so the factor is exactly 1), no NVMe - an offloaded group's host step can start as soon
 as its reduced gradient is on its way to the host, overlapping the rest of backward; the
-result is the same update, bit for bit. Two things a script could still do would change it
+result is the same update, bit for bit. Three things a script could still do would change it
 after the fact, so the engine only starts early once it has seen a whole step without them:
 calling clip_grad_norm_ (from then on never early; a first call in an early window raises
-if clipping would bite) and changing lr & co. between backward and step() (detected at
-step(): warned, and never early again).
+if clipping would bite), changing lr & co. between backward and step() (detected at
+step(): warned, and never early again) and running backward again after the backward that
+closed the window (never early again; in an early window it raises). Only units all of whose
+parameters got a gradient in that backward start early; the others step in step(), which
+knows which parameters no rank gave a gradient (see [Note: parameters without a gradient]).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from zerofit.engine.flat_group import FlatGroup
 from zerofit.engine.host_step import HostStepper
 from zerofit.engine.nvme import NvmeSwapper
 from zerofit.engine.optim import global_grad_sumsq, mark_stepped
-from zerofit.engine.step_mode import StepFactors, StepMode, gather_params
+from zerofit.engine.step_mode import StepFactors, StepMode, gather_params, publish_bounds
 from zerofit.engine.timing import StepTimes
 from zerofit.engine.unit import Unit
 from zerofit.errors import EngineError
@@ -63,6 +66,8 @@ class HostStep(StepMode):
         self._hooks = []
         self._unpublished: set[int] = set()
         """Groups stepped on the host whose parameters the next forward must still publish."""
+        self._upto = publish_bounds(units, groups)
+        """Per unit: how many of `groups` belong to it or to units before it (published before it is used)."""
         for unit in units:
             if any(g.placement.offload_state for g in unit.trainable):
                 unit.before_use = partial(self._await, unit)
@@ -94,6 +99,8 @@ class HostStep(StepMode):
         """Early steps waiting for their gradient reduction to be issued, in reduction order."""
         self._steps_taken = 0
         self._clip_seen = False
+        self._window_closed = False
+        """A backward closed this window and no step or zero_grad followed yet."""
 
     @property
     def compact(self) -> bool:
@@ -102,15 +109,24 @@ class HostStep(StepMode):
     # --- backward -------------------------------------------------------------------------------
     def begin_backward(self, sync: bool) -> None:
         self.device.begin_backward(sync)
-        if self._early_groups:
-            self._disable_early("backward ran again before step() applied the last window (zerofit had "
-                                "already started that update during backward)", stacklevel=4)
+        if self._window_closed:  # a second backward after the one that closed the window, before step()
+            if self._early_groups:
+                raise EngineError(
+                    f"backward ran again after the backward that closed accumulation window {self._steps_taken + 1}, "
+                    "and zerofit had already applied that window's update to offloaded state during it: "
+                    "call backward once per optimizer step from the first step on (sum the losses, or run "
+                    "the earlier backward calls under accelerator.no_sync() / accelerator.accumulate()), "
+                    "or set gradient_clipping in the config (then no update starts during backward)")
+            self.early_off = "backward runs more than once per optimizer step"  # quietly: same results
+        self._window_closed = sync
         self._early_now = sync and self.early_off is None and self._steps_taken > 0 and not self._clip_seen
 
     def reduced(self, unit: Unit, pendings: list[Pending]) -> None:
         self.device.reduced(unit, pendings)
         hosted = [g for g in unit.trainable if g.placement.offload_state]
-        if self._early_now and hosted:
+        # Only a unit all of whose parameters got a gradient here starts early: none of them can be
+        # left out of the step (see [Note: parameters without a gradient] in zerofit.engine.engine).
+        if self._early_now and hosted and unit.complete:
             self._to_submit.append((pendings, hosted))
         self._submit_ready()
 
@@ -124,11 +140,6 @@ class HostStep(StepMode):
             for g in self.groups:
                 if id(g) not in self._early_groups:
                     g.settle_host_grad()
-        if self._early_now:  # groups that got no gradient this window step too (on zeros)
-            rest = [g for g in self.groups if id(g) not in self._early_groups]
-            for g in rest:
-                g.grads_for_step()
-            self._submit_early(rest, settle_grads=False)
 
     def _submit_ready(self) -> None:
         """Hand the host steps whose gradient reduction has been issued to the worker, in order."""
@@ -140,7 +151,7 @@ class HostStep(StepMode):
             return
         if self._early_hyper is None:
             self._early_hyper = self.stepper.hyperparams()
-        self.stepper.submit(groups, None, hyper=self._early_hyper, settle_grads=settle_grads)
+        self.stepper.submit(groups, None, hyper=self._early_hyper, settle_grads=settle_grads, early=True)
         for g in groups:
             self._early_groups.add(id(g))
             self._unpublished.add(id(g))
@@ -183,6 +194,12 @@ class HostStep(StepMode):
             if not _same_settings(self.stepper.hyperparams(), self._early_hyper):
                 self._disable_early("the optimizer's settings (lr & co.) changed between backward and step(); "
                                     "this step used the values they had when backward ended", stacklevel=3)
+            # the groups backward did not complete step now, with the same settings and a factor of 1
+            rest = [g for g in self.groups if id(g) not in self._early_groups]
+            for g in rest:
+                g.grads_for_step()
+                self._unpublished.add(id(g))
+            self.stepper.submit(rest, None, hyper=self._early_hyper)
             self._early_hyper = None
             self.device.step(factors)
             mark_stepped(self.optimizer)
@@ -198,14 +215,19 @@ class HostStep(StepMode):
 
     def zero_grad(self) -> None:
         self.device.zero_grad()
+        self._window_closed = False
 
     def widen(self) -> None:
         self.device.widen()
 
     # --- settling -------------------------------------------------------------------------------
     def _await(self, unit: Unit) -> None:
-        """Before `unit` is used: wait for its groups' host steps and publish their parameters."""
-        for g in unit.trainable:
+        """Before `unit` is used: wait for its groups' host steps and publish their parameters - and those
+        of every unit before it first, so every rank publishes in unit order whichever units its forward
+        skips (see [Note: one collective order] in zerofit.engine.engine)."""
+        if not self._unpublished:
+            return
+        for g in self.groups[:self._upto[id(unit)]]:
             if id(g) not in self._unpublished:
                 continue
             self._unpublished.discard(id(g))

@@ -27,7 +27,14 @@ import threading
 import torch
 
 from zerofit.engine.flat_group import FlatGroup
-from zerofit.engine.optim import master_pieces, step_with_factor, sub_optimizer, sync_hyperparams
+from zerofit.engine.optim import (
+    master_pieces,
+    step_with_factor,
+    sub_optimizer,
+    sync_hyperparams,
+    unused_pieces,
+    without_grads,
+)
 from zerofit.engine.timing import StepTimes
 from zerofit.engine.worker import serve
 
@@ -58,11 +65,13 @@ class HostStepper:
         return [{k: v for k, v in pg.items() if k != "params"} for pg in self.optimizer.param_groups]
 
     def submit(self, groups: list[FlatGroup], factor=None, *, hyper: list[dict] | None = None,
-               settle_grads: bool = False) -> None:
+               settle_grads: bool = False, early: bool = False) -> None:
         """Queue these groups' steps (in this order), gradients times `factor`; forward waits for them.
 
         `settle_grads`: the worker first waits for the group's gradient download (a step started
-        during backward, before the main thread settled it).
+        during backward, before the main thread settled it). `early`: a step started during backward
+        for groups every parameter of which got a gradient here (so none is left out of it); else
+        each group leaves out its parameters no rank gave a gradient (`FlatGroup.unused`, taken now).
         """
         self._raise()
         if isinstance(factor, torch.Tensor):
@@ -74,7 +83,7 @@ class HostStepper:
         hyper = hyper if hyper is not None else self.hyperparams()
         for g in groups:
             self._done[id(g)].clear()
-            self._queue.put((g, factor, hyper, settle_grads))
+            self._queue.put((g, factor, hyper, settle_grads, frozenset() if early else g.unused))
 
     def wait(self, g: FlatGroup) -> None:
         """Block until `g` is stepped and its parameters are on their way to the device (stream-ordered)."""
@@ -123,17 +132,17 @@ class HostStepper:
     def _run(self) -> None:
         serve(self._queue, self._run_one)
 
-    def _run_one(self, g: FlatGroup, factor, hyper, settle_grads: bool) -> None:
+    def _run_one(self, g: FlatGroup, factor, hyper, settle_grads: bool, unused: frozenset[int]) -> None:
         try:
             if settle_grads:
                 g.settle_host_grad()
-            self._step(g, factor, hyper)
+            self._step(g, factor, hyper, unused)
         except BaseException as e:  # noqa: BLE001 - surfaced on the main thread by wait()
             self._error = e
         finally:
             self._done[id(g)].set()
 
-    def _step(self, g: FlatGroup, factor, hyper: list[dict]) -> None:
+    def _step(self, g: FlatGroup, factor, hyper: list[dict], unused: frozenset[int]) -> None:
         sub, index = self._sub[id(g)]
         if self.swap is not None:
             with self.times.measure("nvme_wait"):
@@ -141,7 +150,8 @@ class HostStepper:
         if sub is not None:
             sync_hyperparams(sub, index, hyper)  # this step's lr & co., as submitted
             with self.times.measure("host_optimizer"):
-                step_with_factor(sub, factor)
+                with without_grads(unused_pieces(g, unused)):
+                    step_with_factor(sub, factor)
         g.grad_consumed()
         with self.times.measure("host_publish"):
             event = self._publish(g)

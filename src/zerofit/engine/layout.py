@@ -1,12 +1,20 @@
 """Where every element of a flat buffer lives: pure functions over sizes, no tensors, no process group.
 
 [Note: flat layout]
-A flat buffer holds a list of parameters back to back, in a fixed order, followed by padding so that
-it splits into `world` shards of equal size `shard_numel`. Rank r owns the flat range
+A flat buffer holds a list of parameters in a fixed order, each starting at a multiple of `align`
+elements (the gaps are zeros no one steps), followed by padding so that it splits into `world` shards
+of equal size `shard_numel`, also a multiple of `align`. Rank r owns the flat range
 [r * shard_numel, (r + 1) * shard_numel). A parameter may straddle shards; `overlaps(rank)` says which
 slice of which parameter lands where in a rank's shard. Parameters are grouped by optimizer param group
 (their order in the flat follows the group order), so each rank's shard meets each group in one
-contiguous piece: the optimizer steps one tensor per (unit, group) piece, with that group's settings.
+contiguous range. The optimizer steps one tensor per piece - the part of one parameter in the shard -
+with its group's settings and a state of its own (Adam's `step` included), as torch does per
+parameter: so a parameter that gets no gradient in a step can be left out of it alone (see [Note:
+parameters without a gradient] in zerofit.engine.engine). Because parameters and shards both start
+at multiples of `align` (16), a parameter cut by a shard boundary is cut after a multiple of 16 of its
+elements: the vectorised optimizer kernels (CPU and CUDA) then treat every element of its pieces as
+they treat it in the whole parameter - the same body, the same tail - so every stage and world size
+updates it bit for bit as torch updates the unsharded parameter.
 """
 
 from __future__ import annotations
@@ -34,11 +42,14 @@ class Overlap:
 
 @dataclass(frozen=True)
 class Piece:
-    """The contiguous part of one optimizer param group inside one rank's shard."""
+    """The part of one parameter inside one rank's shard: what the optimizer steps as one tensor."""
 
     group: int
+    """Optimizer param group of the parameter."""
     shard_offset: int
     length: int
+    index: int = 0
+    """Position of the parameter in the layout."""
 
 
 @dataclass(frozen=True)
@@ -54,7 +65,7 @@ class FlatLayout:
 
     @property
     def numel(self) -> int:
-        """Elements that belong to parameters (no padding)."""
+        """Elements up to the end of the last parameter (the alignment gaps between parameters included)."""
         return self.offsets[-1] + self.numels[-1] if self.numels else 0
 
     @property
@@ -85,19 +96,15 @@ class FlatLayout:
         return tuple((g, a, b) for g, a, b in ranges)
 
     def pieces(self, rank: int) -> tuple[Piece, ...]:
-        """The non-empty intersections of this rank's shard with each group's range."""
-        lo, hi = self.shard_range(rank)
-        out = []
-        for g, a, b in self.group_ranges():
-            s, e = max(lo, a), min(hi, b)
-            if s < e:
-                out.append(Piece(group=g, shard_offset=s - lo, length=e - s))
-        return tuple(out)
+        """The non-empty intersections of this rank's shard with each parameter, in flat order."""
+        return tuple(Piece(group=self.groups[o.index], shard_offset=o.shard_offset, length=o.length, index=o.index)
+                     for o in self.overlaps(rank))
 
 
 def plan_layout(numels: list[int] | tuple[int, ...], world: int, *, groups: list[int] | None = None,
                 align: int = 1) -> FlatLayout:
-    """Lay `numels` out back to back and split into `world` equal shards of a multiple of `align`.
+    """Lay `numels` out in order, each from a multiple of `align`, and split into `world` equal shards of
+    a multiple of `align`.
 
     `groups` gives each parameter's optimizer group; it must be non-decreasing (callers order the
     parameters by group first), so every group occupies one contiguous range.
@@ -115,6 +122,7 @@ def plan_layout(numels: list[int] | tuple[int, ...], world: int, *, groups: list
     for n in numels:
         if n < 0:
             raise ValueError(f"negative parameter size {n}")
+        total = _ceil_div(total, align) * align
         offsets.append(total)
         total += n
     shard = _ceil_div(max(total, 1), world)

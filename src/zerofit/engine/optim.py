@@ -3,14 +3,16 @@
 [Note: one optimizer object]
 The script's optimizer object stays the one that steps: its param groups keep every setting (lr,
 betas, weight decay, ...) but their `params` are replaced by this rank's fp32 master pieces, one per
-(flat group, param group) intersection (see `zerofit.engine.layout`). LR schedulers built on that
+parameter part in the shard (see `zerofit.engine.layout`), each with its own optimizer state. LR schedulers built on that
 optimizer before `prepare()` therefore keep working, and any torch optimizer whose update is
 elementwise (Adam, AdamW, SGD with momentum, ...) computes exactly what it would on the whole model.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
+from collections.abc import Iterator
 
 import torch
 
@@ -42,12 +44,14 @@ def rebind_optimizer(optimizer: torch.optim.Optimizer, groups: list[FlatGroup], 
     for fg in groups:
         if not fg.trainable:
             continue
+        fg.piece_masters = []
         for piece in fg.layout.pieces(fg.placement.rank):
             sl = slice(piece.shard_offset, piece.shard_offset + piece.length)
             master = fg.master[sl]
             if not fg.compact and not fg.placement.stream_state:  # streamed: bound chunk by chunk
                 master.grad = fg.grad_shard[sl]
             pieces[piece.group].append(master)
+            fg.piece_masters.append((piece.index, master))
     use_fused = type(optimizer).__name__ in _FUSED_CAPABLE
     for group, tensors in zip(optimizer.param_groups, pieces):
         group["params"] = tensors
@@ -111,6 +115,27 @@ def bind_grads(optimizer: torch.optim.Optimizer, g: FlatGroup, grad: torch.Tenso
             off = (t.data_ptr() - base) // t.element_size()
             if 0 <= off < g.master.numel():
                 t.grad = None if grad is None else grad[off:off + t.numel()]
+
+
+def unused_pieces(g: FlatGroup, unused: frozenset[int] | None = None) -> list[torch.Tensor]:
+    """`g`'s master pieces of the parameters in `unused` (default: `g.unused`, the parameters no rank gave a
+    gradient this window; see [Note: parameters without a gradient] in zerofit.engine.engine)."""
+    unused = g.unused if unused is None else unused
+    return [t for index, t in g.piece_masters if index in unused] if unused else []
+
+
+@contextlib.contextmanager
+def without_grads(pieces: list[torch.Tensor]) -> Iterator[None]:
+    """Inside: `pieces` have no gradient, so torch's optimizers skip them - no decay, no moment update, no
+    step count - as they skip any parameter whose `.grad` is None; their gradients come back after."""
+    saved = [(t, t.grad) for t in pieces]
+    for t, _ in saved:
+        t.grad = None
+    try:
+        yield
+    finally:
+        for t, grad in saved:
+            t.grad = grad
 
 
 def mark_stepped(optimizer: torch.optim.Optimizer) -> None:

@@ -1,7 +1,8 @@
 """Stage 3: gather each unit just before its forward and its backward, release it right after.
 
 Hooks are the documented module forward pre/post hooks and `register_multi_grad_hook` on a unit's
-outputs, which fires before any of the unit's backward runs. The unit's post-backward release happens
+outputs, which fires before any of the unit's backward runs (the root's too: several forwards may
+precede their backwards, and each backward releases every unit). The unit's post-backward release happens
 when its last gradient has arrived (see `ZeroEngine._on_grad`); units whose gradients never arrive
 (frozen, unused) are released when `ZeroEngine.backward` returns.
 
@@ -87,10 +88,16 @@ class Stage3Hooks:
         if self._last_order:
             self._last_order[0].gather()
 
-    def _root_post(self, _module, _args, _out) -> None:
+    def _root_post(self, _module, _args, out) -> None:
         if not torch.is_grad_enabled():
             for unit in self.units:  # no backward will follow (evaluation, generation)
                 unit.release()
+            return
+        needs_grad = [t for t in tensors_in(out) if t.requires_grad]
+        if self.root.sharded and needs_grad and not self._in_backward():
+            # The root stays gathered from its forward to the end of the next backward; a script that runs
+            # several forwards before their backwards needs it again for the later ones.
+            register_multi_grad_hook(needs_grad, lambda _grad: self.root.wait_gathered(), mode="any")
 
     def _pre_forward(self, unit: Unit) -> None:
         if not self._in_backward() and unit not in self._order:

@@ -35,6 +35,8 @@ from zerofit.engine.optim import (
     step_with_factor,
     sub_optimizer,
     sync_hyperparams,
+    unused_pieces,
+    without_grads,
 )
 from zerofit.engine.unit import Unit
 
@@ -130,7 +132,8 @@ class PlainStep(StepMode):
         if self.optimizer is not None:
             if self._settings_of is not None:
                 sync_hyperparams(self.optimizer, self._index, self._settings_of)
-            step_with_factor(self.optimizer, factors.remaining)
+            with without_grads([t for g in self.groups for t in unused_pieces(g)]):
+                step_with_factor(self.optimizer, factors.remaining)
         publish(self.groups, self.comm)
 
 
@@ -194,7 +197,8 @@ class CompactStep(StepMode):
             sync_hyperparams(sub, index, self.optimizer)
             bind_grads(sub, g, grad)
             try:
-                step_with_factor(sub, factor if folded else None)
+                with without_grads(unused_pieces(g)):
+                    step_with_factor(sub, factor if folded else None)
             finally:
                 bind_grads(sub, g, None)
         mark_stepped(self.optimizer)
@@ -219,3 +223,12 @@ def publish(groups: list[FlatGroup], comm: Collectives) -> None:
             gathers.append(pending)
     for p in gathers:
         p.wait()
+
+
+def publish_bounds(units: list[Unit], groups: list[FlatGroup]) -> dict[int, int]:
+    """id(unit) -> how many of `groups` (in unit order) belong to that unit or to units before it: an
+    offload mode that publishes parameters as units are first used publishes that prefix, in order, so
+    every rank issues the same all-gathers whichever units its forward skips (see [Note: one collective
+    order] in zerofit.engine.engine)."""
+    owner = {id(g): i for i, u in enumerate(units) for g in u.groups}
+    return {id(u): sum(owner[id(g)] <= i for g in groups) for i, u in enumerate(units)}

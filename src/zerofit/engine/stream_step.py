@@ -65,7 +65,7 @@ from zerofit.engine.flat_group import FlatGroup
 from zerofit.engine.nvme import NvmeSwapper
 from zerofit.engine.optim import folds_grad_scale, mark_stepped, step_with_factor
 from zerofit.engine.pinned import pinned_copy, pinned_empty
-from zerofit.engine.step_mode import StepFactors, StepMode, gather_params
+from zerofit.engine.step_mode import StepFactors, StepMode, gather_params, publish_bounds
 from zerofit.engine.stream_issue import IssueThread
 from zerofit.engine.timing import StepTimes
 from zerofit.engine.unit import Unit
@@ -157,11 +157,13 @@ class _Slot:
 class _Piece:
     """One optimizer piece of a group: its host master tensor (the optimizer's key) and param group."""
 
-    def __init__(self, master: torch.Tensor, group: int, offset: int, chunks: list[ChunkSpan]):
+    def __init__(self, master: torch.Tensor, group: int, offset: int, chunks: list[ChunkSpan], param: int):
         self.master = master
         self.group = group
         self.offset = offset
         self.chunks = chunks
+        self.param = param
+        """Layout position of the parameter the piece is part of."""
 
 
 class StreamStep(StepMode):
@@ -191,11 +193,12 @@ class StreamStep(StepMode):
         self._pieces: dict[int, list[_Piece]] = {}
         largest = 1
         for g in groups:
-            spans = [(p.shard_offset, p.length) for p in g.layout.pieces(g.placement.rank)]
+            layout_pieces = g.layout.pieces(g.placement.rank)
+            spans = [(p.shard_offset, p.length) for p in layout_pieces]
             pieces = []
-            for (offset, length), chunks in zip(spans, plan_chunks(spans, chunk)):
+            for p, (offset, length), chunks in zip(layout_pieces, spans, plan_chunks(spans, chunk)):
                 index, master = by_ptr[g.master[offset:].data_ptr()]
-                pieces.append(_Piece(master, index, offset, chunks))
+                pieces.append(_Piece(master, index, offset, chunks, p.index))
                 largest = max(largest, length)
             self._pieces[id(g)] = pieces
         self._slots = [_Slot(min(chunk, largest), self.device) for _ in range(max(1, slots))]
@@ -213,6 +216,8 @@ class StreamStep(StepMode):
         self._packed: set[int] = set()
         """Groups whose host master holds the packed form, chunk by chunk (issuing thread; `settle` joins)."""
         self._backward_ran = False
+        self._upto = publish_bounds(units, groups)
+        """Per unit: how many of `groups` belong to it or to units before it (published before it is used)."""
         for unit in units:
             if any(g.placement.stream_state for g in unit.trainable):
                 unit.before_use = partial(self._await, unit)
@@ -294,9 +299,14 @@ class StreamStep(StepMode):
         settings = [{k: v for k, v in pg.items() if k != "params"} for pg in self.optimizer.param_groups]
         for g in self.groups:
             g.step_in_flight = True  # before zero_grad, which must leave these gradients to the step
-        self.issuer.submit(self.groups, partial(self._issue, factors=factors, folded=folded, settings=settings))
+        # parameters no rank gave a gradient are left out of the update (see [Note: parameters without a
+        # gradient]); their chunks still travel, so the host master keeps one form per group
+        unused = {id(g): g.unused for g in self.groups}
+        self.issuer.submit(self.groups, partial(self._issue, factors=factors, folded=folded, settings=settings,
+                                                unused=unused))
 
-    def _issue(self, g: FlatGroup, *, factors: StepFactors, folded: bool, settings: list[dict]) -> None:
+    def _issue(self, g: FlatGroup, *, factors: StepFactors, folded: bool, settings: list[dict],
+               unused: dict[int, frozenset[int]]) -> None:
         """On the issuing thread: queue `g`'s chunks on the side streams (swapped in from NVMe around them)."""
         if g.compact:  # upcast chunk by chunk; the whole factor goes with it
             scale, kernel = (None, factors.whole) if folded else (factors.whole, None)
@@ -307,7 +317,7 @@ class StreamStep(StepMode):
                 self.swapper.swap_in(g)  # master and state bound to a pinned slot (uploads are DMA)
         with self.times.measure("stream_issue"):
             for piece in self._pieces[id(g)]:
-                self._step_piece(g, piece, scale, kernel, settings)
+                self._step_piece(g, piece, scale, kernel, settings, skip=piece.param in unused[id(g)])
             self._done[id(g)] = self._record(self._down if g.placement.offload_params else self._work)
             downloaded = self._record(self._down)
             if id(g) in self._splits:
@@ -316,7 +326,9 @@ class StreamStep(StepMode):
         if self.swapper is not None:
             self.swapper.swap_out(g, ready=downloaded)  # written once the downloads into the slot are done
 
-    def _step_piece(self, g: FlatGroup, piece: _Piece, scale, kernel, settings: list[dict]) -> None:
+    def _step_piece(self, g: FlatGroup, piece: _Piece, scale, kernel, settings: list[dict], *,
+                    skip: bool = False) -> None:
+        """Stream `piece` through the slots and step it (`skip`: only there and back, not stepped)."""
         state = self.optimizer.state[piece.master]
         length = piece.master.numel()
         # per-element state streamed with the master; none yet: the piece's first step creates it
@@ -358,7 +370,7 @@ class StreamStep(StepMode):
                     master_split.join(packed, g.param_shard[span.start:span.start + n], master, carries)
                 if keys:  # every chunk starts from the piece's scalar state (a fresh piece has none)
                     chunk_state.update({k: self._scalar_copy(v, opt) for k, v in scalars.items()})
-                created, last = self._step_chunk(g, opt, span, master, chunk_state, scale, kernel, slot)
+                created, last = self._step_chunk(g, opt, span, master, chunk_state, scale, kernel, slot, skip)
                 if split:  # after the parameter is published: its rounding is what the carries refer to
                     master_split.split(master, g.param_shard[span.start:span.start + n], packed, carries)
                 stepped = self._record(self._work)
@@ -381,9 +393,9 @@ class StreamStep(StepMode):
         state.update(last)  # the piece's scalar state moves on as its last chunk's did
 
     def _step_chunk(self, g: FlatGroup, opt: torch.optim.Optimizer, span: ChunkSpan, master: torch.Tensor,
-                    chunk_state: dict, scale, kernel, slot: _Slot) -> tuple[dict, dict]:
-        """Step one chunk (on the step stream): publish it into the parameters, zero its gradient.
-        Returns (per-element state the optimizer created, now in slot buffers; the chunk's scalar state)."""
+                    chunk_state: dict, scale, kernel, slot: _Slot, skip: bool) -> tuple[dict, dict]:
+        """Step one chunk (on the step stream; `skip`: leave it as it is): publish it into the parameters,
+        zero its gradient. Returns (per-element state the optimizer created, now in slot buffers; the chunk's scalar state)."""
         n = span.length
         grad = g.grad_shard[span.start:span.start + n]
         if grad.dtype != torch.float32:  # compact gradient: upcast, exactly, into the slot
@@ -393,16 +405,18 @@ class StreamStep(StepMode):
             elif scale is not None and scale != 1.0:
                 grad.mul_(scale)
         before = dict(chunk_state)
-        opt.param_groups[0]["params"] = [master]
-        opt.state.clear()
-        opt.state[master] = chunk_state
-        master.grad = grad
-        try:
-            step_with_factor(opt, kernel)
-        finally:
-            master.grad = None
-            new = opt.state.pop(master, {})
-            opt.param_groups[0]["params"] = []
+        new: dict = {}
+        if not skip:
+            opt.param_groups[0]["params"] = [master]
+            opt.state.clear()
+            opt.state[master] = chunk_state
+            master.grad = grad
+            try:
+                step_with_factor(opt, kernel)
+            finally:
+                master.grad = None
+                new = opt.state.pop(master, {})
+                opt.param_groups[0]["params"] = []
         created, scalars = {}, {}
         for k, v in new.items():
             if not _is_streamed(v, n):
@@ -475,8 +489,10 @@ class StreamStep(StepMode):
                 gather.wait()
 
     def _await(self, unit: Unit) -> None:
-        """Before `unit` is used: wait for its groups' updates and publish their parameters."""
-        self._await_groups(unit.trainable)
+        """Before `unit` is used: wait for its groups' updates and publish their parameters - and those of
+        every unit before it first, so every rank publishes in unit order whichever units its forward
+        skips (see [Note: one collective order] in zerofit.engine.engine)."""
+        self._await_groups(self.groups[:self._upto[id(unit)]])
 
     def _await_all(self) -> None:
         self._await_groups(self.groups)

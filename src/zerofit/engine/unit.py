@@ -34,6 +34,9 @@ class Unit:
         self.state = ParamState.RELEASED if self.sharded else ParamState.GATHERED
         self._gathers: list[Pending] = []
         self.reported: list[set[int]] = [set() for _ in self.trainable]
+        """Per trainable group: parameters whose gradient this backward delivered."""
+        self.used: list[set[int]] = [set() for _ in self.trainable]
+        """Per trainable group: parameters that got a gradient on this rank in this accumulation window."""
         self.reduced = False
         """Gradients of this backward have been handed to a reduction."""
         self.before_use = None
@@ -84,10 +87,21 @@ class Unit:
         """Take one parameter's gradient; True once every trainable parameter has reported."""
         self.trainable[group].accumulate(index, grad)
         self.reported[group].add(index)
+        self.used[group].add(index)
+        return self.complete
+
+    @property
+    def complete(self) -> bool:
+        """Every trainable parameter's gradient of this backward has arrived."""
         return all(len(s) == len(g.params) for s, g in zip(self.reported, self.trainable))
 
     def has_new_grads(self) -> bool:
         return any(self.reported)
+
+    def new_window(self) -> None:
+        """The accumulation window's gradients were zeroed: no parameter has been used in the next one yet."""
+        for s in self.used:
+            s.clear()
 
     def reduce(self, *, sync: bool) -> list[Pending]:
         """Hand this unit's gradients to the reduction the policy wants now (maybe none)."""
@@ -110,8 +124,8 @@ class Unit:
                     shard = g.grad_shard
                     out.append(self.comm.reduce_scatter(shard, g.grad_flat, self.name,
                                                         then=lambda s=shard: s.div_(world)))
-            elif g.grad_flat is not None:  # stages 2-3: keep only the shard, every micro-step
-                full, shard = g.grad_flat, g.grad_shard
+            else:  # stages 2-3: keep only the shard, every micro-step (every rank, got it gradients or not)
+                full, shard = g.grad_flat_or_zeros(), g.grad_shard
                 part = torch.empty_like(shard)
                 g.drop_grad_flat()
                 out.append(self.comm.reduce_scatter(part, full, self.name,
@@ -120,9 +134,10 @@ class Unit:
 
     def _reduce_to_host(self, g: FlatGroup) -> list[Pending]:
         """Offloaded optimizer: reduce this micro-step's gradients and send the shard to the host now."""
-        if g.grad_flat is None:
+        world = self.comm.world
+        if g.grad_flat is None and world == 1:
             return []
-        full, world = g.grad_flat, self.comm.world
+        full = g.grad_flat_or_zeros()  # several ranks: every rank takes part, got it gradients or not
         g.drop_grad_flat()
         if world == 1:
             return [self.comm.reduce_scatter(full, full, self.name, then=lambda f=full: g.take_reduced_grad(f))]

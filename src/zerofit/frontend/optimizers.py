@@ -11,8 +11,9 @@ fp32 master shards (see `zerofit.engine.optim`), and returns it wrapped. In the 
 * `optimizer.zero_grad()` clears gradients only once a window has closed; a call in the middle of
   a window (a loop that zeroes before its forward) would throw away accumulated micro-steps, so it
   is a no-op there.
-* `step_was_skipped` is True after a step an fp16 overflow skipped; the scheduler wrapper then
-  does not advance either.
+* `step_was_skipped` is True after a step an fp16 overflow skipped, or one with no backward since
+  the last step (which applies nothing, as torch's optimizers do without gradients, and is not
+  counted); the scheduler wrapper then does not advance either.
 """
 
 from __future__ import annotations
@@ -55,6 +56,9 @@ class AcceleratedOptimizer:
             raise ValueError("optimizer.step(closure) is not supported under zerofit: the engine steps on "
                              "accumulated, sharded gradients; call accelerator.backward(loss) then step()")
         if not self.gradient_state.sync_gradients:
+            return
+        if not self.engine.backward_in_window:  # nothing to apply: a no-op, as in torch (the engine warns)
+            self.step_was_skipped = not self.engine.step()
             return
         self.step_was_skipped = not self.engine.step()
         self.window_open = False

@@ -172,6 +172,9 @@ class ModelCounts:
     units: tuple[tuple[str, int, int], ...]
     """(unit name, trainable elements, frozen elements), root first, as `plan_units` orders them."""
     buffer_bytes: int
+    laid_out: tuple[tuple[int, int], ...] | None = None
+    """Per unit, (trainable, frozen) elements as the flat buffers lay them out - each parameter from a
+    multiple of `SHARD_ALIGN` (see [Note: flat layout]); None: as `units` says (no gaps)."""
 
     @property
     def numel(self) -> int:
@@ -182,7 +185,16 @@ class ModelCounts:
         specs: list[UnitSpec] = plan_units(model, size_threshold=unit_size_threshold)
         units = tuple((s.name, sum(p.numel() for _, p in s.params if p.requires_grad),
                        sum(p.numel() for _, p in s.params if not p.requires_grad)) for s in specs)
-        return cls(units=units, buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()))
+        laid_out = tuple((_laid_out([p.numel() for _, p in s.params if p.requires_grad]),
+                          _laid_out([p.numel() for _, p in s.params if not p.requires_grad])) for s in specs)
+        return cls(units=units, buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
+                   laid_out=laid_out)
+
+
+def _laid_out(numels: list[int]) -> int:
+    """Elements a flat buffer of these parameters spans, gaps included (at most: the engine orders them by
+    optimizer param group, which moves which one is last and needs no gap after it)."""
+    return sum(-(-n // SHARD_ALIGN) * SHARD_ALIGN for n in numels)
 
 
 def estimate(counts: ModelCounts, setting: Setting, work: Workload, trace: ActivationTrace | None) -> Estimate:
@@ -207,8 +219,9 @@ def estimate(counts: ModelCounts, setting: Setting, work: Workload, trace: Activ
     largest_state = 0
     step_transient = 0
     largest_streamed, streamed_compact = 0, False
-    for u, (_, trainable, frozen) in enumerate(counts.units):
-        unit_numel = trainable + frozen
+    for u, (_, true_trainable, true_frozen) in enumerate(counts.units):
+        unit_numel = true_trainable + true_frozen
+        trainable, frozen = counts.laid_out[u] if counts.laid_out is not None else (true_trainable, true_frozen)
         transient.append(0)
         for numel, is_trainable in ((trainable, True), (frozen, False)):
             if numel == 0:
