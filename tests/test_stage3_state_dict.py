@@ -62,3 +62,46 @@ def test_state_dict_and_save_pretrained_hold_the_full_trained_weights(tmp_path, 
     for name, value in adapter0.items():
         torch.testing.assert_close(value, ref[name], rtol=0, atol=0)
     assert loss0 == pytest.approx(loss1)
+
+
+def _submodule_state_dicts(rank, world):
+    """Each case: (module path, kwargs of state_dict) -> the dict every rank gets, plus the engine's
+    unit states before and after (the gathers must release what they gathered)."""
+    acc, model = _trained(freeze_base=False)
+    engine = acc._prepared.engines[id(model)]
+    states_before = [u.state for u in engine.units]
+    full = model.state_dict()  # the root gathers (tested above): the reference
+    cases = {"transformer.h.0": {}, "lm_head": {}, "transformer.wte": {}, "transformer": {},
+             "transformer.h.1.mlp": {"prefix": "x."}, "transformer.ln_f": {}}
+    got, gathers = {}, {}
+    for path, kw in cases.items():
+        before = engine.comm.calls
+        got[path] = model.get_submodule(path).state_dict(**kw)
+        gathers[path] = engine.comm.calls - before
+    states_after = [u.state for u in engine.units]
+    block = next(u for u in engine.units if u.module is model.transformer.h[0])
+    # One all-gather per sharded group of the units the module holds parameters of, no more.
+    assert gathers["transformer.h.0"] == sum(g.placement.shard_params for g in block.groups) > 0
+    assert gathers["transformer"] == sum(g.placement.shard_params for u in engine.units for g in u.groups)
+    params = dict(model.transformer.h[0].named_parameters())
+    own = all(v is params[k] for k, v in model.transformer.h[0].state_dict(keep_vars=True).items() if k in params)
+    loss = model(input_ids=torch.arange(8)[None], labels=torch.arange(8)[None]).loss.item()  # still trains
+    return full, got, cases, states_before == states_after, own, loss
+
+
+def test_a_submodules_state_dict_gathers_too():
+    """#25: `model.transformer.h[0].state_dict()` or `model.lm_head.state_dict()` at stage 3 gave the
+    local (empty) views while `model.state_dict()` gathered."""
+    ranks = run_distributed(_submodule_state_dicts, 2, timeout=180)
+    plain = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=50, n_positions=16, n_embd=16,
+                                                                  n_layer=2, n_head=2))
+    for rank, (full, got, cases, released_again, _, _) in enumerate(ranks):
+        assert released_again, rank
+        for path, kw in cases.items():
+            prefix = kw.get("prefix", "")
+            expected = {prefix + k: full[f"{path}.{k}"] for k in plain.get_submodule(path).state_dict()}
+            assert list(got[path]) == list(expected), (rank, path)
+            for name, value in expected.items():
+                torch.testing.assert_close(got[path][name], value, rtol=0, atol=0, msg=f"rank {rank} {path} {name}")
+    assert ranks[0][4] and ranks[1][4]  # keep_vars=True still gives the parameters themselves, no gather
+    assert ranks[0][5] == pytest.approx(ranks[1][5])

@@ -32,6 +32,7 @@ import torch
 from zerofit.bench.methods import Runner, build_runner, repeated_blocks
 from zerofit.bench.search import BatchSearch
 from zerofit.bench.workloads import WORKLOADS, Workload
+from zerofit.dist import runtime
 
 
 class SimulatedOutOfMemory(torch.OutOfMemoryError):
@@ -56,7 +57,7 @@ class Row:
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
         self.rank = int(os.environ.get("RANK", "0"))
         cuda = args.device == "cuda"
-        self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
+        self.device = runtime.local_gpu() if cuda else torch.device("cpu")
         if cuda:
             torch.cuda.set_device(self.device)
             if args.gpu_memory_gib:

@@ -5,7 +5,8 @@ parameters) at a time to rank 0, which cuts it into parameters and drops it. Ran
 holds more than one unit's gathered buffer beyond what it is about to return or write:
 `full_state_dict` keeps everything by nature; `save_consolidated` keeps at most the shard file being
 filled. Trainable parameters come from the fp32 masters, frozen ones in the compute dtype, buffers
-as they are; a tied weight appears once, under its first name.
+as they are; a tied weight appears once, under its first name (safetensors refuses shared tensors,
+and `from_pretrained` ties them again), except in the state dict `Accelerator.get_state_dict` returns.
 """
 
 from __future__ import annotations
@@ -53,14 +54,26 @@ def iter_full_tensors(engine, model: nn.Module | None = None) -> Iterator[tuple[
             yield name, buf.detach().to("cpu", copy=True)
 
 
-def full_state_dict(engine, model: nn.Module | None = None) -> dict[str, torch.Tensor]:
-    """Collective: the consolidated state dict on rank 0 (keys in the model's state-dict order, tied
-    weights once), {} on the other ranks."""
+def full_state_dict(engine, model: nn.Module | None = None, *, every_tied_key: bool = False
+                    ) -> dict[str, torch.Tensor]:
+    """Collective: the consolidated state dict on rank 0 (keys in the model's state-dict order), {} on
+    the other ranks. A tied weight appears once, under its first name, unless `every_tied_key`: then
+    under each name `model.state_dict()` gives it, one tensor for all (what a strict
+    `load_state_dict` into a plain model of the same class needs)."""
     model = model if model is not None else engine.model
     out = dict(iter_full_tensors(engine, model))
     if not out:
         return out
-    order = [k for k in model.state_dict(keep_vars=True) if k in out]
+    live = model.state_dict(keep_vars=True)  # the parameters and buffers themselves: no gather
+    if every_tied_key:
+        first: dict[int, str] = {}
+        for k, t in live.items():
+            if k in out:
+                first.setdefault(id(t), k)
+        for k, t in live.items():
+            if k not in out and id(t) in first:
+                out[k] = out[first[id(t)]]
+    order = [k for k in live if k in out]
     return {k: out[k] for k in order} | out
 
 

@@ -53,12 +53,27 @@ def backend(config: RunConfig | None = None) -> str:
     return backend_for(use_cpu(config))
 
 
+def device_index(local_rank: int, device_count: int) -> int:
+    """The GPU (an index among the `device_count` this process sees) for the worker `local_rank`.
+
+    `local_rank % device_count`, as Accelerate chooses: where every process sees all of the machine's
+    GPUs this is the local rank; where each sees only its own (SLURM `--gpus-per-task=1`, a
+    `CUDA_VISIBLE_DEVICES` per process) the fourth worker has LOCAL_RANK 3 and one GPU, index 0.
+    """
+    if local_rank < 0:
+        raise ConfigError(f"LOCAL_RANK={local_rank} is not a local rank: the launcher sets it to 0 or more; "
+                          f"unset it for a single process")
+    if device_count < 1:
+        raise ConfigError(f"local rank {local_rank} has no GPU to use: this process sees {device_count} "
+                          f"GPUs; check CUDA_VISIBLE_DEVICES, or pass --cpu")
+    return local_rank % device_count
+
+
+def local_gpu() -> torch.device:
+    """This worker's GPU (see `device_index`); the one place that chooses it."""
+    return torch.device("cuda", device_index(local_rank(), torch.cuda.device_count()))
+
+
 def device(config: RunConfig | None = None) -> torch.device:
-    """The device this process computes on: the CPU, or the GPU numbered by its local rank."""
-    if use_cpu(config):
-        return torch.device("cpu")
-    rank, count = local_rank(), torch.cuda.device_count()
-    if rank >= count:
-        raise ConfigError(f"local rank {rank} has no GPU (this machine has {count}): set "
-                          f"--num_processes to at most {count} per machine, or pass --cpu")
-    return torch.device("cuda", rank)
+    """The device this process computes on: the CPU, or its GPU (see `device_index`)."""
+    return torch.device("cpu") if use_cpu(config) else local_gpu()

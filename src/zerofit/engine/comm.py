@@ -10,6 +10,9 @@ the compute stream (so it reads finished data); `then` runs on the same side str
 `wait()` makes the current stream wait for the event recorded after `then`. Tensors the collective
 touches are held by the `Pending` until `wait()` returns: after that the compute stream is ordered
 after the collective, so the caching allocator may safely reuse their memory. No `record_stream`.
+"The compute stream" is always the current stream *of the engine's GPU*, named explicitly: the
+current device may be another one (GPU 0 when the script created the process group without
+selecting a device), and its stream orders nothing the engine does (#30).
 On CPU (gloo) the collective is async on gloo's own thread; `wait()` blocks on it, then runs `then`.
 """
 
@@ -31,11 +34,13 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 class Pending:
     """A collective in flight (or a finished no-op), plus the work to run once it is done."""
 
-    __slots__ = ("_work", "_event", "_then", "_keep", "done", "label", "rank")
+    __slots__ = ("_work", "_event", "_device", "_then", "_keep", "done", "label", "rank")
 
     def __init__(self, work=None, event=None, then: Callable[[], None] | None = None, keep=(),
-                 label: str = "", rank: int = 0):
+                 label: str = "", rank: int = 0, device: torch.device | None = None):
         self._work, self._event, self._then, self._keep = work, event, then, keep
+        self._device = device
+        """The event's device: its current stream waits (never the current device's: see #30)."""
         self.done = False
         self.label, self.rank = label, rank
 
@@ -43,7 +48,7 @@ class Pending:
         if self.done:
             return
         if self._event is not None:
-            torch.cuda.current_stream().wait_event(self._event)
+            torch.cuda.current_stream(self._device).wait_event(self._event)
         else:
             if self._work is not None:
                 with failures.named(self.label, self.rank):
@@ -85,7 +90,8 @@ class Collectives:
                     then()
                     return _finished()
                 return Pending(work=work, then=then, keep=keep, label=label, rank=self.rank)
-            self.stream.wait_stream(torch.cuda.current_stream())
+            device = self.stream.device  # the engine's GPU, whichever is current (a script may not set it)
+            self.stream.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(self.stream):
                 if run is not None:
                     with failures.named(label, self.rank):
@@ -94,7 +100,7 @@ class Collectives:
                     then()
                 event = torch.cuda.Event()
                 event.record(self.stream)
-            return Pending(event=event, keep=keep)
+            return Pending(event=event, keep=keep, device=device)
 
     def _count(self, label: str, tensors) -> None:
         self.calls += 1

@@ -17,7 +17,6 @@ zerofit.engine.step_mode).
 
 from __future__ import annotations
 
-import os
 import warnings
 from collections.abc import Callable
 from functools import partial
@@ -27,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zerofit.config.schema import PrecisionConfig, ZeroConfig, is_auto
+from zerofit.dist import runtime
 from zerofit.engine.comm import Collectives, InFlight
 from zerofit.engine.flat_group import FlatGroup
 from zerofit.engine.full_state import FullStateDict
@@ -64,9 +64,8 @@ MAX_INFLIGHT_REDUCTIONS = 2  # reductions in flight before backward waits: bound
 
 
 def default_device() -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    return torch.device("cpu")
+    """This worker's GPU when CUDA is available (`runtime.local_gpu`), else the CPU."""
+    return runtime.local_gpu() if torch.cuda.is_available() else torch.device("cpu")
 
 
 class ZeroEngine:

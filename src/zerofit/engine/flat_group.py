@@ -177,7 +177,7 @@ class FlatGroup:
         target = self.grad_shard if fresh else self._grad_staging
         target.copy_(grad, non_blocking=True)
         event = torch.cuda.Event()
-        event.record()
+        event.record(torch.cuda.current_stream(grad.device))  # the stream the download was queued on
         self._grad_event = (event, not fresh)
 
     def settle_host_grad(self) -> None:

@@ -1,22 +1,25 @@
-"""`model.state_dict()` under stage 3: the full parameters, with every rank taking part.
+"""`module.state_dict()` under stage 3: the full parameters, with every rank taking part.
 
 [Note: full state dict under stage 3]
 A stage-3 unit keeps only its shard between uses; its parameters keep their shapes over an empty
 storage. Code that reads `model.state_dict()` - transformers' `save_pretrained` without
-`state_dict=`, PEFT's adapter saving, `torch.save(model.state_dict())` - would then see empty
-tensors (and transformers' tied-weight check fails on them). So the engine puts two documented
-state-dict hooks on the model it shards:
-- before the walk (`register_state_dict_pre_hook`), each sharded unit in turn is gathered, its
-  parameters copied to the CPU in their own dtype (the values `forward` uses), and released again if
-  it was released before: the GPU holds one gathered unit beyond its usual state at a time;
+`state_dict=`, PEFT's adapter saving, `torch.save(model.state_dict())`, or the same on a submodule,
+`model.lm_head.state_dict()` - would then see empty tensors (and transformers' tied-weight check
+fails on them). So the engine puts two documented state-dict hooks on every module of the model it
+shards, the root and each submodule alike:
+- before the walk (`register_state_dict_pre_hook`), each sharded unit holding a parameter of the
+  module asked is gathered in turn, its parameters copied to the CPU in their own dtype (the values
+  `forward` uses), and released again if it was released before: the GPU holds one gathered unit
+  beyond its usual state at a time;
 - after the walk (`register_state_dict_post_hook`), each parameter's entry is replaced by its copy.
-Every rank gets the full tensors, so the call is collective: every rank must call `state_dict()`
-(as `save_pretrained(..., is_main_process=...)` is called on every rank in Accelerate scripts); a
-call on one rank alone waits for the others until the process-group timeout names it. Each rank
-holds one full copy of the model in host memory until the caller drops the dict.
+Only the outermost call of a walk gathers: `state_dict()` recurses into the children, whose hooks
+see an open walk whose prefix theirs extends and leave the entries to it.
+Every rank gets the full tensors, so the call is collective: every rank must call `state_dict()` on
+the same module (as `save_pretrained(..., is_main_process=...)` is called on every rank in
+Accelerate scripts); a call on one rank alone waits for the others until the process-group timeout
+names it. Each rank holds one full copy of the module in host memory until the caller drops the dict.
 `state_dict(keep_vars=True)` asks for the parameters themselves and gets them, sharded, with no
-gather: the engine's own checkpoint code reads names that way. Only the root module's `state_dict()`
-gathers; a submodule's gives its local views.
+gather: the engine's own checkpoint code reads names that way.
 """
 
 from __future__ import annotations
@@ -30,42 +33,50 @@ from zerofit.engine.unit import ParamState, Unit
 
 
 class FullStateDict:
-    """The two state-dict hooks of a stage-3 model (see the note above)."""
+    """The two state-dict hooks of every module of a stage-3 model (see the note above)."""
 
     def __init__(self, model: nn.Module, units: list[Unit]):
         self.model = model
         self.units = [u for u in units if u.sharded]
-        self._copies: dict[str, dict[int, torch.Tensor]] = {}
-        """prefix -> id(parameter) -> its full CPU copy, between the pre- and the post-hook."""
+        self._open: tuple[nn.Module, str, dict[int, torch.Tensor]] | None = None
+        """The walk being served: (its outermost module, its prefix, id(parameter) -> full CPU copy)."""
         self._handles: list[Any] = []
 
     def install(self) -> None:
         # torch marks the hook objects it is given, which bound methods do not allow: plain functions.
-        self._handles = [self.model.register_state_dict_pre_hook(lambda *a: self._before(*a)),
-                         self.model.register_state_dict_post_hook(lambda *a: self._after(*a))]
+        for module in self.model.modules():
+            self._handles += [module.register_state_dict_pre_hook(lambda *a: self._before(*a)),
+                              module.register_state_dict_post_hook(lambda *a: self._after(*a))]
 
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles = []
 
-    def _before(self, _module: nn.Module, prefix: str, keep_vars: bool) -> None:
-        if not keep_vars:
-            self._copies[prefix] = self.gather_copies()
+    def _before(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        if keep_vars:
+            return
+        if self._open is not None and len(prefix) > len(self._open[1]) and prefix.startswith(self._open[1]):
+            return  # a child in the open walk (a walk that raised never closes: a fresh call replaces it)
+        self._open = None
+        ids = {id(p) for p in module.parameters()}
+        units = [u for u in self.units if any(id(p) in ids for g in u.groups for p in g.params)]
+        self._open = (module, prefix, self.gather_copies(units))
 
     def _after(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, _metadata: Any) -> None:
-        copies = self._copies.pop(prefix, None)
-        if copies is None:
+        if self._open is None or self._open[0] is not module or self._open[1] != prefix:
             return
+        copies, self._open = self._open[2], None
         for name, p in module.named_parameters(prefix=prefix.rstrip("."), remove_duplicate=False):
             if name in state_dict and id(p) in copies:
                 state_dict[name] = copies[id(p)]
 
-    def gather_copies(self) -> dict[int, torch.Tensor]:
-        """Collective: id(parameter) -> a full CPU copy, for every parameter of a sharded unit."""
+    def gather_copies(self, units: list[Unit] | None = None) -> dict[int, torch.Tensor]:
+        """Collective: id(parameter) -> a full CPU copy, for every parameter of `units` (default: every
+        sharded unit); the same units on every rank, in the engine's order."""
         copies: dict[int, torch.Tensor] = {}
         with torch.no_grad():
-            for unit in self.units:
+            for unit in self.units if units is None else units:
                 released = unit.state is ParamState.RELEASED
                 unit.wait_gathered()
                 for g in unit.groups:

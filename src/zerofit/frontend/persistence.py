@@ -46,10 +46,14 @@ class PersistenceMixin:
         return engine
 
     def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
-        """Full tensors of `model` on the main process ({} elsewhere); every process must call it."""
+        """Full tensors of `model` on the main process ({} elsewhere); every process must call it.
+
+        Every key of `model.state_dict()`, a tied weight under each of its names (one tensor), so a
+        strict `load_state_dict` into a plain model works, as with Accelerate under DDP or DeepSpeed.
+        """
         from zerofit.checkpoint import full_state_dict
 
-        return full_state_dict(self._engine_of(model), model)
+        return full_state_dict(self._engine_of(model), model, every_tied_key=True)
 
     def save_model(self, model: nn.Module, save_directory: str | os.PathLike, max_shard_size: str | int = "10GB",
                    safe_serialization: bool = True) -> None:

@@ -72,9 +72,13 @@ class ProcessState:
         device = torch.device("cpu") if use_cpu else runtime.device(config)
         backend = runtime.backend_for(use_cpu)
         created = False
+        if device.type == "cuda":
+            # Whoever creates the process group (zerofit, the script, TrainingArguments), the rank's GPU
+            # must be current before any CUDA work: collectives with no tensor to go by (barrier, the
+            # object collectives) and CUDA calls that name no device use it; else every rank opens a
+            # context on GPU 0. Accelerate's PartialState selects it unconditionally too.
+            torch.cuda.set_device(device)
         if not dist.is_initialized() and process_group.launched():
-            if device.type == "cuda":
-                torch.cuda.set_device(device)
             process_group.join(config, backend, device)
             created = True
         if dist.is_initialized():

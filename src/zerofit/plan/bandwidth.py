@@ -268,9 +268,10 @@ def _issue(copies: list[tuple[torch.cuda.Stream, torch.Tensor, torch.Tensor]], c
 def _copy_gbs(copies: list[tuple[torch.cuda.Stream, torch.Tensor, torch.Tensor]]) -> float:
     """GB/s each way with the given copy streams running at once: the median of TRIALS timings."""
     rates = []
+    main = torch.cuda.current_stream(copies[0][0].device)  # the copies' device, not the current one
     for trial in range(TRIALS + 1):
         start = torch.cuda.Event(enable_timing=True)
-        start.record()
+        start.record(main)
         for stream, _, _ in copies:
             stream.wait_event(start)
         count = 1 if trial == 0 else COPIES_PER_TRIAL
@@ -295,13 +296,14 @@ def _gpu_adam_seconds(dev: torch.device) -> float:
     opt = torch.optim.AdamW([param], lr=1e-3, fused=True)
     opt.step()  # creates the state
     opt.step()
+    stream = torch.cuda.current_stream(dev)  # the one the steps run on
     times = []
     for _ in range(TRIALS):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+        start.record(stream)
         for _ in range(GPU_STEPS_PER_TRIAL):
             opt.step()
-        end.record()
+        end.record(stream)
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3 / GPU_STEPS_PER_TRIAL)
     return statistics.median(times) * GB / GPU_ADAM_NUMEL
@@ -313,13 +315,14 @@ def _gemm_tflops(dev: torch.device) -> float:
     a = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
     b = torch.randn(k, n, device=dev, dtype=torch.bfloat16)
     out = torch.mm(a, b)  # warm-up: cuBLAS picks its kernel
+    stream = torch.cuda.current_stream(dev)  # the one the products run on
     times = []
     for _ in range(TRIALS):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+        start.record(stream)
         for _ in range(GPU_STEPS_PER_TRIAL):
             torch.mm(a, b, out=out)
-        end.record()
+        end.record(stream)
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3 / GPU_STEPS_PER_TRIAL)
     return 2 * m * k * n / statistics.median(times) / 1e12
