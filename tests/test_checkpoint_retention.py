@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -13,9 +14,11 @@ from engine_cases import SEQ, VOCAB, TinyLM, loss_fn
 
 from zerofit import Accelerator
 from zerofit.checkpoint import retention
-from zerofit.checkpoint.commit import LATEST
+from zerofit.checkpoint.commit import LATEST, resolve
 from zerofit.checkpoint.manifest import FORMAT, MANIFEST
+from zerofit.checkpoint.resume import latest_complete
 from zerofit.config.schema import CheckpointConfig, RunConfig, ZeroConfig
+from zerofit.errors import CheckpointError
 from zerofit.testing.distributed import run_distributed
 from zerofit.utils import ProjectConfiguration
 
@@ -105,11 +108,84 @@ def test_a_failed_deletion_is_a_warning_not_a_failed_save(tmp_path, monkeypatch)
     def refuse(path):
         raise PermissionError(13, "Permission denied", str(path))
 
-    monkeypatch.setattr(retention.shutil, "rmtree", refuse)
+    monkeypatch.setattr(shutil, "rmtree", refuse)
     with pytest.warns(UserWarning, match=r"checkpoint\.total_limit 4: could not delete the old checkpoint "
-                                         r".*checkpoint_0 .*Permission denied.*delete it by hand"):
+                                         r".*checkpoint_0 .*Permission denied.*the next save tries again, or "
+                                         r"delete it by hand"):
         retention.prune(folder / "checkpoint_4", config_limit=4, project_limit=None, is_main=True)
-    assert "checkpoint_0" in _left(folder)
+    assert [n for n in _left(folder) if n.startswith("checkpoint_0")] == [_doomed(folder).name]
+
+
+def _doomed(folder: Path) -> Path:
+    """The one checkpoint of `folder` whose removal was interrupted."""
+    (found,) = [p for p in folder.iterdir() if ".doomed-" in p.name]
+    return found
+
+
+class _Killed(BaseException):
+    """Stands in for SIGKILL: nothing after it runs, and no `except Exception` stops it."""
+
+
+def _killed_after_the_manifest(real_rmtree):
+    """shutil.rmtree that dies once the first checkpoint it deletes has lost its manifest (the files go in
+    directory order, and nothing makes the manifest last)."""
+    def rmtree(path, *args, **kwargs):
+        if (Path(path) / MANIFEST).is_file():
+            (Path(path) / MANIFEST).unlink()
+            raise _Killed
+        return real_rmtree(path, *args, **kwargs)
+    return rmtree
+
+
+def test_a_prune_killed_mid_deletion_leaves_nothing_behind_after_the_next_prune(tmp_path, monkeypatch):
+    """#25: the half-deleted folder lost its manifest, so no later prune counted it and its shards stayed."""
+    folder = _folder(tmp_path)
+    (folder / "checkpoint_0" / "state.bin").write_bytes(b"x" * 1000)
+    with monkeypatch.context() as patched:
+        patched.setattr(shutil, "rmtree", _killed_after_the_manifest(shutil.rmtree))
+        with pytest.raises(_Killed):
+            retention.prune(folder / "checkpoint_4", config_limit=4, project_limit=None, is_main=True)
+    doomed = _doomed(folder)
+    assert (doomed / "state.bin").is_file() and "checkpoint_0" not in _left(folder)
+    assert not retention.is_zerofit_checkpoint(doomed)
+    with pytest.raises(CheckpointError, match=r"checkpoint_0\.doomed-\w+ is a checkpoint zerofit was deleting "
+                                              r"\(checkpoint\.total_limit left it out .*: load another checkpoint"):
+        resolve(doomed)
+    (folder / LATEST).write_text(f"{doomed.name}\n")
+    with pytest.raises(CheckpointError, match=rf"{LATEST} names it: .*{doomed.name} is a checkpoint zerofit was"):
+        latest_complete(folder)
+    (folder / LATEST).write_text("checkpoint_1\n")
+    retention.prune(folder / "checkpoint_4", config_limit=4, project_limit=None, is_main=True)
+    assert _left(folder) == {"checkpoint_1", "checkpoint_2", "checkpoint_3", "checkpoint_4", "notes", "other_tool",
+                             "broken", "README", "link", "checkpoint_5.tmp-abc", LATEST}
+
+
+def test_the_next_save_finishes_a_deletion_a_kill_interrupted(tmp_path, monkeypatch):
+    """The same kill inside `save_state` of a real run: the run's next save leaves only the newest checkpoint."""
+    project = tmp_path / "project"
+    acc = Accelerator(config=RunConfig(zero=ZeroConfig(stage=1)), project_config=ProjectConfiguration(
+        project_dir=str(project), automatic_checkpoint_naming=True, total_limit=1))
+    torch.manual_seed(0)
+    model = TinyLM()
+    model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    x = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))
+
+    def train_and_save():
+        acc.backward(loss_fn(model(x), x))
+        opt.step()
+        opt.zero_grad()
+        return acc.save_state()
+
+    train_and_save()
+    with monkeypatch.context() as patched:
+        patched.setattr(shutil, "rmtree", _killed_after_the_manifest(shutil.rmtree))
+        with pytest.raises(_Killed):
+            train_and_save()  # checkpoint_1 committed, checkpoint_0's deletion killed
+    assert sorted(os.listdir(project / "checkpoints")) == [_doomed(project / "checkpoints").name, "checkpoint_1",
+                                                           LATEST]
+    assert latest_complete(project / "checkpoints") == project / "checkpoints" / "checkpoint_1"
+    train_and_save()  # checkpoint_1 again: the kill came before the iteration counter moved on
+    assert sorted(os.listdir(project / "checkpoints")) == ["checkpoint_1", LATEST]
 
 
 def _train_and_save(acc: Accelerator, saves: list[str | None]) -> list[str]:

@@ -586,3 +586,54 @@ def test_an_alias_bomb_and_a_huge_value_give_short_errors_quickly(tmp_path):
     assert len(str(caught.value)) < 2000
     with pytest.raises(ConfigError, match="holds a NUL byte"):
         load_config("conf\0ig.yaml")
+
+
+_TWICE = "keep one {} and delete the other (a JSON or YAML reader silently keeps the last one"
+
+
+@pytest.mark.parametrize(("name", "text", "key", "lines"), [
+    ("ds.json", '{\n  "zero_optimization": {"stage": 3},\n  "train_batch_size": 8,\n  "zero_optimization": {"stage": 1}\n}',
+     "zero_optimization", (2, 4)),
+    ("ds.json", '{"zero_optimization": {\n  "stage": 2,\n  "stage": "auto"}}', "zero_optimization.stage", (2, 3)),
+    ("ds.json", '{"optimizer": {"type": "AdamW", "params": {"betas": [0.9, 0.99],\n "lr": 1e-4, "lr": 1}}}',
+     "optimizer.params.lr", (2, 2)),
+    ("z.yaml", "zero:\n  stage: 3\nlaunch:\n  num_processes: 1\nzero:\n  stage: 1\n", "zero", (1, 5)),
+    ("z.yaml", "zero:\n  offload_optimizer:\n    device: cpu\n    'device': nvme\n", "zero.offload_optimizer.device",
+     (3, 4)),
+    ("a.yaml", "distributed_type: DEEPSPEED\ndeepspeed_config:\n  zero_stage: 3\n  zero_stage: 1\n",
+     "deepspeed_config.zero_stage", (3, 4)),
+    ("a.yaml", "distributed_type: DEEPSPEED\nnum_processes: 2\ndistributed_type: NO\n", "distributed_type", (1, 3)),
+], ids=["ds-top", "ds-nested-auto", "ds-deep", "zerofit-top", "zerofit-deep", "accelerate-plugin", "accelerate-top"])
+def test_a_key_written_twice_is_refused_naming_the_file_key_and_both_lines(tmp_path, name, text, key, lines):
+    """#25: the last of two equal keys won silently (stage 3 then 1 ran stage 1; "stage" then "auto" ran the planner)."""
+    path = tmp_path / name
+    path.write_text(text)
+    message = f"{str(path)!r}: {key} appears twice (lines {lines[0]} and {lines[1]}): " + _TWICE.format(key)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(path)
+
+
+def test_a_key_written_twice_in_the_deepspeed_file_an_accelerate_yaml_names_is_refused(tmp_path):
+    (tmp_path / "ds.json").write_text('{"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu",\n'
+                                      '  "device": "none"}}}')
+    (tmp_path / "a.yaml").write_text("distributed_type: DEEPSPEED\ndeepspeed_config:\n  deepspeed_config_file: ds.json\n")
+    message = (f"deepspeed_config.deepspeed_config_file: {str(tmp_path / 'ds.json')!r}: zero_optimization.offload_param"
+               ".device appears twice (lines 1 and 2)")
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(tmp_path / "a.yaml")
+
+
+def test_merge_keys_aliases_and_lists_are_not_duplicates(tmp_path):
+    """A YAML merge may override what it merges; an alias repeats a value, not a key; objects in a list
+    are separate mappings."""
+    (tmp_path / "m.yaml").write_text("base: &base {stage: 2, param_persistence_threshold: 0}\n"
+                                     "mid: &mid {<<: *base, stage: 3}\n"
+                                     "zero: {<<: *mid, stage: 3}\n")
+    with pytest.raises(ConfigError, match="base is not a known key"):  # no duplicate complaint first
+        load_config(tmp_path / "m.yaml")
+    (tmp_path / "ok.yaml").write_text("zero: &z\n  stage: 3\nlaunch: {num_processes: 1}\n")
+    assert load_config(tmp_path / "ok.yaml").zero.stage == 3
+    (tmp_path / "ok.json").write_text('{"zero_optimization": {"stage": 2}, "a": [{"k": 1}, {"k": 2}]}')
+    with pytest.raises(ConfigError, match="a is not a known key"):
+        load_config(tmp_path / "ok.json")
+    assert config_from_dict({"zero_optimization": {"stage": 2}}).zero.stage == 2  # dicts never come here

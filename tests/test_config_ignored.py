@@ -23,6 +23,7 @@ from zerofit.config import (
     load_config,
     resolve_auto,
 )
+from zerofit.config.coerce import BadValue
 from zerofit.config.schema import RunConfig
 from zerofit.config.tree import leaf_hints
 from zerofit.errors import ConfigError
@@ -41,12 +42,14 @@ def _nest(dotted: str, value) -> dict:
 
 def _asking_value(entry: ignored.Ignored):
     """A value that asks for something zerofit does not do, or None when every value is what it does."""
-    if entry.convert is ignored.to_int:
-        return 12345
-    if entry.convert is ignored.to_bool:
-        other = not entry.default
-        return None if other in entry.quiet else other
-    return "bf16"  # communication_data_type
+    for value in (12345, not entry.default, "bf16", {"stages": 2}):
+        try:
+            converted = entry.convert(value)
+        except BadValue:
+            continue
+        if converted != entry.default and converted not in entry.quiet:
+            return value
+    return None
 
 
 def _shown(value) -> str:
@@ -75,7 +78,7 @@ def test_an_ignored_knob_at_its_default_is_quiet_and_any_other_value_warns_once(
         return
     got = _caught(_nest(entry.key, value))
     assert len(got) == 1, got
-    assert got[0].startswith(f"{entry.key} = {_shown(value)} is ignored: {entry.why}")
+    assert got[0].startswith(f"{entry.key} = {_shown(entry.convert(value))} is ignored: {entry.why}")
 
 
 @pytest.mark.parametrize("entry", [e for e in ignored.TABLE if e.zerofit], ids=lambda e: e.zerofit)
@@ -85,7 +88,7 @@ def test_an_older_zerofit_field_still_loads_the_same_way(entry):
     got = _caught(data)
     assert got == ([] if value is None else [got[0]])
     if value is not None:
-        assert got[0].startswith(f"{entry.zerofit} = {_shown(value)} is ignored")
+        assert got[0].startswith(f"{entry.zerofit} = {_shown(entry.convert(value))} is ignored")
 
 
 def test_the_zero3_templates_auto_gather_flag_loads_quietly():
@@ -104,6 +107,26 @@ def test_an_ignored_knob_with_a_wrong_type_is_an_error():
     with pytest.raises(ConfigError, match=re.escape("deepspeed_config.zero3_save_16bit_model must be true or false "
                                                     "(got 'maybe')")):
         config_from_dict({"distributed_type": "DEEPSPEED", "deepspeed_config": {"zero3_save_16bit_model": "maybe"}})
+
+
+def test_the_deepspeed_keys_once_accepted_silently_are_checked_and_warned_about():
+    """#25: activation_checkpointing.partition_activations: true (and 40 other keys) loaded without a word,
+    whatever their value, so a run could look as if DeepSpeed's activation partitioning were on."""
+    data = {"zero_optimization": {"stage": 3, "allgather_partitions": False, "round_robin_gradients": True},
+            "activation_checkpointing": {"partition_activations": True, "cpu_checkpointing": False},
+            "pipeline": {"stages": 2}, "checkpoint": {"tag_validation": "fail"}, "train_batch_size": 8}
+    got = _caught(data)
+    assert [w.split(" is ignored: ")[0] for w in got] == [
+        "activation_checkpointing.partition_activations = True", "pipeline = {'stages': 2}",
+        "zero_optimization.allgather_partitions = False"]
+    assert got[0].endswith("turn on the model's own checkpointing with zero_optimization.gradient_checkpointing "
+                           "(gradient_checkpointing_enable())")
+    with pytest.raises(ConfigError, match=re.escape("activation_checkpointing.cpu_checkpointing must be true or "
+                                                    "false (got 'maybe')")):
+        config_from_dict({"activation_checkpointing": {"cpu_checkpointing": "maybe"}, "train_batch_size": 8})
+    with pytest.raises(ConfigError, match=re.escape("checkpoint.tag_validation must be one of 'Ignore', 'Warn', "
+                                                    "'Fail' (got 'strict')")):
+        config_from_dict({"checkpoint": {"tag_validation": "strict"}, "train_batch_size": 8})
 
 
 def test_pin_memory_false_warns_for_cpu_offload_and_acts_for_nvme():

@@ -8,6 +8,7 @@ paths on every rank before training, remove their files, and checkpoint like any
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -23,13 +24,14 @@ from test_checkpoint_support import assemble, build, owned_state, train
 from zerofit.checkpoint import load_state, save_state
 from zerofit.config.schema import OffloadConfig, ZeroConfig
 from zerofit.engine import ZeroEngine
+from zerofit.engine.nvme import SwapFileChanged
 from zerofit.errors import EngineError
 from zerofit.testing.distributed import run_distributed
 
 PARITY = [(s, g) for s in (1, 2, 3) for g in (1, 4)]
 
 
-def _nvme_engine(stage: int, path: str, *, buffer_count: int = 4, perturb: float = 0.0):
+def _nvme_engine(stage: int, path: str, *, buffer_count: int = 4, perturb: float = 0.0, step_on: str = "auto"):
     case = Case(stage=stage, steps=12)
     model, opt = make_model_and_optim(case)
     if perturb:
@@ -37,7 +39,8 @@ def _nvme_engine(stage: int, path: str, *, buffer_count: int = 4, perturb: float
             for p in model.parameters():
                 p.add_(perturb)
     zero = ZeroConfig(stage=stage, param_persistence_threshold=0,
-                      offload_optimizer=OffloadConfig(device="nvme", nvme_path=path, buffer_count=buffer_count))
+                      offload_optimizer=OffloadConfig(device="nvme", nvme_path=path, buffer_count=buffer_count,
+                                                      step_on=step_on))
     return case, model, opt, ZeroEngine(model, opt, zero=zero, device=torch.device("cpu"))
 
 
@@ -210,3 +213,52 @@ def test_a_failed_write_fails_every_later_slot_request_instead_of_hanging():
     with pytest.raises(EngineError, match="NVMe write failed"):
         pool.acquire()
     assert held.numel() == 4
+
+
+# --- a swap file changed by something else ---------------------------------------------------------
+def _damage(path: str, how: str) -> None:
+    """Truncate the file, or overwrite it with finite garbage of the same size (bytes of random floats)."""
+    size = os.path.getsize(path)
+    if how == "truncate":
+        os.truncate(path, size // 2)
+    else:
+        with open(path, "r+b") as f:
+            f.write(torch.randn(size // 4, generator=torch.Generator().manual_seed(7)).numpy().tobytes())
+
+
+def _writes_done(engine) -> None:
+    """Wait until the files hold every value of the last step, without reading them back."""
+    if engine.stepper is not None:
+        engine.stepper.wait_all()
+    else:
+        engine.streamer.issuer.wait_all()
+    engine.swapper.flush()
+
+
+@pytest.mark.parametrize("step_on", ["host", "device"])  # the host stepper, and the GPU-stepped path on the CPU
+@pytest.mark.parametrize("how", ["truncate", "garbage"])
+def test_a_swap_file_changed_by_another_process_is_an_error_naming_it(tmp_path, how, step_on):
+    """#25: a truncated file gave a bare 'the host optimizer step failed' RuntimeError (the file named
+    nowhere); a file overwritten with finite garbage silently turned the next loss and every weight to NaN."""
+    case, model, _, engine = _nvme_engine(1, str(tmp_path), step_on=step_on)
+    train(engine, model, case, 0, 1, range(2))
+    _writes_done(engine)
+    victim = os.path.join(engine.swapper.dir, "group-00000.bin")
+    _damage(victim, how)
+    problem = "is shorter than zerofit wrote it" if how == "truncate" else "no longer holds what zerofit wrote"
+    with pytest.raises(EngineError, match=(
+            rf"NVMe swap file '{re.escape(victim)}' {problem} .*: something outside zerofit changed it \(rank 0\)\. "
+            rf"Point zero_optimization\.offload_optimizer\.nvme_path \(now '{re.escape(str(tmp_path))}'\) at a "
+            r"directory no other process writes, and restart from the last checkpoint")) as caught:
+        train(engine, model, case, 0, 1, range(2, 4))
+        engine.settle()
+    assert type(caught.value) is SwapFileChanged  # raised as itself, not wrapped in a generic step failure
+
+
+def test_a_damaged_swap_file_fails_a_checkpoint_save_too(tmp_path):
+    case, model, _, engine = _nvme_engine(1, str(tmp_path))
+    train(engine, model, case, 0, 1, range(1))
+    _writes_done(engine)
+    _damage(os.path.join(engine.swapper.dir, "group-00001.bin"), "garbage")
+    with pytest.raises(EngineError, match=r"NVMe swap file '.*group-00001\.bin' no longer holds what zerofit wrote"):
+        save_state(str(tmp_path / "ckpt"), engine)  # the save reads every file back (materialize)

@@ -12,12 +12,23 @@ beside it: loading and resuming put the newer (`.tmp-`, the save being committed
 file, fsync, `os.replace`): it always names a complete checkpoint; a kill before the replace leaves the
 temporary `.latest.tmp-<token>`, which the next save removes. tests/test_checkpoint_commit_kill.py
 SIGKILLs a save at each of these steps.
+
+[Note: atomic removal]
+Deleting a checkpoint (`remove`, what `checkpoint.total_limit` does to old ones) first renames it to
+`<name>.doomed-<token>` in the same folder, then deletes that. A kill in the middle of the deletion
+would otherwise leave a folder under the checkpoint's own name that no longer holds its manifest:
+not a checkpoint any more, so no later prune would look at it, and its shards would stay on disk
+for good. A doomed name is never a checkpoint (`is_checkpoint`, `resolve`, the resume's search and
+retention's listing all refuse it), and the next save or prune beside it finishes the deletion
+(`remove_doomed`).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import uuid
 from pathlib import Path
 
 from zerofit.checkpoint.manifest import FORMAT as MANIFEST_FORMAT
@@ -26,17 +37,47 @@ from zerofit.checkpoint.tree import read_json, write_durable
 from zerofit.errors import CheckpointError
 
 LATEST = "latest"
+_DOOMED = re.compile(r".+\.doomed-[0-9a-f]{12}")
+"""A folder `remove` was deleting (see [Note: atomic removal]): nothing else is ever named like it."""
 
 
 def temp_dir(final: Path, token: str) -> Path:
     return final.with_name(f"{final.name}.tmp-{token}")
 
 
+def is_doomed(path: Path) -> bool:
+    """True for a checkpoint being deleted (see [Note: atomic removal]), whatever it still holds."""
+    return _DOOMED.fullmatch(path.name) is not None
+
+
+def remove(checkpoint: Path) -> Path:
+    """Delete `checkpoint` so that a kill at any moment leaves nothing a later save does not finish
+    deleting (see [Note: atomic removal]); returns the doomed name it was deleted under. An OSError from
+    the rename leaves the checkpoint as it was; one from the deletion leaves the doomed folder."""
+    doomed = checkpoint.with_name(f"{checkpoint.name}.doomed-{uuid.uuid4().hex[:12]}")
+    os.rename(checkpoint, doomed)
+    _fsync_dir(checkpoint.parent)  # the doomed name is on disk before any file of it goes
+    shutil.rmtree(doomed)
+    return doomed
+
+
+def remove_doomed(folder: Path) -> list[Path]:
+    """Finish deleting the checkpoints a kill or an error interrupted `remove` on in `folder`; returns them."""
+    if not folder.is_dir():
+        return []
+    found = [p for p in folder.iterdir() if is_doomed(p) and p.is_dir() and not p.is_symlink()]
+    for path in found:
+        shutil.rmtree(path, ignore_errors=True)  # what cannot go now is tried again at the next save
+    return found
+
+
 def remove_stale(final: Path) -> None:
-    """Delete what earlier failed saves of `final` left behind, and the temporary `latest` of a save killed
-    before it replaced `latest` (`point_latest`)."""
+    """Delete what earlier failed saves of `final` left behind, the temporary `latest` of a save killed
+    before it replaced `latest` (`point_latest`), and any checkpoint beside it whose removal was
+    interrupted (`remove_doomed`)."""
     if not final.parent.is_dir():
         return
+    remove_doomed(final.parent)
     for p in final.parent.iterdir():
         # An `.old-` copy is the only good one if a commit died between its two renames: keep it then.
         stale = p.name.startswith(f"{final.name}.tmp-") or (
@@ -99,9 +140,10 @@ def check_replaceable(final: Path, *, update_latest: bool) -> None:
 
 
 def is_checkpoint(directory: Path) -> bool:
-    """True for a real directory holding a manifest of zerofit's format (a committed zerofit checkpoint)."""
+    """True for a real directory holding a manifest of zerofit's format (a committed zerofit checkpoint)
+    that is not being deleted (see [Note: atomic removal])."""
     manifest = directory / MANIFEST
-    if directory.is_symlink() or not directory.is_dir() or manifest.is_symlink() or not manifest.is_file():
+    if is_doomed(directory) or directory.is_symlink() or not directory.is_dir() or manifest.is_symlink() or not manifest.is_file():
         return False
     try:
         doc = read_json(manifest)
@@ -163,7 +205,9 @@ def read_latest(folder: Path) -> str | None:
 
 def pointed_to(path: Path) -> Path | None:
     """The checkpoint `path` stands for - itself when it holds a manifest, else the one its `latest`
-    names (which may not exist) - after recovering an interrupted commit of either; None: neither."""
+    names (which may not exist) - after recovering an interrupted commit of either; None: neither. A
+    checkpoint being deleted is refused (see [Note: atomic removal])."""
+    _not_doomed(path)
     recover(path)
     if (path / MANIFEST).is_file():
         return path
@@ -171,7 +215,15 @@ def pointed_to(path: Path) -> Path | None:
     if name is None:
         return None
     recover(path / name)
-    return path / name
+    return _not_doomed(path / name, f"{path / LATEST} names it: ")
+
+
+def _not_doomed(checkpoint: Path, via: str = "") -> Path:
+    if is_doomed(checkpoint):
+        raise CheckpointError(f"{via}{checkpoint} is a checkpoint zerofit was deleting (checkpoint.total_limit left "
+                              "it out and its deletion was interrupted; the next save beside it finishes it): "
+                              "load another checkpoint")
+    return checkpoint
 
 
 def resolve(directory: str | os.PathLike[str]) -> Path:

@@ -10,7 +10,9 @@ Only the main rank deletes, and only after the save committed on every rank. A s
 checkpoint counts as one of zerofit's checkpoints when it is a real directory (not a symlink) holding
 a `manifest.json` of zerofit's manifest format; nothing else in the folder is ever touched: other
 files and directories, another tool's checkpoints, the `.tmp-` / `.old-` directories of a commit (see
-[Note: atomic commit]). Of zerofit's checkpoints the newest `limit` are kept, newest meaning the most
+[Note: atomic commit]), and nothing is deleted but through `commit.remove`, which renames a checkpoint
+to its doomed name before deleting it, so a kill mid-deletion leaves a folder the next save or prune
+finishes deleting (see [Note: atomic removal]). Of zerofit's checkpoints the newest `limit` are kept, newest meaning the most
 recently written manifest (the new checkpoint is always kept), and so is the one `latest` names,
 even beyond the limit. A checkpoint saved at `checkpoint.output_dir` itself is the run's only one,
 replaced by every save, so nothing beside it is the run's to delete: no pruning then. A deletion
@@ -21,11 +23,10 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import warnings
 from pathlib import Path
 
-from zerofit.checkpoint.commit import is_checkpoint, read_latest
+from zerofit.checkpoint.commit import is_checkpoint, read_latest, remove, remove_doomed
 from zerofit.checkpoint.manifest import MANIFEST
 from zerofit.errors import CheckpointError
 
@@ -44,7 +45,8 @@ def limit_of(config_limit: int | None, project_limit: int | None) -> int | None:
 
 
 def is_zerofit_checkpoint(path: Path) -> bool:
-    """True for a committed checkpoint written by zerofit (see [Note: what retention may delete])."""
+    """True for a committed checkpoint written by zerofit (see [Note: what retention may delete]); a doomed
+    one being deleted is not one (`is_checkpoint`)."""
     return ".tmp-" not in path.name and ".old-" not in path.name and is_checkpoint(path)
 
 
@@ -90,11 +92,12 @@ def prune(saved: str | os.PathLike[str], *, config_limit: int | None, project_li
     path = Path(saved).absolute()
     if not is_main or limit is None or (fixed_dir is not None and Path(fixed_dir).absolute() == path):
         return []
+    remove_doomed(path.parent)  # what a prune killed mid-deletion left (the save did it too, unless it failed)
     doomed = to_delete(path, limit)
     for old in doomed:
         try:
-            shutil.rmtree(old)
+            remove(old)
         except OSError as e:
             warnings.warn(f"checkpoint.total_limit {limit}: could not delete the old checkpoint {old} ({e}); "
-                          "delete it by hand", stacklevel=2)
+                          "the next save tries again, or delete it by hand", stacklevel=2)
     return doomed

@@ -7,8 +7,8 @@ Every key DeepSpeed documents falls into one of four groups, and this module is 
 * keys read by hand: `fp16.enabled` / `bf16.enabled` become `precision.mixed_precision`, deprecated
   spellings map onto their successors with a warning, monitors become trackers;
 * knobs of mechanisms zerofit does not have, accepted and type-checked, with one warning when the value
-  asks for something zerofit does not do (the table in `zerofit.config.ignored`);
-* keys accepted silently because zerofit behaves well whatever they say (`_IGNORED`);
+  asks for something zerofit does not do (the table in `zerofit.config.ignored`; a key whose every value
+  is what zerofit does anyway is only type-checked);
 * keys that switch on a feature zerofit lacks (`_NEEDS_FEATURE`): an error naming the key.
 
 Anything else, at any depth, is an unknown key (typos are silently ignored by DeepSpeed itself at the
@@ -93,49 +93,6 @@ _AUTO_MEANS = {
     "zero.offload_optimizer.nvme_path": None,
     "zero.offload_param.nvme_path": None,
 }
-
-_IGNORED = (
-    # Accepted as written; zerofit's engine has one behaviour for each of these.
-    "zero_allow_untested_optimizer",
-    "zero_force_ds_cpu_optimizer",
-    "dump_state",
-    "memory_breakdown",
-    "dataloader_drop_last",
-    "data_types",
-    "timers",
-    "activation_checkpointing",
-    "pipeline",
-    "seq_parallel_communication_data_type",
-    "graph_harvesting",
-    "use_data_before_expert_parallelism",
-    "checkpoint.tag_validation",
-    "checkpoint.parallel_write",
-    "fp16.auto_cast",
-    "bf16.enabled",
-    "bf16.immediate_grad_update",
-    "bf16.check_grad_overflow",
-    "aio.intra_op_parallelism",
-    "aio.use_gds",
-    f"{_ZERO}.allgather_partitions",
-    f"{_ZERO}.reduce_scatter",
-    f"{_ZERO}.use_multi_rank_bucket_allreduce",
-    f"{_ZERO}.load_from_fp32_weights",
-    f"{_ZERO}.ignore_unused_parameters",
-    f"{_ZERO}.round_robin_gradients",
-    f"{_ZERO}.memory_efficient_linear",
-    f"{_ZERO}.pipeline_loading_checkpoint",
-    f"{_ZERO}.override_module_apply",
-    f"{_ZERO}.log_trace_cache_warnings",
-    f"{_ZERO}.enable_sanity_checks",
-    f"{_ZERO}.leaf_module",
-    f"{_ZERO}.save_muon_momentum_buffer_in_memory",
-    f"{_ZERO}.stage3_model_persistence_threshold",
-    f"{_ZERO}.stage3_module_granularity_threshold",
-    f"{_ZERO}.stage3_use_all_reduce_for_fetch_params",
-    f"{_ZERO}.stage3_allgather_sequential",
-    f"{_ZERO}.stage3_partition_stream_chunk_size",
-    f"{_OPT}.cpuadam_cores_perc",
-)
 
 _NO = "zerofit does not provide it: remove the key or set it off"
 # Keys whose value switches on a feature zerofit lacks: key -> (the largest value that is fine, what to say).
@@ -230,11 +187,11 @@ _DEPRECATED = {
 
 _HANDLED = (
     "fp16.enabled",
+    "bf16.enabled",
     "steps_per_print",
     "gradient_predivide_factor",
     "gradient_allreduce_op",
     *ignored.handled("deepspeed"),
-    *_IGNORED,
     *_NEEDS_FEATURE,
     *_FEATURE_SECTIONS,
     *_WARN_SECTIONS,

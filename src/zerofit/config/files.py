@@ -2,7 +2,8 @@
 
 Config files are small (a DeepSpeed JSON or an Accelerate YAML is a few kilobytes), so anything over
 MAX_BYTES is refused before it is parsed, and so is anything that is not a regular file - a FIFO or
-`/dev/zero` given as `deepspeed_config_file` would otherwise be read forever. A checkpoint's JSON files
+`/dev/zero` given as `deepspeed_config_file` would otherwise be read forever. A key written twice in one
+mapping is refused too (`duplicates`): the parsers would keep the last one silently. A checkpoint's JSON files
 (`zerofit.checkpoint.tree.read_json`) are read by the same rules with a larger bound. Each failure is
 one `BadFile` naming the path, the problem and (for configs) the fix; the callers turn it into their
 own error.
@@ -15,7 +16,7 @@ import stat
 from pathlib import Path
 from typing import Any
 
-import yaml
+from .duplicates import Duplicate, load_json, load_yaml
 
 MAX_BYTES = 1 << 20
 """1 MiB: far beyond any real config, small enough to parse at once."""
@@ -57,11 +58,15 @@ def read_text(path: Path, *, max_bytes: int = MAX_BYTES, what: str = "config") -
 
 def load(path: Path, *, as_json: bool, max_bytes: int = MAX_BYTES, what: str = "config",
          max_values: int | None = MAX_VALUES) -> Any:
-    """The file at `path` parsed as JSON or YAML (yaml.safe_load), read by `read_text`; nesting too deep
-    to parse, or (with `max_values`) more values than that once aliases are expanded, is a BadFile."""
+    """The file at `path` parsed as JSON or YAML (safe loading), read by `read_text`; a key written twice in
+    one mapping, nesting too deep to parse, or (with `max_values`) more values than that once aliases are
+    expanded, is a BadFile."""
     text = read_text(path, max_bytes=max_bytes, what=what)
     try:
-        data = json.loads(text) if as_json else yaml.safe_load(text)
+        data = load_json(text) if as_json else load_yaml(text)
+    except Duplicate as twice:
+        raise BadFile(f"{str(path)!r}: {twice}", f"keep one {twice.key} and delete the other (a JSON or YAML "
+                      "reader silently keeps the last one, so the file does not say which is meant)") from None
     except RecursionError:
         raise BadFile(f"{str(path)!r} is nested too deeply to be a {what}", "check the file") from None
     except ValueError as e:  # not a syntax error: a number with more digits than Python converts (4300)

@@ -14,14 +14,16 @@ them is in `RunConfig`: the schema holds only what acts.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .coerce import is_auto_text, to_bool, to_choice, to_int
+from .coerce import BadValue, is_auto_text, to_bool, to_choice, to_float, to_int
 from .reading import INVALID, Reading, dig, has
 
 _Z = "zero_optimization"
+_OPT = f"{_Z}.offload_optimizer"
 _UNITS = ("zerofit moves parameters and gradients one communication unit at a time (a repeated block such as "
           "a transformer layer, else zero.unit_size_threshold parameters)")
 _NVME_IO = ("zerofit's NVMe offload reads ahead and writes behind on its own I/O threads, double buffered; "
@@ -30,8 +32,31 @@ _NO_NVME_PARAM = ("parameters offload to cpu only (offload_param.device nvme is 
                   "parameter swap buffer to size")
 
 
+_ACT = ("zerofit has no DeepSpeed activation checkpointing API (deepspeed.checkpointing): turn on the model's own "
+        "checkpointing with zero_optimization.gradient_checkpointing (gradient_checkpointing_enable())")
+_NO_PIPELINE = "zerofit has no pipeline parallelism (DeepSpeed's PipelineModule engine)"
+_NO_ZERO_INIT = "zerofit shards the model at prepare() from the model as built: there is no zero.Init to tune"
+
+
 def _comm_type(value: Any) -> Any:
     return None if value is None else to_choice(value, ("fp32", "fp16", "bf16"))
+
+
+def _optional_int(value: Any) -> Any:
+    return None if value is None else to_int(value)
+
+
+def _section(value: Any) -> Any:
+    """A whole section zerofit does not read: any mapping (its keys are DeepSpeed's business)."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise BadValue(f"must be a mapping of keys to values (got {value!r})")
+    return dict(value)
+
+
+def _tag_validation(value: Any) -> Any:
+    return to_choice(value, ("Ignore", "Warn", "Fail"))
 
 
 @dataclass(frozen=True)
@@ -106,6 +131,81 @@ TABLE: tuple[Ignored, ...] = (
     Ignored("wall_clock_breakdown", False, "zerofit does not time its phases itself: use torch.profiler, "
             "where every zerofit collective is labelled zerofit::<kind>:<unit>", to_bool,
             zerofit="logging.wall_clock_breakdown"),
+    # DeepSpeed's own names only (zerofit's format never had them). A value listed in `quiet` (or every
+    # value, where all are) asks for what zerofit does anyway, so it is only type-checked.
+    Ignored("activation_checkpointing.partition_activations", False, _ACT, to_bool),
+    Ignored("activation_checkpointing.cpu_checkpointing", False, _ACT, to_bool),
+    Ignored("activation_checkpointing.contiguous_memory_optimization", False, _ACT, to_bool),
+    Ignored("activation_checkpointing.number_checkpoints", None, _ACT, _optional_int),
+    Ignored("activation_checkpointing.synchronize_checkpoint_boundary", False, _ACT, to_bool),
+    Ignored("activation_checkpointing.profile", False, _ACT, to_bool),
+    Ignored("pipeline", {}, f"{_NO_PIPELINE}; the section is not read", _section),
+    Ignored(f"{_Z}.pipeline_loading_checkpoint", False, _NO_PIPELINE, to_bool),
+    Ignored("zero_allow_untested_optimizer", False, "zerofit steps any elementwise torch optimizer", to_bool,
+            quiet=(True,)),
+    Ignored("zero_force_ds_cpu_optimizer", True, "zerofit steps offloaded state with the script's own torch "
+            "optimizer on the CPU", to_bool, quiet=(False,)),
+    Ignored(f"{_OPT}.cpuadam_cores_perc", 0.8, "zerofit's host step runs torch's CPU kernels: set their threads "
+            "with OMP_NUM_THREADS or torch.set_num_threads", to_float),
+    Ignored("dump_state", False, "zerofit prints no engine state at start: `zerofit launch --dry_run` prints the "
+            "resolved config", to_bool),
+    Ignored("memory_breakdown", False, "zerofit prints no memory breakdown: use torch.cuda.memory_summary() or "
+            "torch.profiler with profile_memory", to_bool),
+    Ignored("dataloader_drop_last", False, "prepare() keeps each DataLoader's own drop_last: pass drop_last=True "
+            "to the DataLoader", to_bool),
+    Ignored("data_types.grad_accum_dtype", None, "zerofit accumulates gradients in fp32 buffers", _comm_type,
+            quiet=("fp32",)),
+    Ignored("timers.throughput.enabled", True, "zerofit keeps no DeepSpeed throughput timer", to_bool,
+            quiet=(False,)),
+    Ignored("timers.throughput.synchronized", True, "zerofit keeps no DeepSpeed throughput timer", to_bool,
+            quiet=(False,)),
+    Ignored("seq_parallel_communication_data_type", "fp32", "zerofit has no sequence parallelism", _comm_type,
+            quiet=("fp16", "bf16")),
+    Ignored("graph_harvesting", False, "zerofit captures no CUDA graphs", to_bool),
+    Ignored("use_data_before_expert_parallelism", False, "zerofit has no expert parallelism", to_bool),
+    Ignored("checkpoint.tag_validation", "Warn", "zerofit checkpoints have no tags: every rank writes into the "
+            "directory the main rank chose", _tag_validation, quiet=("Ignore", "Fail")),
+    Ignored("checkpoint.parallel_write.pipeline_stage", False, "every rank writes its own shards, in parallel",
+            to_bool, quiet=(True,)),
+    Ignored("fp16.auto_cast", False, "zerofit casts floating-point inputs to the compute dtype at the model in "
+            "any case", to_bool, quiet=(True,)),
+    Ignored("bf16.immediate_grad_update", False, "zerofit accumulates each unit's gradients as backward produces "
+            "them, in its own fixed way", to_bool, quiet=(True,)),
+    Ignored("bf16.check_grad_overflow", False, "zerofit checks the gradient norm for NaN and inf in every "
+            "precision and warns about such a step; to skip it instead set precision.skip_nonfinite_steps in "
+            "zerofit's YAML", to_bool),
+    Ignored("aio.intra_op_parallelism", 1, _NVME_IO, to_int),
+    Ignored("aio.use_gds", False, "zerofit's NVMe offload moves data through host memory; GPUDirect Storage is "
+            "not used", to_bool),
+    Ignored(f"{_Z}.allgather_partitions", True, "zerofit gathers parameters with all-gather, one per "
+            "communication unit", to_bool),
+    Ignored(f"{_Z}.reduce_scatter", True, "zerofit picks each unit's gradient reduction from the stage", to_bool),
+    Ignored(f"{_Z}.use_multi_rank_bucket_allreduce", True, f"{_UNITS}: there are no buckets to combine",
+            to_bool, quiet=(False,)),
+    Ignored(f"{_Z}.load_from_fp32_weights", True, "zerofit checkpoints always restore the fp32 master weights",
+            to_bool),
+    Ignored(f"{_Z}.ignore_unused_parameters", True, "zerofit never stops on parameters without a gradient: "
+            "they are stepped with a zero gradient", to_bool),
+    Ignored(f"{_Z}.round_robin_gradients", False, "zerofit copies gradients to the CPU one unit at a time",
+            to_bool, quiet=(True,)),
+    Ignored(f"{_Z}.memory_efficient_linear", True, "zerofit never replaces torch's linear layers", to_bool,
+            quiet=(False,)),
+    Ignored(f"{_Z}.override_module_apply", True, "zerofit never overrides nn.Module.apply", to_bool,
+            quiet=(False,)),
+    Ignored(f"{_Z}.log_trace_cache_warnings", False, "zerofit records the unit order once and keeps no trace "
+            "cache", to_bool, quiet=(True,)),
+    Ignored(f"{_Z}.enable_sanity_checks", False, "zerofit's own checks always run", to_bool, quiet=(True,)),
+    Ignored(f"{_Z}.leaf_module", {}, _UNITS, _section),
+    Ignored(f"{_Z}.save_muon_momentum_buffer_in_memory", False, "zerofit's NVMe offload swaps every state "
+            "tensor of the optimizer", to_bool),
+    Ignored(f"{_Z}.stage3_model_persistence_threshold", sys.maxsize, "zerofit keeps every parameter under "
+            "stage3_param_persistence_threshold whole, without a cap on their total", to_int),
+    Ignored(f"{_Z}.stage3_module_granularity_threshold", 0, _UNITS, to_int),
+    Ignored(f"{_Z}.stage3_use_all_reduce_for_fetch_params", False, "zerofit gathers parameters with all-gather",
+            to_bool),
+    Ignored(f"{_Z}.stage3_allgather_sequential", False, "zerofit gathers a unit's parameters in one flat "
+            "all-gather", to_bool),
+    Ignored(f"{_Z}.stage3_partition_stream_chunk_size", 0, _NO_ZERO_INIT, to_int),
 )
 """Every accepted-and-ignored DeepSpeed knob (see the module docstring)."""
 

@@ -37,6 +37,7 @@ from zerofit.engine.optim import (
 )
 from zerofit.engine.timing import StepTimes
 from zerofit.engine.worker import serve
+from zerofit.errors import EngineError
 
 
 class HostStepper:
@@ -125,8 +126,12 @@ class HostStepper:
             self.swap.close()
 
     def _raise(self) -> None:
+        """Raise the worker's failure on the main thread: an EngineError as itself (its message already says
+        what failed and what to do, e.g. a damaged NVMe swap file), anything else wrapped."""
         if self._error is not None:
             err, self._error = self._error, None
+            if isinstance(err, EngineError):
+                raise err
             raise RuntimeError("the host optimizer step failed") from err
 
     def _run(self) -> None:

@@ -69,8 +69,12 @@ class IssueThread:
             self._thread.join(timeout=120)  # bounded: a wedged read must not hang the exit forever
 
     def raise_error(self) -> None:
+        """Raise the thread's failure here: an EngineError as itself (its message already names what failed and
+        the fix, e.g. a damaged NVMe swap file), anything else wrapped in one."""
         if self._error is not None:
             err, self._error = self._error, None
+            if isinstance(err, EngineError):
+                raise err
             raise EngineError(f"the GPU-stepped optimizer step failed on its issuing thread "
                               f"({type(err).__name__}: {err}); this step's update is incomplete: see the cause "
                               "above, fix it and resume from the last checkpoint") from err
