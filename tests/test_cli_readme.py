@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from zerofit.config import load_config
-from zerofit.config.schema import is_auto
+from zerofit.config import ScriptFacts, load_config, resolve_auto
+from zerofit.config.schema import is_auto, to_dict
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -56,6 +56,31 @@ def test_the_readme_has_one_config_example_per_format(tmp_path):
     assert accelerate and zerofit and deepspeed
     accelerate_cfg, zerofit_cfg = _load("yaml", accelerate[0], tmp_path), _load("yaml", zerofit[0], tmp_path)
     assert accelerate_cfg.source_format != zerofit_cfg.source_format
+
+
+def _same_setting_blocks() -> list[tuple[str, str]]:
+    """The config blocks under the README's "Configs: one setting, three formats" heading."""
+    section = TEXT[README].split("## Configs: one setting, three formats", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"^```(yaml|json)\n(.*?)^```", section, flags=re.S | re.M)
+
+
+def test_the_readmes_three_formats_resolve_to_the_same_settings(tmp_path):
+    """The README promises "each file loads to the same settings": once the script's facts fill every
+    "auto", the three configs must be one config (only where each came from differs)."""
+    blocks = _same_setting_blocks()
+    assert [kind for kind, _ in blocks] == ["yaml", "yaml", "json"]
+    facts = ScriptFacts(micro_batch_size=4, gradient_accumulation_steps=2, num_processes=2, hidden_size=64)
+    resolved = []
+    for i, (kind, text) in enumerate(blocks):
+        path = tmp_path / f"format{i}.{kind}"
+        path.write_text(text, encoding="utf-8")
+        settings = to_dict(resolve_auto(load_config(path), facts))
+        del settings["source"], settings["source_format"]
+        resolved.append(settings)
+    assert {load_config(tmp_path / f"format{i}.{k}").source_format for i, (k, _) in enumerate(blocks)} == {
+        "zerofit", "accelerate", "deepspeed"}
+    assert resolved[1] == resolved[0], "the Accelerate YAML differs from the zerofit YAML"
+    assert resolved[2] == resolved[0], "the DeepSpeed JSON differs from the zerofit YAML"
 
 
 def _setting(cfg) -> str:
