@@ -3,13 +3,16 @@ README's two commands are the ones run.sh and CI run."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
 import pytest
+import yaml
 
 from zerofit.config import ScriptFacts, load_config, resolve_auto
 from zerofit.config.schema import is_auto, to_dict
+from zerofit.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -81,6 +84,29 @@ def test_the_readmes_three_formats_resolve_to_the_same_settings(tmp_path):
         "zerofit", "accelerate", "deepspeed"}
     assert resolved[1] == resolved[0], "the Accelerate YAML differs from the zerofit YAML"
     assert resolved[2] == resolved[0], "the DeepSpeed JSON differs from the zerofit YAML"
+
+
+NVME_CONFIGS = sorted((ROOT / "examples" / "configs").glob("*/zero3_nvme.*"))
+
+
+@pytest.mark.parametrize("path", NVME_CONFIGS, ids=[p.parent.name for p in NVME_CONFIGS])
+def test_the_nvme_recipe_configs_are_what_recipes_md_says(path, tmp_path):
+    """docs/recipes.md: optimizer state on NVMe, parameters on the CPU; parameters on NVMe are refused
+    when the config is loaded (not at prepare())."""
+    cfg = load_config(path)
+    assert (cfg.zero.offload_optimizer.device, cfg.zero.offload_param.device) == ("nvme", "cpu")
+    text = TEXT[ROOT / "docs" / "recipes.md"]
+    assert "put the optimizer state on NVMe" in text and "refused when it is loaded" in text
+    data = yaml.safe_load(path.read_text(encoding="utf-8"))  # JSON is YAML
+    if "deepspeed_config" in data:
+        data["deepspeed_config"]["offload_param_device"] = "nvme"
+    else:
+        section = data.get("zero") or data["zero_optimization"]
+        section["offload_param"]["device"] = "nvme"
+    param_on_nvme = tmp_path / path.name
+    param_on_nvme.write_text(json.dumps(data) if path.suffix == ".json" else yaml.safe_dump(data), encoding="utf-8")
+    with pytest.raises(ConfigError, match=r"offload_param.* 'nvme' is not supported: .*set it to cpu"):
+        load_config(param_on_nvme)
 
 
 def _setting(cfg) -> str:
