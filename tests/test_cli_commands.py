@@ -138,12 +138,10 @@ def test_config_writes_a_file_that_loads_back_to_the_same_settings(fmt, case, tm
 
 
 @pytest.mark.parametrize(("args", "match"), [
-    (["--stage", "3", "--offload_param", "nvme"], r"--offload_param nvme needs a directory: add --nvme_path"),
-    (["--stage", "2", "--nvme_path", "/x"], r"--nvme_path /x is unused"),
+    (["--stage", "3", "--offload_optimizer", "nvme"], r"--offload_optimizer nvme needs a directory: add --nvme_path"),
+    (["--stage", "2", "--nvme_path", "/x"], r"--nvme_path /x is unused: add --offload_optimizer nvme"),
     (["--stage", "2", "--format", "deepspeed", "--num_processes", "2"], r"--num_processes has no place in a DeepSpeed"),
     (["--stage", "2", "--offload_param", "cpu"], r"offload_param"),
-    (["--stage", "3", "--offload_param", "nvme", "--nvme_path", "/x"],
-     r"zero\.offload_param\.device 'nvme' is not supported: .*set it to cpu"),
 ])
 def test_config_rejects_contradictions_naming_the_flag(args, match, tmp_path, capsys):
     out = tmp_path / "c.yaml"
@@ -152,6 +150,22 @@ def test_config_rejects_contradictions_naming_the_flag(args, match, tmp_path, ca
     assert "zerofit config: error:" in err
     assert re.search(match, err), err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("extra", [[], ["--nvme_path", "/x"]])
+def test_config_offers_no_nvme_for_parameters(extra, tmp_path, capsys):
+    """Parameters do not go to NVMe: argparse rejects the choice at once (not after asking for --nvme_path),
+    and --help does not offer it."""
+    out = tmp_path / "c.yaml"
+    with pytest.raises(SystemExit) as exit_:
+        main(["config", "--stage", "3", "--offload_param", "nvme", *extra, "-o", str(out)])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert re.search(r"argument --offload_param\S*: invalid choice: 'nvme' \(choose from '?none'?, '?cpu'?\)", err), err
+    assert "needs a directory" not in err and not out.exists()
+    with pytest.raises(SystemExit):
+        main(["config", "--help"])
+    assert "--offload_param {none,cpu}" in capsys.readouterr().out
 
 
 def test_demo_is_a_two_process_cpu_launch_of_the_demo_module(monkeypatch):
