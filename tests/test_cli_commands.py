@@ -183,6 +183,32 @@ def test_demo_is_a_two_process_cpu_launch_of_the_demo_module(monkeypatch):
     assert plan.target == ("-m", "zerofit.demo.train", "--stage", "3", "--steps", "20")
 
 
+def test_demo_hands_the_ranks_canonical_options_so_an_old_name_warns_once(monkeypatch, capsys):
+    seen = {}
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setattr(launch, "check_target", lambda target: None)
+    monkeypatch.setattr(launch, "execute", lambda plan: seen.setdefault("plan", plan) and 0)
+    assert main(["demo", "--batch-size", "4", "--lr", "0.01", "--steps", "60"]) == 0  # 60: the default, not passed
+    assert seen["plan"].target == ("-m", "zerofit.demo.train", "--micro_batch", "4", "--lr", "0.01")
+    assert capsys.readouterr().err.count("is deprecated: use --micro_batch") == 1
+
+
+def test_demo_help_lists_the_demos_options_and_a_wrong_one_fails_before_launch(monkeypatch, capsys):
+    with pytest.raises(SystemExit):
+        main(["demo", "--help"])
+    shown = capsys.readouterr().out
+    for option in ("--stage {0,1,2,3}", "--steps N", "--micro_batch B", "--gradient_accumulation_steps K",
+                   "--context C", "--lr LR", "--mixed_precision {no,bf16,fp16}"):
+        assert option in shown, shown
+    monkeypatch.setattr(launch, "execute", lambda plan: pytest.fail("launched with a wrong option"))
+    with pytest.raises(SystemExit):
+        main(["demo", "--stage", "4"])
+    assert "argument --stage: invalid choice: 4" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["demo", "--stpes", "3"])
+    assert "unrecognized arguments: --stpes 3" in capsys.readouterr().err
+
+
 def test_a_taken_rendezvous_port_is_named_with_the_option_that_moves_it(capsys):
     import socket
 

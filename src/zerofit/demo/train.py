@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from zerofit import Accelerator
-from zerofit.cli.flags import add_flag
+from zerofit.cli import demo
 from zerofit.dist import runtime
 from zerofit.utils import set_seed
 
@@ -81,15 +81,10 @@ class Windows(torch.utils.data.Dataset):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="zerofit demo", allow_abbrev=False, description=__doc__.splitlines()[0])
-    add_flag(p, "--stage", type=int, choices=[0, 1, 2, 3], default=None, help="ZeRO stage (default: config)")
-    add_flag(p, "--steps", type=int, default=60, help="optimizer steps")
-    add_flag(p, "--micro_batch", aliases=("--batch_size",), type=int, default=8,
-             help="sequences per process per micro-step")
-    add_flag(p, "--gradient_accumulation_steps", type=int, default=1, help="micro-steps per optimizer step")
-    add_flag(p, "--context", type=int, default=64, help="characters per sequence (the model's context)")
-    add_flag(p, "--lr", type=float, default=3e-3, help="AdamW learning rate")
-    add_flag(p, "--mixed_precision", choices=["no", "bf16", "fp16"], default=None, help="compute precision")
+    """The options every rank parses: `zerofit demo`'s (declared once, in `zerofit.cli.demo`)."""
+    p = argparse.ArgumentParser(prog=f"python -m {demo.DEMO_MODULE}", allow_abbrev=False,
+                                description=__doc__.splitlines()[0])
+    demo.add_demo_options(p)
     return p
 
 
