@@ -119,6 +119,37 @@ def test_more_processes_than_gpus_names_the_flag_and_the_fix():
         plan_launch(config(num_processes=3), TARGET, gpu_count=2)
 
 
+def test_the_batch_triple_is_checked_against_the_world_size_the_plan_gives():
+    """Without --num_processes the world size is known only to the plan (one per GPU): the rule every
+    rank's prepare() checks is checked there, once."""
+    batch = dataclasses.replace(RunConfig().batch, train_batch_size=10, train_micro_batch_size_per_gpu=2,
+                                gradient_accumulation_steps=1)
+    bad = RunConfig(batch=batch)
+    with pytest.raises(ConfigError, match=r"batch\.train_batch_size \(10\) != batch\.train_micro_batch_size_per_gpu "
+                                          r"\(2\) \* batch\.gradient_accumulation_steps \(1\) \* world size \(4\) = 8: "
+                                          r"set batch\.train_batch_size to 8 or to \"auto\""):
+        plan_launch(bad, TARGET, gpu_count=4)
+    assert plan_launch(bad.replace(batch=dataclasses.replace(batch, train_batch_size=8)), TARGET,
+                       gpu_count=4).world_size == 4
+
+
+@pytest.mark.parametrize("dry_run", [["--dry_run"], []])
+def test_an_impossible_batch_triple_stops_dry_run_and_launch_alike(dry_run, tmp_path, monkeypatch, capsys):
+    from zerofit.cli import launch
+
+    script = tmp_path / "train.py"
+    script.write_text("")
+    path = tmp_path / "bad.json"
+    path.write_text('{"train_batch_size": 10, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1}')
+    monkeypatch.setattr(launch, "execute", lambda plan: pytest.fail("started the workers"))
+    assert main(["launch", *dry_run, "--cpu", "--config_file", str(path), str(script)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == (f"zerofit launch: error: 1 problem(s) in {path}:\n  - train_batch_size (10) != "
+                            "train_micro_batch_size_per_gpu (2) * gradient_accumulation_steps (1) * world size (1) = "
+                            '2: set train_batch_size to 2 or to "auto"\n')
+
+
 def test_script_arguments_after_the_target_are_not_zerofit_flags():
     args = build_parser().parse_args(["launch", "--num_processes", "2", "train.py", "--num_processes", "9", "-m"])
     assert args.num_processes == 2 and args.target == "train.py" and not args.module

@@ -33,7 +33,7 @@ from typing import Any
 
 from zerofit.cli import failure_report, rendezvous
 from zerofit.cli.flags import add_flag
-from zerofit.config import load_config, save_config
+from zerofit.config import load_config, save_config, validate_config
 from zerofit.config.schema import RunConfig
 from zerofit.dist.runtime import CONFIG_FILE_ENV, backend_for
 from zerofit.errors import ConfigError
@@ -235,7 +235,8 @@ def plan_launch(config: RunConfig, target: tuple[str, ...], *, gpu_count: int) -
 
     `config` comes validated from `load_config`, which already enforces every rule among the launch
     settings themselves (counts, ranks, ports, the address several machines need: see
-    `zerofit.config.validate`). Only what needs this machine is checked here: its GPU count.
+    `zerofit.config.validate`). Only what needs this machine is checked here: its GPU count, and the
+    batch triple against the world size that count gives.
     Every problem is reported at once, each naming the flag, the config key, the value and the fix.
     """
     la = config.launch
@@ -264,7 +265,12 @@ def plan_launch(config: RunConfig, target: tuple[str, ...], *, gpu_count: int) -
     resolved_launch = dataclasses.replace(
         la, num_processes=per_node * nnodes, main_process_ip=la.main_process_ip or "127.0.0.1",
         main_process_port=port, use_cpu=use_cpu)
-    return LaunchPlan(config=config.replace(launch=resolved_launch), nproc_per_node=per_node,
+    resolved = config.replace(launch=resolved_launch)
+    # The batch triple's rule needs the world size, which is known only now when no process count was
+    # given: the check every rank's prepare() would make, made once here, so a --dry_run catches it too
+    # and a real launch stops with one error instead of one traceback per rank.
+    validate_config(resolved, world_size=per_node * nnodes)
+    return LaunchPlan(config=resolved, nproc_per_node=per_node,
                       omp_num_threads=max(1, usable_cpus() // per_node), target=target,
                       cuda_visible_devices=visible)
 
