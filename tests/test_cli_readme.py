@@ -172,3 +172,47 @@ def test_the_readme_commands_are_what_ci_runs():
     assert "./run.sh demo" in readme and "./run.sh test" in readme
     assert "./run.sh test" in (ROOT / ".ci" / "run").read_text(encoding="utf-8")
     assert "python -m pytest -x -q" in (ROOT / "run.sh").read_text(encoding="utf-8")
+
+
+FAKE_PYTHON = """#!/bin/sh
+# `python -m venv DIR`: a venv whose python has no torch and whose pip "installs" by logging (and, for
+# zerofit, by writing a bin/zerofit that echoes its arguments)
+venv="$3"
+mkdir -p "$venv/bin"
+cat > "$venv/bin/python" <<PY
+#!/bin/sh
+case "\\$1" in
+  -c) exit 1 ;;
+  -m) echo "pip \\$*" >> "$venv/log"
+      case "\\$*" in *"-e "*) printf '#!/bin/sh\\necho zerofit "\\$@"\\n' > "$venv/bin/zerofit"; chmod +x "$venv/bin/zerofit" ;; esac ;;
+esac
+PY
+chmod +x "$venv/bin/python"
+"""
+
+
+def test_run_sh_says_what_it_does_while_it_installs(tmp_path):
+    """The first `./run.sh demo` spends minutes in a quiet pip: it says so, on stderr, then runs the demo;
+    the next run is quiet."""
+    import os
+    import stat
+    import subprocess
+
+    fake = tmp_path / "python3"
+    fake.write_text(FAKE_PYTHON)
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    env = {**os.environ, "PYTHON": str(fake), "ZEROFIT_VENV": str(tmp_path / "venv")}
+    first = subprocess.run(["bash", str(ROOT / "run.sh"), "demo", "--steps", "1"], capture_output=True, text=True,
+                           env=env, timeout=60)
+    assert first.returncode == 0, first.stderr
+    torch_pin = re.search(r"^TORCH_VERSION=(\S+)$", (ROOT / "run.sh").read_text(encoding="utf-8"), flags=re.M)[1]
+    assert first.stderr.splitlines() == [
+        f"run.sh: creating {tmp_path / 'venv'} with torch {torch_pin} and zerofit (first run only, a few minutes)...",
+        f"run.sh: installing torch {torch_pin}...",
+        "run.sh: installing zerofit (editable) with its dev, examples and bench extras...",
+        f"run.sh: {tmp_path / 'venv'} is ready; later runs reuse it",
+    ]
+    assert first.stdout == "zerofit demo --steps 1\n"
+    assert f"install torch=={torch_pin}" in (tmp_path / "venv" / "log").read_text()
+    again = subprocess.run(["bash", str(ROOT / "run.sh"), "demo"], capture_output=True, text=True, env=env, timeout=60)
+    assert (again.returncode, again.stdout, again.stderr) == (0, "zerofit demo\n", "")
