@@ -23,6 +23,7 @@ import importlib.util
 import ipaddress
 import os
 import shutil
+import signal
 import socket
 import sys
 import tempfile
@@ -379,7 +380,7 @@ def execute(plan: LaunchPlan) -> int:
         if warning:
             print(warning, file=sys.stderr, flush=True)
         rendezvous.register()
-        with _environ(env):
+        with _environ(env), failure_report.torchrun_stop_lines_hidden():
             try:
                 torchrun.run(plan.torchrun_args(torchrun, os.path.join(run_dir, "logs")))
             except ChildFailedError as e:
@@ -392,6 +393,9 @@ def execute(plan: LaunchPlan) -> int:
             except SignalException as e:
                 print(f"zerofit launch: stopped by {e.sigval.name}; the workers were terminated", file=sys.stderr)
                 return 128 + int(e.sigval)
+            except KeyboardInterrupt:  # Ctrl-C before torchrun's own handler was in place
+                print("zerofit launch: stopped by SIGINT; the workers were terminated", file=sys.stderr)
+                return 128 + signal.SIGINT
             except rendezvous.PortInUse as e:
                 print(f"zerofit launch: error: {e}", file=sys.stderr)
                 return 1

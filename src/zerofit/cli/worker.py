@@ -128,6 +128,21 @@ def _excepthook(kind: type[BaseException], error: BaseException, tb: TracebackTy
     sys.stderr.flush()
 
 
+INTERRUPTED_EXIT_CODE = 128 + signal.SIGINT
+"""A process stopped by Ctrl-C exits with 130, as shells report it."""
+
+
+def _exit_interrupted() -> None:
+    """End the process after Ctrl-C (or the agent's SIGINT) quietly: the launcher prints the one line that
+    says the run was stopped (zerofit.cli.failure_report), so no rank adds a KeyboardInterrupt traceback.
+    atexit handlers still run; a second Ctrl-C while they do is ignored, not a traceback from inside them."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(INTERRUPTED_EXIT_CODE)
+
+
 def _exit_failed(error: BaseException) -> None:
     """Report `error` (already recorded by `record`) and end the process with exit code 1, as Python does,
     but without the interpreter's teardown: a process group whose peer left can abort in its C++
@@ -146,5 +161,7 @@ if __name__ == "__main__":
     sys.excepthook = _excepthook  # set before the script runs, so torch's rank-prefixing hook wraps it
     try:
         main(sys.argv[1:])
+    except KeyboardInterrupt:
+        _exit_interrupted()
     except Exception as failure:
         _exit_failed(failure)
