@@ -11,13 +11,22 @@ VENV="${ZEROFIT_VENV:-.venv}"
 # breaks every test that starts `sys.executable` from another directory.
 case "$VENV" in /*) ;; *) VENV="$PWD/$VENV" ;; esac
 PYTHON="${PYTHON:-python3}"
+TORCH_VERSION=2.13.0
 
 if [ ! -x "$VENV/bin/zerofit" ]; then
+  # pip runs quietly (-q) for minutes: say what is happening, on stderr, so stdout stays the job's.
+  say() { echo "run.sh: $*" >&2; }
+  say "creating $VENV with torch $TORCH_VERSION and zerofit (first run only, a few minutes)..."
   "$PYTHON" -m venv "$VENV"
   pip=("$VENV/bin/python" -m pip --disable-pip-version-check --no-input -q)
   # torch first and pinned, so the range in pyproject (torch>=2.4) pulls no other build.
-  "$VENV/bin/python" -c "import torch" 2>/dev/null || "${pip[@]}" install torch==2.13.0
+  if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
+    say "installing torch $TORCH_VERSION..."
+    "${pip[@]}" install "torch==$TORCH_VERSION"
+  fi
+  say "installing zerofit (editable) with its dev, examples and bench extras..."
   "${pip[@]}" install -e '.[dev,examples,bench]'  # examples: transformers, datasets, sacrebleu, scikit-learn; bench: matplotlib
+  say "$VENV is ready; later runs reuse it"
 fi
 
 # Nothing reaches for the model hub: tests and recipes build tiny models from configs.

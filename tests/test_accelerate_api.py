@@ -23,13 +23,14 @@ from zerofit.testing.distributed import run_distributed
 TOP_LEVEL = ["Accelerator", "PartialState", "DistributedType", "DeepSpeedPlugin", "DataLoaderConfiguration",
              "DistributedDataParallelKwargs", "GradScalerKwargs", "InitProcessGroupKwargs", "AutocastKwargs",
              "GradientAccumulationPlugin", "ProjectConfiguration", "find_executable_batch_size",
-             "init_empty_weights", "init_on_device", "ProfileKwargs"]
+             "init_empty_weights", "init_on_device", "ProfileKwargs", "FullyShardedDataParallelPlugin"]
 UTILS = ["set_seed", "DummyOptim", "DummyScheduler", "ProjectConfiguration", "DistributedType", "DeepSpeedPlugin",
          "DataLoaderConfiguration", "DistributedDataParallelKwargs", "InitProcessGroupKwargs",
          "GradientAccumulationPlugin", "GradScalerKwargs", "broadcast", "broadcast_object_list", "gather",
          "gather_object", "pad_across_processes", "reduce", "send_to_device", "tqdm", "is_deepspeed_available",
          "write_basic_config", "find_executable_batch_size", "init_empty_weights", "ProfileKwargs",
-         "DDPCommunicationHookType", "is_schedulefree_available"]
+         "DDPCommunicationHookType", "is_schedulefree_available", "FullyShardedDataParallelPlugin",
+         "is_npu_available", "is_xpu_available"]
 ACCELERATOR = ["prepare", "prepare_model", "prepare_data_loader", "prepare_optimizer", "prepare_scheduler",
                "backward", "accumulate", "no_sync", "clip_grad_norm_", "autocast", "skip_first_batches", "gather",
                "gather_for_metrics", "reduce", "pad_across_processes", "wait_for_everyone", "main_process_first",
@@ -195,6 +196,22 @@ def test_small_utils(tmp_path, monkeypatch):
         Accelerator(config=RunConfig(), kwargs_handlers=[zerofit.GradScalerKwargs()])  # defaults: silent
         Accelerator(config=RunConfig(), kwargs_handlers=[zerofit.DistributedDataParallelKwargs(
             comm_hook=zerofit.utils.DDPCommunicationHookType.NO)])  # Accelerate's ddp_comm_hook example, hook off
+
+
+def test_an_fsdp_script_imports_and_its_plugin_is_ignored_with_a_warning_naming_the_stage():
+    """accelerate's fsdp_with_peak_mem_tracking.py: its imports, its plugin, its device branches."""
+    from zerofit import FullyShardedDataParallelPlugin
+    from zerofit.utils import is_npu_available, is_xpu_available
+
+    plugin = FullyShardedDataParallelPlugin(state_dict_config=object(), limit_all_gathers=True)
+    assert plugin.settings["limit_all_gathers"] is True and "limit_all_gathers=True" in repr(plugin)
+    with pytest.warns(UserWarning, match=r"Accelerator\(fsdp_plugin=\.\.\.\) is accepted for compatibility and ignored "
+                                         r"by zerofit: zerofit shards with its own ZeRO engine, as the config's "
+                                         r"zero\.stage says .*FULL_SHARD"):
+        acc = Accelerator(config=RunConfig(), fsdp_plugin=plugin)
+    assert acc.distributed_type == DistributedType.NO
+    assert (is_npu_available(), is_xpu_available(), is_xpu_available(check_device=True)) == (False, False, False)
+    assert zerofit.utils.FullyShardedDataParallelPlugin is FullyShardedDataParallelPlugin
 
 
 def test_local_sgd_is_a_plain_loop_on_one_process_and_a_clear_error_on_several():

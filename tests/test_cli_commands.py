@@ -138,12 +138,10 @@ def test_config_writes_a_file_that_loads_back_to_the_same_settings(fmt, case, tm
 
 
 @pytest.mark.parametrize(("args", "match"), [
-    (["--stage", "3", "--offload_param", "nvme"], r"--offload_param nvme needs a directory: add --nvme_path"),
-    (["--stage", "2", "--nvme_path", "/x"], r"--nvme_path /x is unused"),
+    (["--stage", "3", "--offload_optimizer", "nvme"], r"--offload_optimizer nvme needs a directory: add --nvme_path"),
+    (["--stage", "2", "--nvme_path", "/x"], r"--nvme_path /x is unused: add --offload_optimizer nvme"),
     (["--stage", "2", "--format", "deepspeed", "--num_processes", "2"], r"--num_processes has no place in a DeepSpeed"),
     (["--stage", "2", "--offload_param", "cpu"], r"offload_param"),
-    (["--stage", "3", "--offload_param", "nvme", "--nvme_path", "/x"],
-     r"zero\.offload_param\.device 'nvme' is not supported: .*set it to cpu"),
 ])
 def test_config_rejects_contradictions_naming_the_flag(args, match, tmp_path, capsys):
     out = tmp_path / "c.yaml"
@@ -152,6 +150,22 @@ def test_config_rejects_contradictions_naming_the_flag(args, match, tmp_path, ca
     assert "zerofit config: error:" in err
     assert re.search(match, err), err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("extra", [[], ["--nvme_path", "/x"]])
+def test_config_offers_no_nvme_for_parameters(extra, tmp_path, capsys):
+    """Parameters do not go to NVMe: argparse rejects the choice at once (not after asking for --nvme_path),
+    and --help does not offer it."""
+    out = tmp_path / "c.yaml"
+    with pytest.raises(SystemExit) as exit_:
+        main(["config", "--stage", "3", "--offload_param", "nvme", *extra, "-o", str(out)])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert re.search(r"argument --offload_param\S*: invalid choice: 'nvme' \(choose from '?none'?, '?cpu'?\)", err), err
+    assert "needs a directory" not in err and not out.exists()
+    with pytest.raises(SystemExit):
+        main(["config", "--help"])
+    assert "--offload_param {none,cpu}" in capsys.readouterr().out
 
 
 def test_demo_is_a_two_process_cpu_launch_of_the_demo_module(monkeypatch):
@@ -167,6 +181,32 @@ def test_demo_is_a_two_process_cpu_launch_of_the_demo_module(monkeypatch):
     plan = seen["plan"]
     assert plan.world_size == 2 and plan.backend == "gloo" and plan.config.launch.use_cpu
     assert plan.target == ("-m", "zerofit.demo.train", "--stage", "3", "--steps", "20")
+
+
+def test_demo_hands_the_ranks_canonical_options_so_an_old_name_warns_once(monkeypatch, capsys):
+    seen = {}
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setattr(launch, "check_target", lambda target: None)
+    monkeypatch.setattr(launch, "execute", lambda plan: seen.setdefault("plan", plan) and 0)
+    assert main(["demo", "--batch-size", "4", "--lr", "0.01", "--steps", "60"]) == 0  # 60: the default, not passed
+    assert seen["plan"].target == ("-m", "zerofit.demo.train", "--micro_batch", "4", "--lr", "0.01")
+    assert capsys.readouterr().err.count("is deprecated: use --micro_batch") == 1
+
+
+def test_demo_help_lists_the_demos_options_and_a_wrong_one_fails_before_launch(monkeypatch, capsys):
+    with pytest.raises(SystemExit):
+        main(["demo", "--help"])
+    shown = capsys.readouterr().out
+    for option in ("--stage {0,1,2,3}", "--steps N", "--micro_batch B", "--gradient_accumulation_steps K",
+                   "--context C", "--lr LR", "--mixed_precision {no,bf16,fp16}"):
+        assert option in shown, shown
+    monkeypatch.setattr(launch, "execute", lambda plan: pytest.fail("launched with a wrong option"))
+    with pytest.raises(SystemExit):
+        main(["demo", "--stage", "4"])
+    assert "argument --stage: invalid choice: 4" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["demo", "--stpes", "3"])
+    assert "unrecognized arguments: --stpes 3" in capsys.readouterr().err
 
 
 def test_a_taken_rendezvous_port_is_named_with_the_option_that_moves_it(capsys):

@@ -54,10 +54,6 @@ AFTER = {"launch": ["train.py"]}
 
 
 def parser_of(command: str) -> argparse.ArgumentParser:
-    if command == "demo":  # `zerofit demo` hands every argument to the demo module: its parser holds the options
-        from zerofit.demo.train import build_parser as demo_parser
-
-        return demo_parser()
     sub = next(a for a in build_parser()._actions if a.dest == "command")
     return sub.choices[command]
 
@@ -137,6 +133,22 @@ def test_old_names_still_work_and_name_the_new_flag(command, capsys):
         for old in alias.option_strings:
             assert parse(command, old, *value) == parse(command, new, *value), old
             assert capsys.readouterr().err == f"zerofit: warning: {old} is deprecated: use {new}\n"
+
+
+def test_an_old_name_warns_on_rank_0_only(monkeypatch, capsys):
+    """Every rank of a launched script parses the same argv: the note appears once per run, not per rank."""
+    for rank, expected in (("1", ""), ("0", "zerofit: warning: --batch_size is deprecated: use --micro_batch\n")):
+        monkeypatch.setenv("RANK", rank)
+        assert parse("demo", "--batch_size", "4").micro_batch == 4
+        assert capsys.readouterr().err == expected
+
+
+def test_the_demo_module_parses_what_zerofit_demo_parses():
+    """One declaration of the demo's options (zerofit.cli.demo) serves the subcommand and every rank."""
+    from zerofit.demo.train import build_parser as demo_module_parser
+
+    ranks = demo_module_parser()
+    assert [a.option_strings for a in options(ranks)] == [a.option_strings for a in options(parser_of("demo"))]
 
 
 def test_a_canonical_name_is_spelt_with_underscores():

@@ -8,8 +8,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -104,8 +106,47 @@ def test_two_machines_on_loopback_join_one_world():
 
 def test_zerofit_demo_trains_on_two_cpu_processes():
     pytest.importorskip("zerofit.demo.train")
-    proc = run_zerofit("demo", "--steps", "3")
+    proc = run_zerofit("demo", "--stage", "3", "--steps", "3")
     assert proc.returncode == 0, proc.stderr
-    assert "2 processes (gloo)" in proc.stdout and "done:" in proc.stdout
+    # stage 3 shards the demo's 4 blocks (its persistence threshold), and prepare() says so, once
+    assert proc.stdout.count("zerofit: ZeRO-3, 4 of 5 units sharded over 2 ranks, fp32, 2 processes (gloo)\n") == 1
+    assert "done:" in proc.stdout
     first, last = re.search(r"done: loss ([\d.]+) -> ([\d.]+)", proc.stdout).groups()
     assert float(last) < float(first)  # it learns
+
+
+WAIT_FOR_CTRL_C = """
+import os, sys, time
+from zerofit import Accelerator
+
+accelerator = Accelerator()
+open(os.path.join(sys.argv[1], f"ready-{accelerator.process_index}"), "w").close()
+while True:  # a training loop between collectives, as Ctrl-C usually finds it
+    accelerator.wait_for_everyone()
+    time.sleep(0.05)
+"""
+
+
+def test_ctrl_c_prints_one_line_and_no_traceback(tmp_path):
+    """Ctrl-C reaches the launcher and every rank (one process group, as in a terminal): the ranks end
+    without a KeyboardInterrupt traceback, torchrun's stop lines are left out, and the launcher's one line
+    says what happened; the exit code is 130, as a shell reports a SIGINT."""
+    script = tmp_path / "wait.py"
+    script.write_text(WAIT_FOR_CTRL_C)
+    proc = subprocess.Popen(zerofit_cmd("launch", "--cpu", "--num_processes", "2", str(script), str(tmp_path)),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while not all((tmp_path / f"ready-{r}").exists() for r in (0, 1)):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.1)
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 130, err
+    assert err == "zerofit launch: stopped by SIGINT; the workers were terminated\n"
+    assert "Traceback" not in out

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from engine_cases import Case, batches, loss_fn, make_model_and_optim
@@ -37,3 +39,20 @@ def test_merge_writes_the_trained_weights(tmp_path, capsys):
     for name, value in masters.items():
         assert torch.equal(weights[name], value), name
     assert "head.weight" not in weights or torch.equal(weights["head.weight"], weights["emb.weight"])
+
+
+def test_merge_given_the_folder_that_holds_checkpoints_names_them(tmp_path, capsys):
+    """`zerofit merge output/` for `output/checkpoint-3`: say which checkpoints are there, not "the save did
+    not finish"."""
+    from zerofit.checkpoint.manifest import FORMAT, MANIFEST
+
+    output = tmp_path / "output"
+    for name in ("checkpoint-10", "checkpoint-3", "logs"):
+        (output / name).mkdir(parents=True)
+    for name in ("checkpoint-10", "checkpoint-3"):
+        (output / name / MANIFEST).write_text(json.dumps({"format": FORMAT, "files": {}}))
+    assert main(["merge", str(output), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"zerofit merge: error: {output} is not a checkpoint, it holds checkpoints (checkpoint-3, "
+                   f"checkpoint-10): pass one of them, e.g. {output / 'checkpoint-10'}\n")
+    assert not (tmp_path / "out").exists()

@@ -119,6 +119,37 @@ def test_more_processes_than_gpus_names_the_flag_and_the_fix():
         plan_launch(config(num_processes=3), TARGET, gpu_count=2)
 
 
+def test_the_batch_triple_is_checked_against_the_world_size_the_plan_gives():
+    """Without --num_processes the world size is known only to the plan (one per GPU): the rule every
+    rank's prepare() checks is checked there, once."""
+    batch = dataclasses.replace(RunConfig().batch, train_batch_size=10, train_micro_batch_size_per_gpu=2,
+                                gradient_accumulation_steps=1)
+    bad = RunConfig(batch=batch)
+    with pytest.raises(ConfigError, match=r"batch\.train_batch_size \(10\) != batch\.train_micro_batch_size_per_gpu "
+                                          r"\(2\) \* batch\.gradient_accumulation_steps \(1\) \* world size \(4\) = 8: "
+                                          r"set batch\.train_batch_size to 8 or to \"auto\""):
+        plan_launch(bad, TARGET, gpu_count=4)
+    assert plan_launch(bad.replace(batch=dataclasses.replace(batch, train_batch_size=8)), TARGET,
+                       gpu_count=4).world_size == 4
+
+
+@pytest.mark.parametrize("dry_run", [["--dry_run"], []])
+def test_an_impossible_batch_triple_stops_dry_run_and_launch_alike(dry_run, tmp_path, monkeypatch, capsys):
+    from zerofit.cli import launch
+
+    script = tmp_path / "train.py"
+    script.write_text("")
+    path = tmp_path / "bad.json"
+    path.write_text('{"train_batch_size": 10, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1}')
+    monkeypatch.setattr(launch, "execute", lambda plan: pytest.fail("started the workers"))
+    assert main(["launch", *dry_run, "--cpu", "--config_file", str(path), str(script)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == (f"zerofit launch: error: 1 problem(s) in {path}:\n  - train_batch_size (10) != "
+                            "train_micro_batch_size_per_gpu (2) * gradient_accumulation_steps (1) * world size (1) = "
+                            '2: set train_batch_size to 2 or to "auto"\n')
+
+
 def test_script_arguments_after_the_target_are_not_zerofit_flags():
     args = build_parser().parse_args(["launch", "--num_processes", "2", "train.py", "--num_processes", "9", "-m"])
     assert args.num_processes == 2 and args.target == "train.py" and not args.module
@@ -130,3 +161,71 @@ def test_gpu_ids_limit_the_processes_and_the_visible_gpus():
     assert plan.world_size == 2 and plan.cuda_visible_devices == "1,3"
     with pytest.raises(ConfigError, match=r"launch.gpu_ids is '1,7' .* GPUs 0..3"):
         plan_launch(config(gpu_ids="1,7"), TARGET, gpu_count=4)
+
+
+ACCELERATE_DEFAULT = """compute_environment: LOCAL_MACHINE
+distributed_type: DEEPSPEED
+deepspeed_config:
+  zero_stage: 3
+  offload_optimizer_device: cpu
+  offload_param_device: cpu
+mixed_precision: bf16
+num_machines: 1
+"""
+
+
+def _write_accelerate_default(folder) -> str:
+    path = folder / "accelerate" / "default_config.yaml"
+    path.parent.mkdir(parents=True)
+    path.write_text(ACCELERATE_DEFAULT)
+    return str(path)
+
+
+@pytest.mark.parametrize("where", ["HF_HOME", "XDG_CACHE_HOME", "HOME"])
+def test_the_default_config_is_where_accelerate_config_writes_it(where, tmp_path, monkeypatch):
+    from zerofit.cli.launch import accelerate_default_config
+
+    for name in ("HF_HOME", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert accelerate_default_config() is None
+    base = {"HF_HOME": tmp_path, "XDG_CACHE_HOME": tmp_path / "huggingface",
+            "HOME": tmp_path / "home" / ".cache" / "huggingface"}[where]
+    monkeypatch.setenv(where, str(tmp_path if where != "HOME" else tmp_path / "home"))
+    expected = _write_accelerate_default(base)
+    assert str(accelerate_default_config()) == expected
+
+
+def test_launch_without_config_file_reads_accelerates_default_and_says_so(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    path = _write_accelerate_default(tmp_path)
+    script = tmp_path / "train.py"
+    script.write_text("")
+    assert main(["launch", "--dry_run", "--num_processes", "1", str(script)]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[1] == f"# config: {path} (accelerate's default config; --config_file FILE reads another)"
+    assert "stage: 3" in out and "mixed_precision: bf16" in out
+    # --cpu skips it, as `accelerate launch --cpu` does; an explicit --config_file wins
+    assert main(["launch", "--dry_run", "--cpu", str(script)]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[1] == "# config: built-in defaults" and "stage: 0" in out
+    own = tmp_path / "own.yaml"
+    own.write_text("zero:\n  stage: 1\n")
+    assert main(["launch", "--dry_run", "--config_file", str(own), "--num_processes", "1", str(script)]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[1] == f"# config: {own}" and "stage: 1" in out
+
+
+def test_a_real_launch_names_accelerates_default_config_before_it_starts(tmp_path, monkeypatch, capsys):
+    from zerofit.cli import launch
+
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    path = _write_accelerate_default(tmp_path)
+    script = tmp_path / "train.py"
+    script.write_text("")
+    seen = {}
+    monkeypatch.setattr(launch, "execute", lambda plan: seen.setdefault("plan", plan) and 0)
+    assert main(["launch", "--num_processes", "1", str(script)]) == 0
+    assert seen["plan"].config.zero.stage == 3 and seen["plan"].config.source == path
+    assert capsys.readouterr().err == f"zerofit launch: config: {path} (accelerate's default config; " \
+                                      "--config_file FILE reads another)\n"

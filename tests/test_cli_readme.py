@@ -3,13 +3,16 @@ README's two commands are the ones run.sh and CI run."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
 import pytest
+import yaml
 
-from zerofit.config import load_config
-from zerofit.config.schema import is_auto
+from zerofit.config import ScriptFacts, load_config, resolve_auto
+from zerofit.config.schema import is_auto, to_dict
+from zerofit.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -56,6 +59,54 @@ def test_the_readme_has_one_config_example_per_format(tmp_path):
     assert accelerate and zerofit and deepspeed
     accelerate_cfg, zerofit_cfg = _load("yaml", accelerate[0], tmp_path), _load("yaml", zerofit[0], tmp_path)
     assert accelerate_cfg.source_format != zerofit_cfg.source_format
+
+
+def _same_setting_blocks() -> list[tuple[str, str]]:
+    """The config blocks under the README's "Configs: one setting, three formats" heading."""
+    section = TEXT[README].split("## Configs: one setting, three formats", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"^```(yaml|json)\n(.*?)^```", section, flags=re.S | re.M)
+
+
+def test_the_readmes_three_formats_resolve_to_the_same_settings(tmp_path):
+    """The README promises "each file loads to the same settings": once the script's facts fill every
+    "auto", the three configs must be one config (only where each came from differs)."""
+    blocks = _same_setting_blocks()
+    assert [kind for kind, _ in blocks] == ["yaml", "yaml", "json"]
+    facts = ScriptFacts(micro_batch_size=4, gradient_accumulation_steps=2, num_processes=2, hidden_size=64)
+    resolved = []
+    for i, (kind, text) in enumerate(blocks):
+        path = tmp_path / f"format{i}.{kind}"
+        path.write_text(text, encoding="utf-8")
+        settings = to_dict(resolve_auto(load_config(path), facts))
+        del settings["source"], settings["source_format"]
+        resolved.append(settings)
+    assert {load_config(tmp_path / f"format{i}.{k}").source_format for i, (k, _) in enumerate(blocks)} == {
+        "zerofit", "accelerate", "deepspeed"}
+    assert resolved[1] == resolved[0], "the Accelerate YAML differs from the zerofit YAML"
+    assert resolved[2] == resolved[0], "the DeepSpeed JSON differs from the zerofit YAML"
+
+
+NVME_CONFIGS = sorted((ROOT / "examples" / "configs").glob("*/zero3_nvme.*"))
+
+
+@pytest.mark.parametrize("path", NVME_CONFIGS, ids=[p.parent.name for p in NVME_CONFIGS])
+def test_the_nvme_recipe_configs_are_what_recipes_md_says(path, tmp_path):
+    """docs/recipes.md: optimizer state on NVMe, parameters on the CPU; parameters on NVMe are refused
+    when the config is loaded (not at prepare())."""
+    cfg = load_config(path)
+    assert (cfg.zero.offload_optimizer.device, cfg.zero.offload_param.device) == ("nvme", "cpu")
+    text = TEXT[ROOT / "docs" / "recipes.md"]
+    assert "put the optimizer state on NVMe" in text and "refused when it is loaded" in text
+    data = yaml.safe_load(path.read_text(encoding="utf-8"))  # JSON is YAML
+    if "deepspeed_config" in data:
+        data["deepspeed_config"]["offload_param_device"] = "nvme"
+    else:
+        section = data.get("zero") or data["zero_optimization"]
+        section["offload_param"]["device"] = "nvme"
+    param_on_nvme = tmp_path / path.name
+    param_on_nvme.write_text(json.dumps(data) if path.suffix == ".json" else yaml.safe_dump(data), encoding="utf-8")
+    with pytest.raises(ConfigError, match=r"offload_param.* 'nvme' is not supported: .*set it to cpu"):
+        load_config(param_on_nvme)
 
 
 def _setting(cfg) -> str:
@@ -121,3 +172,47 @@ def test_the_readme_commands_are_what_ci_runs():
     assert "./run.sh demo" in readme and "./run.sh test" in readme
     assert "./run.sh test" in (ROOT / ".ci" / "run").read_text(encoding="utf-8")
     assert "python -m pytest -x -q" in (ROOT / "run.sh").read_text(encoding="utf-8")
+
+
+FAKE_PYTHON = """#!/bin/sh
+# `python -m venv DIR`: a venv whose python has no torch and whose pip "installs" by logging (and, for
+# zerofit, by writing a bin/zerofit that echoes its arguments)
+venv="$3"
+mkdir -p "$venv/bin"
+cat > "$venv/bin/python" <<PY
+#!/bin/sh
+case "\\$1" in
+  -c) exit 1 ;;
+  -m) echo "pip \\$*" >> "$venv/log"
+      case "\\$*" in *"-e "*) printf '#!/bin/sh\\necho zerofit "\\$@"\\n' > "$venv/bin/zerofit"; chmod +x "$venv/bin/zerofit" ;; esac ;;
+esac
+PY
+chmod +x "$venv/bin/python"
+"""
+
+
+def test_run_sh_says_what_it_does_while_it_installs(tmp_path):
+    """The first `./run.sh demo` spends minutes in a quiet pip: it says so, on stderr, then runs the demo;
+    the next run is quiet."""
+    import os
+    import stat
+    import subprocess
+
+    fake = tmp_path / "python3"
+    fake.write_text(FAKE_PYTHON)
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    env = {**os.environ, "PYTHON": str(fake), "ZEROFIT_VENV": str(tmp_path / "venv")}
+    first = subprocess.run(["bash", str(ROOT / "run.sh"), "demo", "--steps", "1"], capture_output=True, text=True,
+                           env=env, timeout=60)
+    assert first.returncode == 0, first.stderr
+    torch_pin = re.search(r"^TORCH_VERSION=(\S+)$", (ROOT / "run.sh").read_text(encoding="utf-8"), flags=re.M)[1]
+    assert first.stderr.splitlines() == [
+        f"run.sh: creating {tmp_path / 'venv'} with torch {torch_pin} and zerofit (first run only, a few minutes)...",
+        f"run.sh: installing torch {torch_pin}...",
+        "run.sh: installing zerofit (editable) with its dev, examples and bench extras...",
+        f"run.sh: {tmp_path / 'venv'} is ready; later runs reuse it",
+    ]
+    assert first.stdout == "zerofit demo --steps 1\n"
+    assert f"install torch=={torch_pin}" in (tmp_path / "venv" / "log").read_text()
+    again = subprocess.run(["bash", str(ROOT / "run.sh"), "demo"], capture_output=True, text=True, env=env, timeout=60)
+    assert (again.returncode, again.stdout, again.stderr) == (0, "zerofit demo\n", "")

@@ -64,3 +64,23 @@ def test_worker_error_record_appears_whole(tmp_path, monkeypatch):
     assert "the user's bug" in _json.dumps(record)
     assert [p.name for p in tmp_path.iterdir()] == ["error.json"]
     assert os.environ["TORCHELASTIC_ERROR_FILE"] == str(path)
+
+
+@pytest.mark.parametrize(("rank", "shown"), [("0", True), ("1", False), (None, True)])
+def test_repeated_warnings_show_on_rank_0_only(rank, shown, monkeypatch):
+    """[Note: warnings once per run] in zerofit.cli.worker: deprecations every rank would repeat."""
+    import warnings
+
+    from zerofit.cli.worker import REPEATED_WARNINGS, quiet_repeated_warnings
+
+    if rank is None:
+        monkeypatch.delenv("RANK", raising=False)
+    else:
+        monkeypatch.setenv("RANK", rank)
+    with warnings.catch_warnings(record=True) as seen:  # restores the filters afterwards
+        warnings.simplefilter("always")
+        quiet_repeated_warnings()
+        for category in REPEATED_WARNINGS:
+            warnings.warn(f"{category.__name__} of every rank", category, stacklevel=1)
+        warnings.warn("about this rank's own data", UserWarning, stacklevel=1)
+    assert [w.category for w in seen] == [*REPEATED_WARNINGS, UserWarning] if shown else [UserWarning]

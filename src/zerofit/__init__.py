@@ -22,7 +22,8 @@ _LAZY = {
         "init_empty_weights", "init_on_device")},
     **{name: "zerofit.frontend.plugins" for name in (
         "AutocastKwargs", "DataLoaderConfiguration", "DeepSpeedPlugin", "DistributedDataParallelKwargs",
-        "GradScalerKwargs", "GradientAccumulationPlugin", "InitProcessGroupKwargs", "ProfileKwargs")},
+        "FullyShardedDataParallelPlugin", "GradScalerKwargs", "GradientAccumulationPlugin", "InitProcessGroupKwargs",
+        "ProfileKwargs")},
 }
 
 __all__ = [*_LAZY, "__version__"]

@@ -237,4 +237,24 @@ def resolve(directory: str | os.PathLike[str]) -> Path:
         return target
     if not path.exists():
         raise CheckpointError(f"{path}: no such checkpoint directory: check the path")
+    held = held_checkpoints(path)
+    if held:  # one folder too high: not an unfinished save
+        shown = ", ".join(c.name for c in held[:5]) + (f", ... ({len(held)} in all)" if len(held) > 5 else "")
+        raise CheckpointError(f"{path} is not a checkpoint, it holds checkpoints ({shown}): pass one of them, "
+                              f"e.g. {held[-1]}")
     return path  # `read_manifest` explains what is missing
+
+
+def _natural_key(name: str) -> list[object]:
+    """checkpoint_2 before checkpoint_10: digit runs compare as numbers."""
+    return [(0, int(part)) if part.isdigit() else (1, part) for part in re.split(r"(\d+)", name)]
+
+
+def held_checkpoints(folder: Path) -> list[Path]:
+    """The committed checkpoints directly inside `folder`, by name with numbers in order (empty: none, or
+    `folder` cannot be listed)."""
+    try:
+        children = [p for p in folder.iterdir() if is_checkpoint(p)]
+    except OSError:
+        return []
+    return sorted(children, key=lambda p: _natural_key(p.name))

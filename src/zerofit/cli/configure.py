@@ -22,6 +22,10 @@ from zerofit.errors import ConfigError
 
 FORMATS = ("zerofit", "deepspeed", "accelerate")
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+"""Where optimizer state may live."""
+PARAM_OFFLOAD_DEVICES = ("none", "cpu")
+"""Where parameter shards may live: not nvme, which `zerofit.config.validate` refuses, so argparse rejects it
+at once (naming the choices) instead of asking for --nvme_path first."""
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -33,9 +37,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
              help="0: DDP; 1: shard optimizer state; 2: + gradients; 3: + parameters")
     add_flag(p, "--offload_optimizer", choices=OFFLOAD_DEVICES, default="none",
              help="where fp32 master weights and optimizer states live (stages 1-3)")
-    add_flag(p, "--offload_param", choices=OFFLOAD_DEVICES, default="none",
-             help="where parameter shards live (stage 3)")
-    add_flag(p, "--nvme_path", metavar="DIR", help="directory for nvme offload files")
+    add_flag(p, "--offload_param", choices=PARAM_OFFLOAD_DEVICES, default="none",
+             help="where parameter shards live (stage 3; cpu only, parameters do not go to nvme)")
+    add_flag(p, "--nvme_path", metavar="DIR", help="directory for the optimizer state's nvme offload files")
     add_flag(p, "--mixed_precision", choices=("no", "fp16", "bf16"), default="no",
              help="compute precision")
     add_flag(p, "--num_processes", type=int, metavar="N",
@@ -54,12 +58,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """Dotted zerofit keys for the chosen settings."""
     problems = []
-    nvme_users = [f"--{flag} nvme" for flag in ("offload_optimizer", "offload_param") if getattr(args, flag) == "nvme"]
-    if nvme_users and not args.nvme_path:
-        problems.append(f"{' and '.join(nvme_users)} needs a directory: add --nvme_path DIR (a fast local disk)")
-    if args.nvme_path and not nvme_users:
-        problems.append(f"--nvme_path {args.nvme_path} is unused: add --offload_optimizer nvme and/or "
-                        "--offload_param nvme, or drop --nvme_path")
+    nvme = args.offload_optimizer == "nvme"
+    if nvme and not args.nvme_path:
+        problems.append("--offload_optimizer nvme needs a directory: add --nvme_path DIR (a fast local disk)")
+    if args.nvme_path and not nvme:
+        problems.append(f"--nvme_path {args.nvme_path} is unused: add --offload_optimizer nvme, or drop --nvme_path")
     if args.format == "deepspeed" and args.num_processes is not None:
         problems.append("--num_processes has no place in a DeepSpeed JSON: pass it to `zerofit launch` instead, "
                         "or use --format zerofit or --format accelerate")
@@ -77,9 +80,8 @@ def settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
                        ("gradient_clipping", args.gradient_clipping)):
         if value is not None or unset is not None:
             settings[key] = unset if value is None else value
-    for flag in ("offload_optimizer", "offload_param"):
-        if getattr(args, flag) == "nvme":
-            settings[f"zero.{flag}.nvme_path"] = args.nvme_path
+    if nvme:
+        settings["zero.offload_optimizer.nvme_path"] = args.nvme_path
     if args.num_processes is not None:
         settings["launch.num_processes"] = args.num_processes
     return settings
@@ -130,8 +132,6 @@ def accelerate_dict(cfg: RunConfig) -> dict[str, Any]:
     }
     if z.offload_optimizer.device == "nvme":
         ds["offload_optimizer_nvme_path"] = z.offload_optimizer.nvme_path
-    if z.offload_param.device == "nvme":
-        ds["offload_param_nvme_path"] = z.offload_param.nvme_path
     if z.stage == 3:
         ds["zero3_save_16bit_model"] = True
     la = cfg.launch

@@ -1,15 +1,51 @@
-"""What `zerofit launch` prints when ranks fail: one short summary, the tracebacks shown once.
+"""What `zerofit launch` prints when ranks fail or the run is stopped: one short summary, nothing twice.
 
 Each failing worker prints its own traceback as it dies, from the user's first frame, its lines
 prefixed `[rankN]:` (zerofit.cli.worker). torchelastic's own summary would
 print every recorded traceback again - the first failure twice - so the launcher prints this
 instead: which rank failed first and with what error, and how each other rank ended (often a
 `CollectiveError` that names the collective it was waiting in when the first rank left).
+
+Stopping the workers, torchrun's agent also logs a line for the signal it got and one per worker it
+signals; the launcher's summary (`stopped by SIGINT`, or the failure summary) says that already, so
+`torchrun_stop_lines_hidden` leaves those lines out, and a worker stopped by Ctrl-C exits without a
+traceback (zerofit.cli.worker). Every other line torchrun logs still shows.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
+from collections.abc import Iterator
 from typing import Any
+
+TORCHRUN_STOP_LINES = {
+    "torch.distributed.elastic.agent.server.api": "Received %s death signal, shutting down workers",
+    "torch.distributed.elastic.multiprocessing.api": "Sending process %s closing signal %s",
+}
+"""logger -> the message template of the lines torchrun logs while it stops its workers (torch 2.4-2.13)."""
+
+
+class _WithoutStopLines(logging.Filter):
+    def __init__(self, template: str):
+        super().__init__()
+        self.template = template
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.msg != self.template
+
+
+@contextlib.contextmanager
+def torchrun_stop_lines_hidden() -> Iterator[None]:
+    """While inside, torchrun does not log the lines in TORCHRUN_STOP_LINES (see the module doc)."""
+    installed = [(logging.getLogger(name), _WithoutStopLines(template)) for name, template in TORCHRUN_STOP_LINES.items()]
+    for logger, hide in installed:
+        logger.addFilter(hide)
+    try:
+        yield
+    finally:
+        for logger, hide in installed:
+            logger.removeFilter(hide)
 
 _MAX_LINE = 400
 

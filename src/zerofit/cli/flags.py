@@ -5,12 +5,14 @@ its launch flags (`--num_processes`, `--mixed_precision`); the same name with da
 (`--num-processes`) is accepted everywhere, silently, because both are in use. A name a command used
 to have stays accepted as a hidden deprecated alias (dashed twin included) that stores into the same
 destination and prints one line naming the new flag, so old scripts keep working and learn the new
-spelling. `tests/test_cli_flags.py` freezes the canonical names and aliases of every subcommand.
+spelling (on rank 0 only, when every rank of a launch parses the same argv). `tests/test_cli_flags.py`
+freezes the canonical names and aliases of every subcommand.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any
 
@@ -33,7 +35,10 @@ class _DeprecatedAlias(argparse.Action):
         self.new_name = next(s for s in canonical.option_strings if s.startswith("--"))
 
     def __call__(self, parser, namespace, values, option_string=None):
-        print(f"zerofit: warning: {option_string} is deprecated: use {self.new_name}", file=sys.stderr)
+        # Every rank of a launched script parses the same argv: only rank 0 (or a process outside a
+        # launch, RANK unset) says it, so the note appears once per run, not once per rank.
+        if os.environ.get("RANK", "0") == "0":
+            print(f"zerofit: warning: {option_string} is deprecated: use {self.new_name}", file=sys.stderr)
         self.canonical(parser, namespace, values, self.new_name)
 
 

@@ -23,6 +23,7 @@ import importlib.util
 import ipaddress
 import os
 import shutil
+import signal
 import socket
 import sys
 import tempfile
@@ -33,7 +34,7 @@ from typing import Any
 
 from zerofit.cli import failure_report, rendezvous
 from zerofit.cli.flags import add_flag
-from zerofit.config import load_config, save_config
+from zerofit.config import load_config, save_config, validate_config
 from zerofit.config.schema import RunConfig
 from zerofit.dist.runtime import CONFIG_FILE_ENV, backend_for
 from zerofit.errors import ConfigError
@@ -77,7 +78,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     taken for something else.
     """
     add_flag(p, "--config_file", metavar="FILE",
-             help="zerofit YAML, Accelerate launch YAML or DeepSpeed JSON (default: built-in defaults)")
+             help="zerofit YAML, Accelerate launch YAML or DeepSpeed JSON (default: the default config "
+                  "`accelerate config` wrote, unless --cpu; else built-in defaults)")
     add_flag(p, "--num_processes", type=int, metavar="N",
              help="processes over all machines (default: one per GPU, or 1 on CPU)")
     add_flag(p, "--num_machines", type=int, metavar="M", help="machines taking part")
@@ -235,7 +237,8 @@ def plan_launch(config: RunConfig, target: tuple[str, ...], *, gpu_count: int) -
 
     `config` comes validated from `load_config`, which already enforces every rule among the launch
     settings themselves (counts, ranks, ports, the address several machines need: see
-    `zerofit.config.validate`). Only what needs this machine is checked here: its GPU count.
+    `zerofit.config.validate`). Only what needs this machine is checked here: its GPU count, and the
+    batch triple against the world size that count gives.
     Every problem is reported at once, each naming the flag, the config key, the value and the fix.
     """
     la = config.launch
@@ -264,7 +267,12 @@ def plan_launch(config: RunConfig, target: tuple[str, ...], *, gpu_count: int) -
     resolved_launch = dataclasses.replace(
         la, num_processes=per_node * nnodes, main_process_ip=la.main_process_ip or "127.0.0.1",
         main_process_port=port, use_cpu=use_cpu)
-    return LaunchPlan(config=config.replace(launch=resolved_launch), nproc_per_node=per_node,
+    resolved = config.replace(launch=resolved_launch)
+    # The batch triple's rule needs the world size, which is known only now when no process count was
+    # given: the check every rank's prepare() would make, made once here, so a --dry_run catches it too
+    # and a real launch stops with one error instead of one traceback per rank.
+    validate_config(resolved, world_size=per_node * nnodes)
+    return LaunchPlan(config=resolved, nproc_per_node=per_node,
                       omp_num_threads=max(1, usable_cpus() // per_node), target=target,
                       cuda_visible_devices=visible)
 
@@ -300,12 +308,14 @@ def config_yaml(config: RunConfig) -> str:
             return f.read()
 
 
-def describe(plan: LaunchPlan) -> str:
-    """The dry-run report: the plan as YAML comments, then the resolved config as YAML."""
+def describe(plan: LaunchPlan, origin: str | None = None) -> str:
+    """The dry-run report: the plan as YAML comments (with `origin`, where the config came from, see
+    `config_file_of`), then the resolved config as YAML."""
     la = plan.config.launch
     lines = [
         f"# zerofit launch plan: {plan.world_size} rank(s) = {la.num_machines} machine(s) x "
         f"{plan.nproc_per_node} process(es); this is machine {la.machine_rank}",
+        *([f"# {origin}"] if origin else []),
         f"# backend {plan.backend} on {'cpu' if la.use_cpu else 'one GPU per process'}; "
         f"rendezvous {plan.rendezvous()}",
         f"# each rank runs: {' '.join(plan.target)}",
@@ -370,7 +380,7 @@ def execute(plan: LaunchPlan) -> int:
         if warning:
             print(warning, file=sys.stderr, flush=True)
         rendezvous.register()
-        with _environ(env):
+        with _environ(env), failure_report.torchrun_stop_lines_hidden():
             try:
                 torchrun.run(plan.torchrun_args(torchrun, os.path.join(run_dir, "logs")))
             except ChildFailedError as e:
@@ -383,6 +393,9 @@ def execute(plan: LaunchPlan) -> int:
             except SignalException as e:
                 print(f"zerofit launch: stopped by {e.sigval.name}; the workers were terminated", file=sys.stderr)
                 return 128 + int(e.sigval)
+            except KeyboardInterrupt:  # Ctrl-C before torchrun's own handler was in place
+                print("zerofit launch: stopped by SIGINT; the workers were terminated", file=sys.stderr)
+                return 128 + signal.SIGINT
             except rendezvous.PortInUse as e:
                 print(f"zerofit launch: error: {e}", file=sys.stderr)
                 return 1
@@ -394,15 +407,43 @@ def execute(plan: LaunchPlan) -> int:
     return 0
 
 
+def accelerate_default_config() -> Path | None:
+    """The file `accelerate config` writes when given no path, if it exists: `default_config.yaml` in
+    `$HF_HOME/accelerate`, where HF_HOME defaults to `$XDG_CACHE_HOME/huggingface` and XDG_CACHE_HOME
+    to `~/.cache` (Accelerate's rule, `accelerate/commands/config/config_args.py`)."""
+    hf_home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME") or "~/.cache", "huggingface")
+    path = Path(os.path.expanduser(hf_home)) / "accelerate" / "default_config.yaml"
+    return path if path.is_file() else None
+
+
+def config_file_of(args: argparse.Namespace) -> tuple[str | os.PathLike[str] | None, str]:
+    """The config file the launch reads and how to name where it came from.
+
+    As `accelerate launch` does, a launch given no --config_file and no --cpu reads the default config
+    `accelerate config` wrote (`accelerate_default_config`), so a machine set up for Accelerate runs the
+    same way under zerofit; --cpu skips it (it is a GPU machine's setting), which keeps `zerofit demo` the
+    same everywhere.
+    """
+    if args.config_file is not None:
+        return args.config_file, f"config: {args.config_file}"
+    found = None if args.cpu else accelerate_default_config()
+    if found is not None:
+        return found, f"config: {found} (accelerate's default config; --config_file FILE reads another)"
+    return None, "config: built-in defaults"
+
+
 def run(args: argparse.Namespace) -> int:
     target = ("-m", args.target, *args.target_args) if args.module else (args.target, *args.target_args)
-    config = load_config(args.config_file, overrides=overrides_from_args(args))
+    config_file, origin = config_file_of(args)
+    config = load_config(config_file, overrides=overrides_from_args(args))
     import torch
 
     plan = plan_launch(config, target, gpu_count=torch.cuda.device_count())
     check_target(target)
     if args.dry_run:
-        sys.stdout.write(describe(plan))
+        sys.stdout.write(describe(plan, origin))
         return 0
+    if config_file is not None and args.config_file is None:  # a file nobody named on this command line
+        print(f"zerofit launch: {origin}", file=sys.stderr, flush=True)
     return execute(plan)
 

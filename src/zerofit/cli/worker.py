@@ -10,6 +10,12 @@ in their next collective and write theirs while the agent is stopping the group:
 between the open and the write leaves an empty file, and the agent then fails to parse it and
 crashes instead of restarting the job (seen once in ~20 runs of tests/test_faults.py). So the record
 is written to a file beside it and renamed over it: the agent sees the whole record or none.
+
+[Note: warnings once per run]
+Every rank runs the same code, so a deprecation (of a library, or of a key in the config file) warns
+once per rank, and the copies interleave on the terminal. Ranks other than 0 ignore those categories
+(`quiet_repeated_warnings`); rank 0 still shows each. Other warnings stay on every rank: they may be
+about that rank's own data or state.
 """
 
 from __future__ import annotations
@@ -21,11 +27,14 @@ import runpy
 import signal
 import sys
 import traceback
+import warnings
 from types import TracebackType
 
 import torch.distributed as dist
 import torch.distributed.elastic.multiprocessing.errors as elastic_errors
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
+
+from zerofit.config import ConfigWarning
 
 _BOOTSTRAP_FILES = (os.path.abspath(__file__), runpy.__file__, "<frozen runpy>", elastic_errors.__file__)
 
@@ -83,6 +92,19 @@ def die_with_launcher() -> None:
         os._exit(1)
 
 
+REPEATED_WARNINGS = (DeprecationWarning, PendingDeprecationWarning, FutureWarning, ConfigWarning)
+"""What every rank would warn alike; shown on rank 0 only (see [Note: warnings once per run])."""
+
+
+def quiet_repeated_warnings() -> None:
+    """On ranks other than 0, ignore the warnings every rank would repeat (see [Note: warnings once per run]).
+    Filters the script sets later come first and still win."""
+    if os.environ.get("RANK", "0") == "0":
+        return
+    for category in REPEATED_WARNINGS:
+        warnings.filterwarnings("ignore", category=category)
+
+
 def _main(argv: list[str]) -> None:
     try:
         _run_target(argv)
@@ -106,6 +128,21 @@ def _excepthook(kind: type[BaseException], error: BaseException, tb: TracebackTy
     sys.stderr.flush()
 
 
+INTERRUPTED_EXIT_CODE = 128 + signal.SIGINT
+"""A process stopped by Ctrl-C exits with 130, as shells report it."""
+
+
+def _exit_interrupted() -> None:
+    """End the process after Ctrl-C (or the agent's SIGINT) quietly: the launcher prints the one line that
+    says the run was stopped (zerofit.cli.failure_report), so no rank adds a KeyboardInterrupt traceback.
+    atexit handlers still run; a second Ctrl-C while they do is ignored, not a traceback from inside them."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(INTERRUPTED_EXIT_CODE)
+
+
 def _exit_failed(error: BaseException) -> None:
     """Report `error` (already recorded by `record`) and end the process with exit code 1, as Python does,
     but without the interpreter's teardown: a process group whose peer left can abort in its C++
@@ -120,8 +157,11 @@ def _exit_failed(error: BaseException) -> None:
 
 if __name__ == "__main__":
     die_with_launcher()
+    quiet_repeated_warnings()
     sys.excepthook = _excepthook  # set before the script runs, so torch's rank-prefixing hook wraps it
     try:
         main(sys.argv[1:])
+    except KeyboardInterrupt:
+        _exit_interrupted()
     except Exception as failure:
         _exit_failed(failure)

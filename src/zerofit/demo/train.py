@@ -5,7 +5,8 @@
 
 Written as an ordinary Accelerate-style loop on `zerofit.Accelerator`: each rank reads its shard of
 the shipped text; the ZeRO stage comes from the launcher's config (`--config_file`) unless `--stage`
-is given. Rank 0 prints the loss every few steps and a summary.
+is given. `prepare()` prints what is sharded and offloaded; rank 0 then prints the loss every few steps
+and a summary.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import torch
 from torch import nn
 
 from zerofit import Accelerator
-from zerofit.cli.flags import add_flag
+from zerofit.cli import demo
+from zerofit.config.schema import RunConfig, ZeroConfig
 from zerofit.dist import runtime
 from zerofit.utils import set_seed
 
@@ -80,36 +82,47 @@ class Windows(torch.utils.data.Dataset):
         return {"ids": self.data[s:s + self.context], "labels": self.data[s + 1:s + 1 + self.context]}
 
 
+DEMO_PERSISTENCE_THRESHOLD = 10_000
+"""The demo's `param_persistence_threshold`: its blocks hold about 50,000 parameters each, under the default
+threshold (100,000) below which stage 3 keeps a unit whole, so with the default it would shard nothing.
+At 10,000 stage 3 shards the 4 blocks and keeps the small root unit (embeddings, final norm) whole, as it
+would a real model's."""
+
+
+def demo_config(config: RunConfig, stage: int | None) -> RunConfig:
+    """The launcher's config with `--stage` applied and, where the config leaves it at its default, the
+    demo's persistence threshold (see DEMO_PERSISTENCE_THRESHOLD)."""
+    zero = config.zero
+    if stage is not None:
+        zero = dataclasses.replace(zero, stage=stage)
+    if zero.param_persistence_threshold == ZeroConfig().param_persistence_threshold:
+        zero = dataclasses.replace(zero, param_persistence_threshold=DEMO_PERSISTENCE_THRESHOLD)
+    return config.replace(zero=zero)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="zerofit demo", allow_abbrev=False, description=__doc__.splitlines()[0])
-    add_flag(p, "--stage", type=int, choices=[0, 1, 2, 3], default=None, help="ZeRO stage (default: config)")
-    add_flag(p, "--steps", type=int, default=60, help="optimizer steps")
-    add_flag(p, "--micro_batch", aliases=("--batch_size",), type=int, default=8,
-             help="sequences per process per micro-step")
-    add_flag(p, "--gradient_accumulation_steps", type=int, default=1, help="micro-steps per optimizer step")
-    add_flag(p, "--context", type=int, default=64, help="characters per sequence (the model's context)")
-    add_flag(p, "--lr", type=float, default=3e-3, help="AdamW learning rate")
-    add_flag(p, "--mixed_precision", choices=["no", "bf16", "fp16"], default=None, help="compute precision")
+    """The options every rank parses: `zerofit demo`'s (declared once, in `zerofit.cli.demo`)."""
+    p = argparse.ArgumentParser(prog=f"python -m {demo.DEMO_MODULE}", allow_abbrev=False,
+                                description=__doc__.splitlines()[0])
+    demo.add_demo_options(p)
     return p
 
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
 
-    config = runtime.current_config()
-    if args.stage is not None:
-        config = config.replace(zero=dataclasses.replace(config.zero, stage=args.stage))
+    config = demo_config(runtime.current_config(), args.stage)
     accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps,
                               mixed_precision=args.mixed_precision, config=config)
     set_seed(0)
     data, vocab = load_corpus()
     loader = torch.utils.data.DataLoader(Windows(data, args.context), batch_size=args.micro_batch, shuffle=True)
     model = TinyCharLM(vocab, context=args.context)
+    size = sum(p.numel() for p in model.parameters())  # before prepare(): stage 3 leaves shards behind
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
-    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    accelerator.print(f"zerofit demo: {sum(p.numel() for p in model.parameters()):,} parameters, "
-                      f"ZeRO stage {config.zero.stage}, {accelerator.num_processes} processes "
-                      f"({runtime.backend(config)}), precision {accelerator.mixed_precision}")
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)  # prints what is sharded and offloaded
+    accelerator.print(f"zerofit demo: a {size:,}-parameter character model ({len(model.blocks)} blocks), "
+                      f"{args.steps} steps of {args.micro_batch} x {args.context} characters per process")
 
     losses, step, start = [], 0, time.perf_counter()
     while step < args.steps:

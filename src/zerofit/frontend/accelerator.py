@@ -53,6 +53,12 @@ from zerofit.frontend.utils import ProjectConfiguration
 _IGNORED = ("device_placement", "rng_types", "dynamo_backend", "dynamo_plugin",
             "deepspeed_plugins", "fsdp_plugin", "megatron_lm_plugin", "torch_tp_plugin",
             "parallelism_config", "even_batches", "dispatch_batches", "use_seedable_sampler")
+# What the warning for an ignored argument says zerofit does instead (default: _DECIDED_BY_ZEROFIT).
+_DECIDED_BY_ZEROFIT = "its engine and config decide this"
+_INSTEAD = {
+    "fsdp_plugin": "zerofit shards with its own ZeRO engine, as the config's zero.stage says (stage 3 shards "
+                   "parameters, gradients and optimizer state, as FSDP's FULL_SHARD does)",
+}
 
 
 class Accelerator(PrepareMixin, PersistenceMixin, ProcessMethods):
@@ -77,8 +83,8 @@ class Accelerator(PrepareMixin, PersistenceMixin, ProcessMethods):
         for name in _IGNORED:
             if given[name] not in (None, [], ()):
                 warnings.warn(f"Accelerator({name}=...) is accepted for compatibility and ignored by zerofit: "
-                              f"its engine and config decide this; remove the argument to silence this warning",
-                              stacklevel=2)
+                              f"{_INSTEAD.get(name, _DECIDED_BY_ZEROFIT)}; remove the argument to silence this "
+                              "warning", stacklevel=2)
         if gradient_accumulation_plugin is not None:
             gradient_accumulation_steps = getattr(gradient_accumulation_plugin, "num_steps", gradient_accumulation_steps)
         if dataloader_config is not None:

@@ -9,6 +9,9 @@ What each becomes in zerofit:
   Accelerate launch YAML would be (`hf_ds_config`: a DeepSpeed JSON path or dict), in place of the
   launcher's - as under Accelerate, a plugin given in code wins over the launch config.
 - `ProfileKwargs(...)`: the settings of `accelerator.profile()` (torch.profiler).
+- `FullyShardedDataParallelPlugin(...)`: accepted with any fields, so that scripts written for FSDP
+  import and run, and ignored: zerofit shards with its own ZeRO engine, as the config's stage says
+  (`Accelerator(fsdp_plugin=...)` warns that it is ignored and what to set instead).
 - `DistributedDataParallelKwargs`, `GradScalerKwargs`, `AutocastKwargs`: zerofit's engine does not
   use torch DDP, a GradScaler or autocast (it reduces gradients itself, scales fp16 losses as
   DeepSpeed does, and computes in the configured dtype); with default fields they are accepted
@@ -198,6 +201,18 @@ def with_deepspeed_plugin(config: RunConfig, plugin: DeepSpeedPlugin) -> RunConf
     return config.replace(zero=given.zero, batch=given.batch, precision=precision,
                           gradient_clipping=given.gradient_clipping, optimizer=given.optimizer,
                           scheduler=given.scheduler, source_format=given.source_format, source=given.source)
+
+
+class FullyShardedDataParallelPlugin:
+    """Accelerate's FSDP settings, kept but not applied (see the module doc): zero.stage 3 shards
+    parameters, gradients and optimizer state as FSDP's FULL_SHARD does."""
+
+    def __init__(self, **settings: Any):
+        self.settings = dict(settings)
+        """The fields the script gave, as given."""
+
+    def __repr__(self) -> str:
+        return f"FullyShardedDataParallelPlugin({', '.join(f'{k}={v!r}' for k, v in self.settings.items())})"
 
 
 @dataclass

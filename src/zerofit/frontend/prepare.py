@@ -17,6 +17,7 @@ from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader
 
+from zerofit.config.naming import key_name
 from zerofit.config.schema import SchedulerConfig
 from zerofit.engine import ZeroEngine
 from zerofit.errors import ConfigError
@@ -28,6 +29,7 @@ from zerofit.frontend.auto_plan import (
     plan_for,
     wants_host_share,
 )
+from zerofit.frontend.banner import describe_engine
 from zerofit.frontend.data import ShardedDataLoader
 from zerofit.frontend.optimizers import AcceleratedOptimizer, build_optimizer
 from zerofit.frontend.progress import Progress
@@ -182,7 +184,8 @@ class PrepareMixin:
         if wants_host_share(self.config, self.device):  # a split of GPU-stepped offload, from measured rates
             share = machine_host_share(self.device, self.num_processes,
                                        2 if self.config.precision.mixed_precision in ("bf16", "fp16") else 4)
-        if needs_planning(self.config) or share is not None:  # "auto": the planner picks (zerofit.frontend.auto_plan)
+        planned = needs_planning(self.config) or share is not None
+        if planned:  # "auto": the planner picks (zerofit.frontend.auto_plan) and prints its choice
             self.config, probe = plan_for(self.config, model, loaders=self._prepared.dataloaders,
                                           micro_batch=self._facts.micro_batch_size, process=self.process,
                                           host_share=share, rates=machine_rates(self.device, self.num_processes))
@@ -192,6 +195,9 @@ class PrepareMixin:
                             gradient_accumulation_steps=self.gradient_state.window,
                             gradient_clipping=cfg.gradient_clipping, device=self.device)
         self._prepared.engines[id(model)] = engine
+        if self.is_main_process and not planned:  # the planner's line already said what runs
+            print(describe_engine(engine, num_processes=self.num_processes, backend=self.process.backend,
+                                  spell=lambda key: key_name(cfg.source_format, key)), flush=True)
         if probe is not None:
             self._probe = probe
             probe.start(engine)

@@ -38,6 +38,7 @@ from zerofit.frontend.plugins import (
     DDPCommunicationHookType,
     DeepSpeedPlugin,
     DistributedDataParallelKwargs,
+    FullyShardedDataParallelPlugin,
     GradientAccumulationPlugin,
     GradScalerKwargs,
     InitProcessGroupKwargs,
@@ -55,6 +56,7 @@ __all__ = [
     "DistributedType",
     "DummyOptim",
     "DummyScheduler",
+    "FullyShardedDataParallelPlugin",
     "GradScalerKwargs",
     "GradientAccumulationPlugin",
     "InitProcessGroupKwargs",
@@ -70,7 +72,9 @@ __all__ = [
     "init_empty_weights",
     "init_on_device",
     "is_deepspeed_available",
+    "is_npu_available",
     "is_schedulefree_available",
+    "is_xpu_available",
     "pad_across_processes",
     "reduce",
     "send_to_device",
@@ -224,6 +228,17 @@ def tqdm(*args: Any, main_process_only: bool = True, **kwargs: Any) -> Any:
 def is_deepspeed_available() -> bool:
     """Whether the `deepspeed` package can be imported (zerofit itself never needs it)."""
     return importlib.util.find_spec("deepspeed") is not None
+
+
+def is_npu_available(check_device: bool = False) -> bool:
+    """False: zerofit computes on CUDA GPUs or on the CPU, never on an Ascend NPU, so a script's NPU
+    branch (memory counters, cache clearing) must not run even where torch_npu is installed."""
+    return False
+
+
+def is_xpu_available(check_device: bool = False) -> bool:
+    """False: zerofit computes on CUDA GPUs or on the CPU, never on an Intel XPU (see `is_npu_available`)."""
+    return False
 
 
 def is_schedulefree_available() -> bool:
