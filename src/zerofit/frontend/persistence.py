@@ -64,13 +64,24 @@ class PersistenceMixin:
                           safe_serialization=safe_serialization)
 
     def save(self, obj: Any, f: str | os.PathLike, safe_serialization: bool = False) -> None:
-        """Write `obj` once, from the main process (safetensors for a dict of tensors when asked)."""
+        """Write `obj` once, from the main process (safetensors for a dict of tensors when asked).
+
+        safetensors stores no two names over one storage: a tensor met again under a later name (a tied
+        weight, as `get_state_dict` gives it) is written under its first name only, as `save_pretrained`
+        does; `from_pretrained` ties it again."""
         if not self.is_main_process:
             return
         if safe_serialization:
             from safetensors.torch import save_file
 
-            save_file({k: v.contiguous() for k, v in obj.items()}, str(f), metadata={"format": "pt"})
+            seen: set[tuple] = set()
+            tensors = {}
+            for k, v in obj.items():
+                key = (v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape)) if v.numel() else (id(v),)
+                if key not in seen:
+                    seen.add(key)
+                    tensors[k] = v.contiguous()
+            save_file(tensors, str(f), metadata={"format": "pt"})
         else:
             torch.save(obj, f)
 
