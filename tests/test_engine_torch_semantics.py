@@ -101,20 +101,23 @@ def reference(kind: str, world: int) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def train(rank: int, world: int, kind: str, stage: int, offload: str, step_on: str) -> dict:
+def train(rank: int, world: int, kind: str, stage: int, offload: str, step_on: str, device: str = "cpu",
+          precision: str = "no") -> dict:
     model, opt = model_and_optim()
     zero = ZeroConfig(stage=stage, param_persistence_threshold=0,
                       offload_optimizer=OffloadConfig(device=offload, step_on=step_on))
-    engine = ZeroEngine(model, opt, zero=zero, precision=PrecisionConfig(), device=torch.device("cpu"))
+    engine = ZeroEngine(model, opt, zero=zero, precision=PrecisionConfig(mixed_precision=precision),
+                        device=torch.device(device))
     engine.comm.trace = []
     micro = BATCH // world
     for step, (x, y) in enumerate(data()):
         use_b, skip, parts = plan(kind, step, rank)
         rows = slice(rank * micro, (rank + 1) * micro)
+        x, y = x.to(device), y.to(device)
         for loss in losses(model, x[rows], y[rows], use_b, skip, parts):
             engine.backward(loss, sync=True)
         engine.step()
-    params = {k: v.clone() for k, v in engine.named_full_tensors("master").items()}
+    params = {k: v.cpu() for k, v in engine.named_full_tensors("master").items()}
     return {"params": params, "trace": engine.comm.trace, "units": len(engine.units)}
 
 
@@ -207,3 +210,17 @@ def test_a_second_backward_after_an_early_host_step_is_refused_not_lost():
     with pytest.raises(EngineError, match=r"backward ran again after the backward that closed .*sum the losses"):
         engine.backward(sum(losses(model, x, y, True, (), 1)))
 
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("precision", ["no", "bf16"])
+def test_on_cuda_gpu_stepped_offload_leaves_out_unused_parameters_as_the_device_step_does(precision):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    want = reference("unused", 1)
+    for stage in (2, 3):
+        on_gpu = train(0, 1, "unused", stage, "none", "auto", "cuda", precision)["params"]
+        streamed = train(0, 1, "unused", stage, "cpu", "device", "cuda", precision)["params"]
+        assert all(torch.equal(on_gpu[n], streamed[n]) for n in on_gpu), stage
+        if precision == "no":
+            assert max((on_gpu[n] - want[n]).abs().max().item() for n in want) < 1e-4, stage
