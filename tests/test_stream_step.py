@@ -132,6 +132,23 @@ def test_chunks_cover_each_piece_once_and_stay_inside_it(pieces, chunk):
         assert all(1 <= c.length <= chunk for c in chunks)
 
 
+def test_a_run_packs_small_pieces_whole_and_cuts_only_long_ones_into_chunks_of_their_own():
+    from zerofit.engine.stream_runs import Piece, run_chunks
+
+    # offsets at multiples of 16, as the flat layout puts them; lengths: 5, 40 (> chunk), 12, 7, 13, 3
+    spans = [(0, 5), (16, 40), (64, 12), (80, 7), (96, 13), (112, 3)]
+    pieces = [Piece(None, offset, length, i) for i, (offset, length) in enumerate(spans)]
+    chunks = run_chunks(0, pieces, 32)
+    assert [(c.start, c.length) for c in chunks] == [(0, 5), (16, 32), (48, 8), (64, 23), (96, 19)]
+    assert [c.shift for c in chunks] == [0, 0, 0, 0, 0]  # 40 is a multiple of 4: the long piece vectorises
+    for p in pieces:  # every piece lies in chunks that cover it exactly once; only the long one is cut
+        inside = [c for c in chunks if c.start < p.offset + p.length and c.start + c.length > p.offset]
+        assert sum(min(c.start + c.length, p.offset + p.length) - max(c.start, p.offset) for c in inside) == p.length
+        assert len(inside) == (2 if p.length > 32 else 1)
+    odd = run_chunks(0, [Piece(None, 0, 70, 0)], 32)  # 70 is not: every chunk of it starts off a boundary
+    assert [(c.start, c.length) for c in odd] == [(0, 32), (32, 32), (64, 6)] and all(c.shift for c in odd)
+
+
 def test_chunk_size_must_be_positive():
     with pytest.raises(ValueError, match="chunk must be at least 1"):
         plan_chunks([(0, 4)], 0)

@@ -16,11 +16,14 @@ kernel is the one the no-offload path runs on the same elements, gradients and f
 is the same bit for bit. Only the state crosses the bus (no gradient download, no parameter upload),
 and the CPU cores stay free.
 
-A chunk lies inside one optimizer piece (one param group), so it steps with that group's settings
-and from a copy of the piece's scalar state (Adam's `step`); the piece keeps the last chunk's. On a
-piece's first step its chunks start with no state and the optimizer creates it as it would on the
-whole piece (zeros for Adam's moments, the gradient for SGD's momentum); it is kept in host memory
-from then on, where checkpoints find it. Host-side readers call `settle(state=True)`, which waits for
+A chunk lies inside one run - consecutive optimizer pieces of one param group (see [Note: runs] in
+zerofit.engine.stream_runs) - so it steps with that group's settings; each piece (or part of one) in
+it is one tensor of that step, from a copy of the piece's scalar state (Adam's `step`), and the piece
+keeps its last part's. On a piece's first step its parts start with no state and the optimizer
+creates it as it would on the whole piece (zeros for Adam's moments, the gradient for SGD's
+momentum); it is kept in the run's host homes from then on, where checkpoints find it. A piece whose
+parameter no rank gave a gradient is left out of the step; its elements travel there and back
+unchanged (see [Note: parameters without a gradient] in zerofit.engine.engine). Host-side readers call `settle(state=True)`, which waits for
 the downloads in flight; gradients are zeroed by the step itself (`FlatGroup.step_in_flight`).
 
 With bf16 parameters on the device the master does not cross whole: the host keeps its low halves and
@@ -52,7 +55,6 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -64,9 +66,22 @@ from zerofit.engine.comm import Collectives, Pending
 from zerofit.engine.flat_group import FlatGroup
 from zerofit.engine.nvme import NvmeSwapper
 from zerofit.engine.optim import folds_grad_scale, mark_stepped, step_with_factor
-from zerofit.engine.pinned import pinned_copy, pinned_empty
+from zerofit.engine.pinned import pinned_empty
 from zerofit.engine.step_mode import StepFactors, StepMode, gather_params, publish_bounds
 from zerofit.engine.stream_issue import IssueThread
+from zerofit.engine.stream_runs import (  # noqa: F401 - ChunkSpan and plan_chunks: public here too
+    VECTOR,
+    ChunkSpan,
+    Run,
+    aligned_chunk,
+    bind,
+    home_of,
+    is_streamed,
+    plan_chunks,
+    plan_runs,
+    rehome,
+    state_keys,
+)
 from zerofit.engine.timing import StepTimes
 from zerofit.engine.unit import Unit
 
@@ -74,43 +89,19 @@ from zerofit.engine.unit import Unit
 STREAM_CHUNK = 1 << 24  # elements per chunk: large enough that copies run at full bandwidth
 STREAM_SLOTS = 3  # chunks in flight: one uploading, one stepping, one downloading
 _FUSED_ON_CUDA = ("Adam", "AdamW", "SGD")  # optimizer classes whose fused kernels exist on CUDA
-_VECTOR = 4
 """[Note: chunk alignment] torch's multi-tensor kernels take a vectorised path only for a tensor that
 starts on a 16-byte boundary and whose length is a multiple of 4 elements, else an element-by-element
-one, and the two may round differently (contracted multiply-adds: seen with fused SGD). On the device
-a piece is one tensor, a view at its shard offset; chunks are multiples of 4 long. So a chunk's master
-and upcast gradient start on a boundary exactly when the piece would take the vectorised path, and
-off one otherwise: every chunk then takes the piece's path, and the result stays bit for bit the same."""
-
-
-def _shift(piece_offset: int, piece_length: int, chunk_start: int) -> int:
-    """Elements past a 16-byte boundary a chunk's master view starts at (see [Note: chunk alignment])."""
-    if piece_offset % _VECTOR == 0 and piece_length % _VECTOR == 0:
-        return 0
-    return chunk_start % _VECTOR or 1
-
-
-@dataclass(frozen=True)
-class ChunkSpan:
-    """One chunk of a group's shard: `length` elements from `start`, inside piece `piece`."""
-
-    piece: int
-    start: int
-    """Offset in the group's shard."""
-    length: int
-
-
-def plan_chunks(pieces: list[tuple[int, int]], chunk: int) -> list[list[ChunkSpan]]:
-    """The chunks of each piece (given as (shard offset, length)), in order: each inside its piece,
-    at most `chunk` elements, covering the piece exactly once."""
-    if chunk < 1:
-        raise ValueError(f"chunk must be at least 1 element (got {chunk})")
-    return [[ChunkSpan(i, offset + lo, min(chunk, length - lo)) for lo in range(0, length, chunk)]
-            for i, (offset, length) in enumerate(pieces)]
+one, and the two may round differently (contracted multiply-adds: seen with fused SGD). On the device a
+piece is one tensor at its shard offset, a multiple of 16 elements. In a slot, a chunk of whole
+pieces starts each of them on a 16-element boundary too, and a piece longer than a chunk is cut into
+chunks of its own, multiples of 16 long, whose master and upcast gradient start on a boundary exactly
+when the piece would take the vectorised path, and off one otherwise (`ChunkSpan.shift`). So every
+element takes the path it takes on the device, and the result stays bit for bit the same."""
 
 
 def stream_pool_bytes(largest_piece: int, *, state_tensors: int, compact: bool,
                       offload_params: bool, compute_bytes: int, split: bool = False) -> int:
+    """`largest_piece`: the largest run of a group (at most the group's shard)."""
     """Device bytes of the chunk pool: per slot, fp32 master + state chunks (+ the fp32 gradient upcast
     when gradients are compact, + the compute-dtype parameter chunk on its way down with param offload,
     + the packed master and its carries' scratch when the master travels split)."""
@@ -119,11 +110,6 @@ def stream_pool_bytes(largest_piece: int, *, state_tensors: int, compact: bool,
     if split:
         per_slot += master_split.packed_bytes(n) + master_split.scratch_bytes(n)
     return STREAM_SLOTS * per_slot
-
-
-def _is_streamed(value, numel: int) -> bool:
-    """A per-element state tensor (streamed with the master), as opposed to scalar state."""
-    return isinstance(value, torch.Tensor) and value.ndim == 1 and value.numel() == numel
 
 
 class _Slot:
@@ -140,7 +126,7 @@ class _Slot:
         """`n` elements of buffer `name`, starting `shift` elements in (see [Note: chunk alignment])."""
         key = (name, dtype)
         if key not in self._buffers:
-            self._buffers[key] = torch.empty(self.capacity + _VECTOR, dtype=dtype, device=self.device)
+            self._buffers[key] = torch.empty(self.capacity + VECTOR, dtype=dtype, device=self.device)
         return self._buffers[key][shift:shift + n]
 
     def packed(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -152,18 +138,6 @@ class _Slot:
             self._buffers[carries] = torch.empty(master_split.scratch_bytes(cap), dtype=torch.uint8,
                                                  device=self.device)
         return self._buffers[packed][:master_split.packed_bytes(n)], self._buffers[carries]
-
-
-class _Piece:
-    """One optimizer piece of a group: its host master tensor (the optimizer's key) and param group."""
-
-    def __init__(self, master: torch.Tensor, group: int, offset: int, chunks: list[ChunkSpan], param: int):
-        self.master = master
-        self.group = group
-        self.offset = offset
-        self.chunks = chunks
-        self.param = param
-        """Layout position of the parameter the piece is part of."""
 
 
 class StreamStep(StepMode):
@@ -189,22 +163,14 @@ class StreamStep(StepMode):
         # One stream per direction and one for the kernels, so the three overlap (none is the main stream).
         self._up, self._work, self._down = ([torch.cuda.Stream(device=self.device) for _ in range(3)]
                                             if self._cuda else (None, None, None))
-        by_ptr = {t.data_ptr(): (i, t) for i, pg in enumerate(optimizer.param_groups) for t in pg["params"]}
-        self._pieces: dict[int, list[_Piece]] = {}
-        largest = 1
-        for g in groups:
-            layout_pieces = g.layout.pieces(g.placement.rank)
-            spans = [(p.shard_offset, p.length) for p in layout_pieces]
-            pieces = []
-            for p, (offset, length), chunks in zip(layout_pieces, spans, plan_chunks(spans, chunk)):
-                index, master = by_ptr[g.master[offset:].data_ptr()]
-                pieces.append(_Piece(master, index, offset, chunks, p.index))
-                largest = max(largest, length)
-            self._pieces[id(g)] = pieces
+        chunk = aligned_chunk(chunk)
+        self._runs: dict[int, list[Run]] = {id(g): plan_runs(g, optimizer, chunk) for g in groups}
+        """Per group: its runs of pieces, each with its chunks (see [Note: runs] in zerofit.engine.stream_runs)."""
+        largest = max((r.end - r.start for runs in self._runs.values() for r in runs), default=1)
         self._slots = [_Slot(min(chunk, largest), self.device) for _ in range(max(1, slots))]
         self._next_slot = 0
         self._opts: dict[int, torch.optim.Optimizer] = {}
-        """A one-tensor optimizer of the script's class per param group, re-pointed at each chunk."""
+        """An optimizer of the script's class per param group, re-pointed at each chunk's pieces."""
         self._done: dict[int, object] = {}
         """Per group in flight: the event after which its parameters are published and gradient zeroed."""
         self._written = None
@@ -212,7 +178,7 @@ class StreamStep(StepMode):
         self._keep: list = []
         """Tensors the side streams still read (the step's factor), held until the next step."""
         self._pinned: set[int] = set()
-        """data_ptr of host state tensors known to be page-locked."""
+        """data_ptr of host storages known to be page-locked."""
         self._packed: set[int] = set()
         """Groups whose host master holds the packed form, chunk by chunk (issuing thread; `settle` joins)."""
         self._backward_ran = False
@@ -316,8 +282,8 @@ class StreamStep(StepMode):
             with self.times.measure("nvme_wait"):
                 self.swapper.swap_in(g)  # master and state bound to a pinned slot (uploads are DMA)
         with self.times.measure("stream_issue"):
-            for piece in self._pieces[id(g)]:
-                self._step_piece(g, piece, scale, kernel, settings, skip=piece.param in unused[id(g)])
+            for run in self._runs[id(g)]:
+                self._step_run(g, run, scale, kernel, settings, unused[id(g)])
             self._done[id(g)] = self._record(self._down if g.placement.offload_params else self._work)
             downloaded = self._record(self._down)
             if id(g) in self._splits:
@@ -326,109 +292,142 @@ class StreamStep(StepMode):
         if self.swapper is not None:
             self.swapper.swap_out(g, ready=downloaded)  # written once the downloads into the slot are done
 
-    def _step_piece(self, g: FlatGroup, piece: _Piece, scale, kernel, settings: list[dict], *,
-                    skip: bool = False) -> None:
-        """Stream `piece` through the slots and step it (`skip`: only there and back, not stepped)."""
-        state = self.optimizer.state[piece.master]
-        length = piece.master.numel()
-        # per-element state streamed with the master; none yet: the piece's first step creates it
-        keys = [k for k, v in state.items() if _is_streamed(v, length)]
-        scalars = {k: v for k, v in state.items() if k not in keys}
-        if keys and self._cuda and self.swapper is None:  # with NVMe the state is in a pool slot
-            for k in keys:  # state a checkpoint load allocated in pageable memory: page-lock it once
-                if state[k].data_ptr() not in self._pinned:
-                    if not state[k].is_pinned():
-                        state[k] = pinned_copy(state[k])
-                    self._pinned.add(state[k].data_ptr())
-        opt = self._optimizer_for(piece.group, settings[piece.group])
+    def _step_run(self, g: FlatGroup, run: Run, scale, kernel, settings: list[dict], unused: frozenset[int]) -> None:
+        """Stream `run` through the slots chunk by chunk and step its pieces, but those of `unused` parameters."""
+        state = self.optimizer.state
+        fresh = {id(p) for p in run.pieces if not state.get(p.master)}  # their first step creates their state
+        homes = self._homes(run)
+        opt = self._optimizer_for(run.group, settings[run.group])
         split = id(g) in self._splits
         packed_home = id(g) in self._packed  # the host master holds the packed form (the last step split it)
-        last: dict = {}
-        for span in piece.chunks:
+        run_master = g.master[run.start:run.end]
+        created: dict[int, dict[str, torch.dtype]] = {}
+        """id(piece) -> the per-element state the optimizer created for it (its first step)."""
+        last: dict[int, dict] = {}
+        """id(piece) -> the scalar state of its last stepped part."""
+        for span in run.chunks:
             slot = self._slots[self._next_slot]
             self._next_slot = (self._next_slot + 1) % len(self._slots)
-            lo, n = span.start - piece.offset, span.length
+            lo, n = span.start - run.start, span.length
             with self._on(self._up):
                 if slot.free is not None:
                     self._up.wait_event(slot.free)
-                shift = _shift(piece.offset, length, span.start)
-                master = slot.buf("master", torch.float32, n, shift)
+                master = slot.buf("master", torch.float32, n, span.shift)
                 packed, carries = slot.packed(n) if split or packed_home else (None, None)
                 if packed_home:  # the low halves and carries come up; the device holds the rest
-                    packed.copy_(_packed_home(piece.master, lo, n), non_blocking=True)
+                    packed.copy_(_packed_home(run_master, lo, n), non_blocking=True)
                 else:
-                    master.copy_(piece.master[lo:lo + n], non_blocking=True)
-                chunk_state = {}
-                for k in keys:
-                    chunk_state[k] = slot.buf(k, state[k].dtype, n)
-                    chunk_state[k].copy_(state[k][lo:lo + n], non_blocking=True)
+                    master.copy_(run_master[lo:lo + n], non_blocking=True)
+                for k, home in homes.items():
+                    slot.buf(k, home.dtype, n).copy_(home[lo:lo + n], non_blocking=True)
                 loaded = self._record(self._up)
             with self._on(self._work):
                 if loaded is not None:
                     self._work.wait_event(loaded)
                 if packed_home:
                     master_split.join(packed, g.param_shard[span.start:span.start + n], master, carries)
-                if keys:  # every chunk starts from the piece's scalar state (a fresh piece has none)
-                    chunk_state.update({k: self._scalar_copy(v, opt) for k, v in scalars.items()})
-                created, last = self._step_chunk(g, opt, span, master, chunk_state, scale, kernel, slot, skip)
+                new_keys = self._step_chunk(g, run, opt, span, master, slot, homes, fresh, unused, scale, kernel,
+                                            created, last)
                 if split:  # after the parameter is published: its rounding is what the carries refer to
                     master_split.split(master, g.param_shard[span.start:span.start + n], packed, carries)
                 stepped = self._record(self._work)
             with self._on(self._down):
                 if stepped is not None:
                     self._down.wait_event(stepped)
-                for k, v in created.items():  # a fresh piece's per-element state gets its home in host memory
-                    if not _is_streamed(state.get(k), length):
-                        state[k] = self._host_tensor(length, v.dtype)
+                for k, dtype in new_keys.items():  # state fresh pieces created: its home in host memory
+                    if k not in homes:
+                        homes[k] = self._host_tensor(run.end - run.start, dtype)
                 if split:
-                    _packed_home(piece.master, lo, n).copy_(packed, non_blocking=True)
+                    _packed_home(run_master, lo, n).copy_(packed, non_blocking=True)
                 else:
-                    piece.master[lo:lo + n].copy_(master, non_blocking=True)
-                for k in {*keys, *created}:  # every per-element state tensor of the chunk is in its slot
-                    state[k][lo:lo + n].copy_(slot.buf(k, state[k].dtype, n), non_blocking=True)
+                    run_master[lo:lo + n].copy_(master, non_blocking=True)
+                for k, home in homes.items():  # every per-element state of the chunk is in its slot
+                    home[lo:lo + n].copy_(slot.buf(k, home.dtype, n), non_blocking=True)
                 if g.placement.offload_params:
                     g.param_shard[span.start:span.start + n].copy_(slot.buf("param", g.compute_dtype, n),
                                                                    non_blocking=True)
                 slot.free = self._record(self._down)
-        state.update(last)  # the piece's scalar state moves on as its last chunk's did
+        for p in run.pieces:
+            for k in created.get(id(p), ()):
+                bind(run, state, k, homes[k], [p])  # its values are on their way there
+            if id(p) in last:
+                state[p.master].update(last[id(p)])  # the piece's scalar state moves on as its last part's did
 
-    def _step_chunk(self, g: FlatGroup, opt: torch.optim.Optimizer, span: ChunkSpan, master: torch.Tensor,
-                    chunk_state: dict, scale, kernel, slot: _Slot, skip: bool) -> tuple[dict, dict]:
-        """Step one chunk (on the step stream; `skip`: leave it as it is): publish it into the parameters,
-        zero its gradient. Returns (per-element state the optimizer created, now in slot buffers; the chunk's scalar state)."""
-        n = span.length
-        grad = g.grad_shard[span.start:span.start + n]
+    def _homes(self, run: Run) -> dict[str, torch.Tensor]:
+        """Per per-element state key of `run`: the one host tensor every piece's state views (see [Note:
+        runs]); state that does not lie so (a checkpoint load's, pageable) is moved into a new one now."""
+        state = self.optimizer.state
+        homes = {}
+        for k, dtype in state_keys(run, state).items():
+            home = home_of(run, state, k, pinned=self._is_pinned)
+            if home is None:
+                home = self._host_tensor(run.end - run.start, dtype)
+                rehome(run, state, k, home)
+            homes[k] = home
+        return homes
+
+    def _is_pinned(self, t: torch.Tensor) -> bool:
+        if not self._cuda or self.swapper is not None:  # NVMe: the swapper's slots are what the copies read
+            return True
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in self._pinned and t.is_pinned():
+            self._pinned.add(ptr)
+        return ptr in self._pinned
+
+    def _step_chunk(self, g: FlatGroup, run: Run, opt: torch.optim.Optimizer, span: ChunkSpan, master: torch.Tensor,
+                    slot: _Slot, homes: dict, fresh: set[int], unused: frozenset[int], scale, kernel,
+                    created: dict[int, dict], last: dict[int, dict]) -> dict[str, torch.dtype]:
+        """Step the pieces in one chunk (on the step stream), one tensor each, in one call; publish the chunk
+        into the parameters and zero its gradient. Returns the per-element state keys the optimizer created
+        (now in the slot's buffers)."""
+        n, s = span.length, span.start
+        grad = g.grad_shard[s:s + n]
         if grad.dtype != torch.float32:  # compact gradient: upcast, exactly, into the slot
-            grad = slot.buf("grad", torch.float32, n, master.storage_offset() % _VECTOR).copy_(grad)
+            grad = slot.buf("grad", torch.float32, n, span.shift).copy_(grad)
             if isinstance(scale, torch.Tensor):
                 grad.mul_(scale.to(grad.device))
             elif scale is not None and scale != 1.0:
                 grad.mul_(scale)
-        before = dict(chunk_state)
-        new: dict = {}
-        if not skip:
-            opt.param_groups[0]["params"] = [master]
-            opt.state.clear()
-            opt.state[master] = chunk_state
-            master.grad = grad
+        parts = []
+        for p, a, b in run.parts(span):
+            if p.param in unused:
+                continue  # left out: its elements go back as they came
+            view = master[a - s:b - s]
+            view.grad = grad[a - s:b - s]
+            given: dict = {}
+            if id(p) not in fresh:
+                own = self.optimizer.state[p.master]
+                given = {k: slot.buf(k, homes[k].dtype, n)[a - s:b - s] for k in homes if k in own}
+                given.update({k: self._scalar_copy(v, opt) for k, v in own.items() if not is_streamed(v, p.length)})
+            parts.append((view, p, a, b, dict(given)))
+            opt.state[view] = given
+        new_keys: dict[str, torch.dtype] = {}
+        if parts:
+            opt.param_groups[0]["params"] = [view for view, *_ in parts]
             try:
                 step_with_factor(opt, kernel)
             finally:
-                master.grad = None
-                new = opt.state.pop(master, {})
+                states = [opt.state.pop(view, {}) for view, *_ in parts]
+                for view, *_ in parts:
+                    view.grad = None
                 opt.param_groups[0]["params"] = []
-        created, scalars = {}, {}
-        for k, v in new.items():
-            if not _is_streamed(v, n):
-                scalars[k] = v
-            elif before.get(k) is not v:  # new (a fresh piece), or replaced rather than updated in place
-                created[k] = slot.buf(k, v.dtype, n).copy_(v)  # into the slot: downloads are ordered on it
+                opt.state.clear()
+            for (_, p, a, b, before), new in zip(parts, states):
+                scalars = {}
+                for k, v in new.items():
+                    if not is_streamed(v, b - a):
+                        scalars[k] = v
+                    elif before.get(k) is not v:  # new (a fresh piece), or replaced rather than updated in place
+                        slot.buf(k, v.dtype, n)[a - s:b - s].copy_(v)  # into the slot: downloads are ordered on it
+                        created.setdefault(id(p), {})[k] = v.dtype
+                        new_keys[k] = v.dtype
+                last[id(p)] = scalars
         if g.placement.offload_params:
             slot.buf("param", g.compute_dtype, n).copy_(master)
         else:
-            g.param_shard[span.start:span.start + n].copy_(master)
-        g.grad_shard[span.start:span.start + n].zero_()
-        return created, scalars
+            g.param_shard[s:s + n].copy_(master)
+        g.grad_shard[s:s + n].zero_()
+        return new_keys
 
     def _optimizer_for(self, index: int, settings: dict) -> torch.optim.Optimizer:
         """The one-tensor optimizer of param group `index`, with this step's `settings` of that group."""
@@ -525,11 +524,12 @@ class StreamStep(StepMode):
             if id(g) not in self._packed:
                 continue
             param = g.param_shard.to("cpu")  # the rounding the carries refer to
-            for piece in self._pieces[id(g)]:
-                for span in piece.chunks:
-                    lo, n = span.start - piece.offset, span.length
-                    packed = _packed_home(piece.master, lo, n).clone()  # the master's own bytes are rewritten
-                    master_split.join(packed, param[span.start:span.start + n], piece.master[lo:lo + n], carries)
+            for run in self._runs[id(g)]:
+                run_master = g.master[run.start:run.end]
+                for span in run.chunks:
+                    lo, n = span.start - run.start, span.length
+                    packed = _packed_home(run_master, lo, n).clone()  # the master's own bytes are rewritten
+                    master_split.join(packed, param[span.start:span.start + n], run_master[lo:lo + n], carries)
         self._packed.clear()
 
 
