@@ -14,6 +14,7 @@ for bit, and every rank must issue the same collectives in the same order:
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import pytest
@@ -21,6 +22,7 @@ import torch
 from engine_cases import DIM, SEQ, VOCAB, Block, loss_fn
 from torch import nn
 
+from zerofit.checkpoint import load_state, save_state
 from zerofit.config.schema import OffloadConfig, PrecisionConfig, ZeroConfig
 from zerofit.engine import ZeroEngine
 from zerofit.errors import EngineError
@@ -102,21 +104,28 @@ def reference(kind: str, world: int) -> dict[str, torch.Tensor]:
 
 
 def train(rank: int, world: int, kind: str, stage: int, offload: str, step_on: str, device: str = "cpu",
-          precision: str = "no") -> dict:
+          precision: str = "no", steps: range = range(STEPS), save_to: str | None = None,
+          load_from: str | None = None) -> dict:
     model, opt = model_and_optim()
     zero = ZeroConfig(stage=stage, param_persistence_threshold=0,
                       offload_optimizer=OffloadConfig(device=offload, step_on=step_on))
     engine = ZeroEngine(model, opt, zero=zero, precision=PrecisionConfig(mixed_precision=precision),
                         device=torch.device(device))
+    if load_from is not None:
+        load_state(load_from, engine)
     engine.comm.trace = []
     micro = BATCH // world
     for step, (x, y) in enumerate(data()):
+        if step not in steps:
+            continue
         use_b, skip, parts = plan(kind, step, rank)
         rows = slice(rank * micro, (rank + 1) * micro)
         x, y = x.to(device), y.to(device)
         for loss in losses(model, x[rows], y[rows], use_b, skip, parts):
             engine.backward(loss, sync=True)
         engine.step()
+    if save_to is not None:
+        save_state(save_to, engine)
     params = {k: v.cpu() for k, v in engine.named_full_tensors("master").items()}
     return {"params": params, "trace": engine.comm.trace, "units": len(engine.units)}
 
@@ -132,14 +141,22 @@ def _skips_blocks_per_rank(kind: str, stage: int) -> bool:
     return kind == "rank_dependent" and stage == 3
 
 
-def run_all(rank: int, world: int) -> dict:
-    return {(kind, *config): train(rank, world, kind, *config)
-            for kind in KINDS for config in CONFIGS if not _skips_blocks_per_rank(kind, config[0])}
+RESUMED = [(2, "none", "auto"), (3, "cpu", "host"), (2, "cpu", "device")]
+
+
+def run_all(rank: int, world: int, folder: str) -> dict:
+    out = {(kind, *config): train(rank, world, kind, *config)
+           for kind in KINDS for config in CONFIGS if not _skips_blocks_per_rank(kind, config[0])}
+    for config in RESUMED:  # saved after step 3: head b stepped twice, the rest three times
+        path = os.path.join(folder, "-".join(map(str, config)))
+        train(rank, world, "unused", *config, steps=range(3), save_to=path)
+        out[("resumed", *config)] = train(rank, world, "unused", *config, steps=range(3, STEPS), load_from=path)
+    return out
 
 
 @pytest.fixture(scope="module")
-def world2():
-    return run_distributed(run_all, 2, timeout=300)
+def world2(tmp_path_factory):
+    return run_distributed(run_all, 2, str(tmp_path_factory.mktemp("ckpt")), timeout=300)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -153,6 +170,15 @@ def test_matches_the_unsharded_reference_at_every_stage_and_offload(world2, kind
         worst = max((got["params"][n] - want[n]).abs().max().item() for n in want)
         assert worst < TOL, (key, worst)
         assert all(torch.equal(got["params"][n], r1[key]["params"][n]) for n in want), key
+
+
+def test_a_checkpoint_keeps_each_parameters_own_step_count(world2):
+    # Resuming a run in which head b missed steps continues exactly as the run straight through.
+    r0, r1 = world2
+    for config in RESUMED:
+        straight, resumed = r0[("unused", *config)]["params"], r0[("resumed", *config)]["params"]
+        assert all(torch.equal(straight[n], resumed[n]) for n in straight), config
+        assert all(torch.equal(resumed[n], r1[("resumed", *config)]["params"][n]) for n in resumed), config
 
 
 def test_every_rank_issues_the_same_collectives_in_the_same_order(world2):

@@ -46,7 +46,14 @@ from zerofit.checkpoint.manifest import (
 from zerofit.checkpoint.ranks import Ranks
 from zerofit.checkpoint.tree import encode, read_tree, write_encoded, write_tree
 from zerofit.config.schema import RunConfig
-from zerofit.engine.state import allocate_optimizer_state, local_fragments, optimizer_scalars
+from zerofit.engine.state import (
+    allocate_optimizer_state,
+    differing_scalars,
+    fragment_scalars,
+    local_fragments,
+    optimizer_scalars,
+    restore_param_scalars,
+)
 from zerofit.errors import CheckpointError
 
 FORMAT = "zerofit-checkpoint/1"
@@ -87,7 +94,7 @@ def save_state(directory: str | os.PathLike[str], engine, *, extra_state: dict |
     engine.settle()  # an overlapped host step may still be writing the offloaded masters
     frags = local_fragments(engine.groups, opt, ranks.rank)
     state_keys = sorted({k for f in frags for k in f.tensors} - {"master", "param"})
-    optim_parts = ranks.all_gather((optimizer_scalars(opt), state_keys))
+    optim_parts = ranks.all_gather((optimizer_scalars(opt), state_keys, fragment_scalars(frags)))
     token = ranks.broadcast(uuid.uuid4().hex[:12])
     tmp = files.temp_dir(final, token)
     error = None
@@ -140,11 +147,15 @@ def _write_common(tmp: Path, engine, ranks: Ranks, optim_parts: list, config: Ru
     if opt is not None:
         groups = []
         for gi in range(len(opt.param_groups)):
-            per_rank = [scalars[gi] for scalars, _ in optim_parts]
+            per_rank = [scalars[gi] for scalars, *_ in optim_parts]
             found = next((g["scalars"] for g in per_rank if g["scalars"]), {})
             groups.append({"hyper": per_rank[0]["hyper"], "scalars": found})
-        keys = sorted({k for _, ks in optim_parts for k in ks})
-        common["optimizer"] = {"class": type(opt).__name__, "groups": groups, "state_keys": keys}
+        keys = sorted({k for _, ks, _ in optim_parts for k in ks})
+        per_param = {name: values for *_, part in optim_parts for name, values in part.items()}
+        group_of = {name: g.layout.groups[i] for g in engine.groups if g.trainable
+                    for i, name in enumerate(g.names)}
+        common["optimizer"] = {"class": type(opt).__name__, "groups": groups, "state_keys": keys,
+                               "param_scalars": differing_scalars(per_param, groups, group_of)}
     write_tree(tmp, COMMON, common, "checkpoint state")
     if config is not None:
         from zerofit.config import save_config
@@ -235,6 +246,7 @@ def load_state(directory: str | os.PathLike[str], engine) -> dict:
         error = f"{path / (COMMON + '.json')}: malformed ({type(e).__name__}: {e}): load an earlier checkpoint"
     ranks.agree(error)
     _prepare_optimizer(path, common, engine.optimizer)
+    _restore_param_scalars(engine, common)
     chunks, copies = _load_chunks(engine, common)
     error = None
     try:
@@ -305,6 +317,13 @@ def _prepare_optimizer(path: Path, common: dict, opt) -> None:
         for t in group["params"]:
             opt.state[t] = {}  # replace, never merge with, whatever state the optimizer had
     allocate_optimizer_state(opt, list(saved["state_keys"]), [g for g in saved["groups"]])
+
+
+def _restore_param_scalars(engine, common: dict) -> None:
+    """Parameters whose step count differs from their group's get their own back (see `fragment_scalars`)."""
+    saved = (common.get("optimizer") or {}).get("param_scalars") or {}
+    if saved and engine.optimizer is not None:
+        restore_param_scalars(local_fragments(engine.groups, engine.optimizer, 0), saved)
 
 
 def _load_chunks(engine, common: dict) -> tuple[dict[str, Chunk], list]:

@@ -36,6 +36,8 @@ class Fragment:
     """'master' (fp32) or 'param' (frozen, compute dtype), plus optimizer state tensors by state key."""
     group: int = 0
     """Optimizer param group of the parameter."""
+    state: dict = field(default_factory=dict)
+    """The optimizer state of the piece the run lies in (live: scalars written here reach the optimizer)."""
 
 
 def _piece_state(optimizer, master: torch.Tensor) -> dict:
@@ -70,6 +72,7 @@ def local_fragments(groups: list[FlatGroup], optimizer: torch.optim.Optimizer | 
                 piece = next(p for p in pieces if p.shard_offset <= o.shard_offset < p.shard_offset + p.length)
                 piece_master = piece_masters.get(g.master[piece.shard_offset:].data_ptr())
                 state = _piece_state(optimizer, piece_master) if piece_master is not None else {}
+                frag.state = state
                 rel = slice(o.shard_offset - piece.shard_offset, o.shard_offset - piece.shard_offset + o.length)
                 for key, value in state.items():
                     if isinstance(value, torch.Tensor) and value.ndim == 1 and value.numel() == piece.length:
@@ -79,7 +82,8 @@ def local_fragments(groups: list[FlatGroup], optimizer: torch.optim.Optimizer | 
 
 
 def optimizer_scalars(optimizer: torch.optim.Optimizer | None) -> list[dict]:
-    """Per param group: hyperparameters and the scalar state (e.g. Adam's `step`) shared by its pieces."""
+    """Per param group: hyperparameters and the scalar state (e.g. Adam's `step`) of its first piece that has
+    some (a parameter whose own differs is kept apart: `fragment_scalars`, `differing_scalars`)."""
     if optimizer is None:
         return []
     out = []
@@ -94,6 +98,45 @@ def optimizer_scalars(optimizer: torch.optim.Optimizer | None) -> list[dict]:
                 break
         out.append({"hyper": hyper, "scalars": scalars})
     return out
+
+
+def scalar_values(state: dict) -> dict[str, float]:
+    """The scalar state of one piece (Adam's `step`) as numbers; per-element state (1-D tensors) is left out."""
+    out = {}
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor) and value.ndim == 0:
+            out[key] = value.item()
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[key] = value
+    return out
+
+
+def fragment_scalars(fragments: list[Fragment]) -> dict[str, dict[str, float]]:
+    """Parameter name -> the scalar state of its piece, for this rank's trainable fragments. Each parameter
+    keeps a step count of its own (one no rank gave a gradient is not stepped), which a checkpoint keeps."""
+    return {f.name: values for f in fragments if f.trainable and (values := scalar_values(f.state))}
+
+
+def differing_scalars(per_param: dict[str, dict[str, float]], groups: list[dict],
+                      group_of: dict[str, int]) -> dict[str, dict[str, float]]:
+    """The entries of `per_param` that differ from their param group's scalars (`groups`: what the checkpoint
+    keeps per group, as `optimizer_scalars` gives it)."""
+    common = [scalar_values(g["scalars"]) for g in groups]
+    return {name: values for name, values in per_param.items()
+            if group_of.get(name, -1) < len(common) and values != common[group_of[name]]}
+
+
+def restore_param_scalars(fragments: list[Fragment], saved: dict[str, dict[str, float]]) -> None:
+    """Write each saved parameter's scalar state into its pieces' optimizer state (after
+    `allocate_optimizer_state` gave every piece its group's)."""
+    for f in fragments:
+        values = saved.get(f.name)
+        if not values or not f.trainable:
+            continue
+        for key, value in values.items():
+            old = f.state.get(key)
+            f.state[key] = (torch.tensor(value, dtype=old.dtype, device=old.device) if isinstance(old, torch.Tensor)
+                            else value)
 
 
 def allocate_optimizer_state(optimizer: torch.optim.Optimizer, tensor_keys: list[str],
