@@ -151,6 +151,25 @@ class Collectives:
         return tensor
 
 
+    def max_now(self, tensor: torch.Tensor, label: str) -> torch.Tensor:
+        """The elementwise maximum of `tensor` over ranks, in place on the current stream (small tensors)."""
+        if self.world > 1:
+            self._count(f"all_reduce_max:{label}", (tensor,))
+            with record_function(f"zerofit::all_reduce_max:{label}"), \
+                    failures.named(f"all_reduce_max:{label}", self.rank):
+                dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
+        return tensor
+
+    def broadcast_now(self, tensor: torch.Tensor, label: str) -> torch.Tensor:
+        """Rank 0's `tensor` on every rank, in place on the current stream."""
+        if self.world > 1:
+            self._count(f"broadcast:{label}", (tensor,))
+            with record_function(f"zerofit::broadcast:{label}"), failures.named(f"broadcast:{label}", self.rank):
+                dist.broadcast(tensor, dist.get_global_rank(self.group, 0) if self.group is not None else 0,
+                               group=self.group)
+        return tensor
+
+
 def _finished() -> Pending:
     p = Pending()
     p.done = True

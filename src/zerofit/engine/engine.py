@@ -27,6 +27,7 @@ from torch import nn
 
 from zerofit.config.schema import PrecisionConfig, ZeroConfig, is_auto
 from zerofit.dist import runtime
+from zerofit.engine import replicas
 from zerofit.engine.comm import Collectives, InFlight
 from zerofit.engine.flat_group import FlatGroup
 from zerofit.engine.full_state import FullStateDict
@@ -103,6 +104,9 @@ class ZeroEngine:
                                   persistence_threshold=int(self.zero.param_persistence_threshold),
                                   offload_param=self.zero.offload_param.enabled)
         self._move_buffers()
+        self.replicas_aligned: int
+        """Units (and the buffers, as one) whose initial values differed between ranks and were made rank
+        0's (see [Note: equal replicas at the start] in zerofit.engine.replicas)."""
         self.units = self._build_units(init_fn)
         self.groups = [g for u in self.units for g in u.groups]
         self._trainable = [g for g in self.groups if g.trainable]
@@ -182,6 +186,8 @@ class ZeroEngine:
             for name, buf in list(module.named_buffers(recurse=False)):
                 if buf is not None and not buf.is_meta and buf.device != self.device:
                     setattr(module, name, buf.to(self.device))
+        real = {id(b): b for b in self.model.buffers() if not b.is_meta}  # shared buffers once
+        self.replicas_aligned = replicas.agree(list(real.values()), self.comm, "buffers")
 
     def _build_units(self, init_fn) -> list[Unit]:
         group_of = param_group_index(self.optimizer)
@@ -201,6 +207,7 @@ class ZeroEngine:
                     if id(old) in group_of:
                         group_of[id(new)] = group_of[id(old)]
                 spec.params = [(n, new) for (n, _), new in zip(spec.params, real)]
+            self.replicas_aligned += replicas.agree([p for _, p in spec.params], self.comm, spec.name)
             train = [(n, p) for n, p in spec.params if p.requires_grad and id(p) in group_of]
             frozen = [(n, p) for n, p in spec.params if not (p.requires_grad and id(p) in group_of)]
             if self.optimizer is not None:
