@@ -134,3 +134,13 @@ def test_a_group_made_by_the_script_still_runs_on_the_ranks_gpu(backend):
     assert got["acc"] == want and got["engine"] == want and got["comm_stream"] == want
     if got["expected"] != 0:
         assert got["gpu0_bytes"] == 0  # nothing of this rank's lands on GPU 0
+
+
+def test_nccl_takes_a_cpu_tensor_through_this_processs_gpu(monkeypatch):
+    from zerofit.frontend import ops
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
+    assert ops.wire_device(torch.zeros(2), "nccl") == torch.device("cuda", 2)  # a metric on the CPU
+    assert ops.wire_device(torch.zeros(2), "gloo") == torch.device("cpu")
+    meta = torch.empty(2, device="meta")  # any tensor NCCL can move stays where it is
+    assert ops.wire_device(meta, "gloo") == meta.device

@@ -51,14 +51,27 @@ def send_to_device(data: Any, device: torch.device, *, non_blocking: bool = True
     return recurse(lambda t: t.to(device, non_blocking=non_blocking and device.type == "cuda"), data)
 
 
+def wire_device(t: torch.Tensor, backend: str) -> torch.device:
+    """Where `t` must be for `backend`'s collectives: NCCL moves only CUDA tensors, so a CPU tensor (a
+    metric, a count) travels through this process's GPU and comes back; gloo takes it where it is."""
+    if backend == "nccl" and t.device.type != "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return t.device
+
+
+def _wire(t: torch.Tensor) -> torch.device:
+    return wire_device(t, dist.get_backend() if dist.is_initialized() else "gloo")
+
+
 def _gather_one(t: torch.Tensor) -> torch.Tensor:
     if t.ndim == 0:
         t = t[None]
-    t = t.contiguous()
-    parts = [torch.empty_like(t) for _ in range(_world())]
+    wire = _wire(t)
+    sent = t.to(wire).contiguous()
+    parts = [torch.empty_like(sent) for _ in range(_world())]
     with named("gather", _rank()):
-        dist.all_gather(parts, t)
-    return torch.cat(parts, dim=0)
+        dist.all_gather(parts, sent)
+    return torch.cat(parts, dim=0).to(t.device)
 
 
 def gather(data: Any) -> Any:
@@ -93,8 +106,12 @@ def broadcast(data: Any, from_process: int = 0) -> Any:
         return data
 
     def one(t: torch.Tensor) -> torch.Tensor:
+        wire = _wire(t)
+        sent = t if wire == t.device else t.to(wire)
         with named("broadcast", _rank()):
-            dist.broadcast(t, src=from_process)
+            dist.broadcast(sent, src=from_process)
+        if sent is not t:
+            t.copy_(sent)
         return t
 
     return recurse(one, data)
@@ -116,8 +133,11 @@ def reduce(data: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
     def one(t: torch.Tensor) -> torch.Tensor:
         out = t.clone()
         if _world() > 1 and reduction != "none":
+            wire = _wire(t)
+            sent = out if wire == t.device else out.to(wire)
             with named("reduce", _rank()):
-                dist.all_reduce(out)
+                dist.all_reduce(sent)
+            out = sent.to(t.device)
             if reduction == "mean":
                 out = out / _world()
         return out * scale if scale != 1.0 else out
