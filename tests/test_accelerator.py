@@ -261,3 +261,96 @@ def test_clip_grad_norm_off_a_boundary_warns_and_leaves_gradients():
             assert acc.clip_grad_norm_(model.parameters(), 1.0) is None
     with pytest.raises(ValueError, match="norm_type=2"):
         acc.clip_grad_norm_(model.parameters(), 1.0, norm_type=1)
+
+
+# --- a scheduler built after prepare() on the prepared optimizer (what Trainer always does) ---------------
+def _schedule_on(opt, kind: str, steps: int):
+    if kind == "lambda":
+        return torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda)
+    if kind == "linear_warmup":
+        from transformers import get_linear_schedule_with_warmup
+
+        return get_linear_schedule_with_warmup(opt, num_warmup_steps=3, num_training_steps=steps)
+    # cycles AdamW's betas[0] too (cycle_momentum): a setting other than lr that must reach the engine
+    return torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=4 * LR, total_steps=steps)
+
+
+def _trace_of_reference(kind: str, world: int, prepared: bool):
+    """One unsharded process over the global batch; a prepared scheduler steps `world` times per step."""
+    model, opt = _model_and_optim()
+    x, y = _data()
+    per_step, steps = MICRO * world, N_SAMPLES // (MICRO * world)
+    calls = world if prepared else 1
+    sched = _schedule_on(opt, kind, steps * calls)
+    losses, lrs, betas = [], [], []
+    for s in range(steps):
+        loss = loss_fn(model(x[s * per_step:(s + 1) * per_step]), y[s * per_step:(s + 1) * per_step])
+        loss.backward()
+        opt.step()
+        for _ in range(calls):
+            sched.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        lrs.extend(g["lr"] for g in opt.param_groups)
+        betas.append(opt.param_groups[0]["betas"][0])
+    return losses, lrs, betas, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def schedule_after_prepare(rank: int, world: int, cases: list[tuple[int, str, bool]]):
+    import warnings
+
+    out = {}
+    for stage, kind, prepared in cases:
+        acc = Accelerator(config=RunConfig(zero=ZeroConfig(stage=stage, param_persistence_threshold=0)))
+        model, opt = _model_and_optim()
+        dl = DataLoader(TensorDataset(*_data()), batch_size=MICRO, shuffle=False)
+        model, opt, dl = acc.prepare(model, opt, dl)
+        steps = len(dl) * (world if prepared else 1)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            sched = _schedule_on(opt, kind, steps)
+            if prepared:  # zerofit's wrapper around it: steps `world` times per optimizer step
+                sched = acc.prepare(sched)
+            losses, lrs, betas = [], [], []
+            for x, y in dl:
+                with acc.accumulate(model):
+                    loss = loss_fn(model(x), y)
+                    acc.backward(loss)
+                    opt.step()
+                    sched.step()
+                    opt.zero_grad()
+                losses.append(acc.gather(loss.detach()).mean().item())
+                lrs.extend(g["lr"] for g in opt.param_groups)
+                betas.append(opt.param_groups[0]["betas"][0])
+        engine = acc._prepared.engines[id(model)]
+        out[(stage, kind, prepared)] = {
+            "is_optimizer": isinstance(opt, torch.optim.Optimizer),
+            "shares_groups": opt.param_groups is opt.optimizer.param_groups and opt.state is opt.optimizer.state
+                             and opt.defaults is opt.optimizer.defaults,
+            "prepared_again": acc.prepare(opt) is opt,
+            "warnings": [str(w.message) for w in caught if "optimizer.step()" in str(w.message)],
+            "losses": losses, "lrs": lrs, "betas": betas, "steps_taken": opt.steps_taken,
+            "params": engine.named_full_tensors("master"),
+        }
+    return out
+
+
+SCHEDULE_CASES = [(3, "lambda", False), (3, "linear_warmup", False), (2, "one_cycle", False), (3, "lambda", True)]
+
+
+def test_a_torch_scheduler_built_after_prepare_follows_its_schedule_on_two_ranks():
+    pytest.importorskip("transformers")
+    results = run_distributed(schedule_after_prepare, 2, SCHEDULE_CASES, timeout=240)
+    for case in SCHEDULE_CASES:
+        ref_losses, ref_lrs, ref_betas, ref_params = _trace_of_reference(case[1], 2, case[2])
+        for got in (rank_out[case] for rank_out in results):
+            assert got["is_optimizer"] and got["shares_groups"] and got["prepared_again"], case
+            assert got["warnings"] == [], case  # torch's wrapper on optimizer.step saw every step
+            assert got["steps_taken"] == len(ref_losses)
+            assert got["lrs"] == pytest.approx(ref_lrs, rel=1e-12), case
+            assert got["betas"] == pytest.approx(ref_betas, rel=1e-12), case
+            # the scheduled lr (and OneCycle's beta) reached the engine's step: same training as plain torch
+            assert got["losses"] == pytest.approx(ref_losses, abs=2e-6), case
+            for name, ref in ref_params.items():
+                torch.testing.assert_close(got["params"][name], ref, atol=2e-6, rtol=0, msg=f"{case} {name}")
+        assert len(set(ref_lrs)) > len(ref_losses) // 2  # the schedule really moves the lr

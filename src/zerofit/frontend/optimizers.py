@@ -14,6 +14,18 @@ fp32 master shards (see `zerofit.engine.optim`), and returns it wrapped. In the 
 * `step_was_skipped` is True after a step an fp16 overflow skipped, or one with no backward since
   the last step (which applies nothing, as torch's optimizers do without gradients, and is not
   counted); the scheduler wrapper then does not advance either.
+
+[Note: a torch Optimizer that owns nothing]
+`AcceleratedOptimizer` subclasses `torch.optim.Optimizer` so that whatever checks `isinstance(opt,
+Optimizer)` accepts it: torch's LR schedulers (`LambdaLR(prepared_optimizer)`, built after
+`prepare()` in no_trainer scripts and always by transformers' Trainer), `get_*_schedule_with_warmup`.
+It never calls `Optimizer.__init__`: that would give it param groups, state and defaults of its own
+and patch the class's `step` with torch's profiling and hook wrapper. Instead `param_groups`,
+`defaults` and `state` are the wrapped optimizer's own objects (not copies), so a scheduler that
+sets `group["lr"]` sets it where the engine reads it (`zerofit.engine.optim.sync_hyperparams`), and
+step and state-dict hooks registered here are registered on the wrapped optimizer, which the engine
+steps. A scheduler may replace `step` on the instance (torch's schedulers wrap it to count calls);
+the wrapper calls this class's `step`, so everything above still holds.
 """
 
 from __future__ import annotations
@@ -33,10 +45,11 @@ from zerofit.frontend.state import GradientState
 _DEEPSPEED_ADAM_SWITCHES = ("torch_adam", "adam_w_mode")
 
 
-class AcceleratedOptimizer:
-    """The script's optimizer, stepped through its model's ZeRO engine (see the module note)."""
+class AcceleratedOptimizer(torch.optim.Optimizer):
+    """The script's optimizer, stepped through its model's ZeRO engine (see the module notes)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, engine: ZeroEngine, gradient_state: GradientState):
+        # No Optimizer.__init__: see [Note: a torch Optimizer that owns nothing].
         self.optimizer = optimizer
         self.engine = engine
         self.gradient_state = gradient_state
@@ -74,8 +87,8 @@ class AcceleratedOptimizer:
             return
         self.engine.zero_grad()
 
-    # --- torch.optim.Optimizer surface ----------------------------------------------------------
-    @property
+    # --- torch.optim.Optimizer surface: the wrapped optimizer's own objects ----------------------
+    @property  # type: ignore[override]
     def param_groups(self) -> list[dict[str, Any]]:
         return self.optimizer.param_groups
 
@@ -83,13 +96,41 @@ class AcceleratedOptimizer:
     def param_groups(self, value: list[dict[str, Any]]) -> None:
         self.optimizer.param_groups = value
 
-    @property
+    @property  # type: ignore[override]
     def defaults(self) -> dict[str, Any]:
         return self.optimizer.defaults
 
-    @property
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self.optimizer.defaults = value
+
+    @property  # type: ignore[override]
     def state(self) -> Any:
         return self.optimizer.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self.optimizer.state = value
+
+    def register_step_pre_hook(self, hook: Callable[..., Any]) -> Any:
+        """Runs before each real step of the wrapped optimizer (accumulating micro-steps step nothing)."""
+        return self.optimizer.register_step_pre_hook(hook)
+
+    def register_step_post_hook(self, hook: Callable[..., Any]) -> Any:
+        """Runs after each real step of the wrapped optimizer."""
+        return self.optimizer.register_step_post_hook(hook)
+
+    def register_state_dict_pre_hook(self, hook: Callable[..., Any], prepend: bool = False) -> Any:
+        return self.optimizer.register_state_dict_pre_hook(hook, prepend)
+
+    def register_state_dict_post_hook(self, hook: Callable[..., Any], prepend: bool = False) -> Any:
+        return self.optimizer.register_state_dict_post_hook(hook, prepend)
+
+    def register_load_state_dict_pre_hook(self, hook: Callable[..., Any], prepend: bool = False) -> Any:
+        return self.optimizer.register_load_state_dict_pre_hook(hook, prepend)
+
+    def register_load_state_dict_post_hook(self, hook: Callable[..., Any], prepend: bool = False) -> Any:
+        return self.optimizer.register_load_state_dict_post_hook(hook, prepend)
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's shard of the optimizer state (under ZeRO each rank holds a different part)."""

@@ -253,9 +253,14 @@ class PrepareMixin:
                                   self.config.source)
             inner, from_config = sched, False
         steps = 1 if from_config or self.split_batches else self.num_processes
-        target = getattr(inner, "optimizer", None)
+        target = getattr(inner, "optimizer", None)  # the script's optimizer, or the prepared one (built after)
+
+        def stepped_with() -> list[AcceleratedOptimizer]:
+            mine = [o for o in self._prepared.optimizers if target is o or target is o.optimizer]
+            return mine or self._prepared.optimizers
+
         wrapped = AcceleratedScheduler(
-            inner, lambda: [o for o in self._prepared.optimizers if o.optimizer is target] or self._prepared.optimizers,
+            inner, stepped_with,
             sync_gradients=lambda: self.sync_gradients, steps_per_call=steps,
             step_with_optimizer=self.step_scheduler_with_optimizer)
         self._prepared.schedulers.append(wrapped)
@@ -263,6 +268,8 @@ class PrepareMixin:
 
 
 def _kind(obj: Any) -> str:
+    if isinstance(obj, AcceleratedOptimizer):  # prepared already (it is a torch Optimizer): comes back untouched
+        return "other"
     if isinstance(obj, nn.Module):
         return "model"
     if isinstance(obj, (torch.optim.Optimizer, DummyOptim)):
