@@ -41,7 +41,8 @@ ACCELERATOR = ["prepare", "prepare_model", "prepare_data_loader", "prepare_optim
 ACCELERATOR_PROPERTIES = ["device", "process_index", "local_process_index", "num_processes", "is_main_process",
                           "is_local_main_process", "is_last_process", "mixed_precision", "distributed_type",
                           "gradient_accumulation_steps", "sync_gradients", "use_distributed", "deepspeed_plugin",
-                          "deepspeed_config", "optimizer_step_was_skipped", "project_dir", "logging_dir"]
+                          "deepspeed_config", "optimizer_step_was_skipped", "project_dir", "logging_dir",
+                          "scaler", "_models", "parallelism_config"]
 
 
 def test_the_accelerate_names_exist():
@@ -259,3 +260,65 @@ def test_gradient_accumulation_steps_can_be_set_before_prepare():
     assert acc._prepared.trained_engine().gradient_accumulation_steps == 4
     with pytest.raises(ValueError, match="set it before prepare"):
         acc.gradient_accumulation_steps = 2
+
+
+# --- what transformers' Trainer reads besides the documented API (trainer-integration.md section 3.1) ----
+def test_a_loop_that_sets_sync_gradients_itself_steps_only_on_sync_micro_steps():
+    # Trainer's loop: no accumulate(); _set_sync_gradients every micro-step, the loss divided by its own
+    # accumulation steps, optimizer.step() on sync micro-steps only, then model.zero_grad()
+    torch.manual_seed(0)
+    model, ref = nn.Linear(4, 1), nn.Linear(4, 1)
+    ref.load_state_dict(model.state_dict())
+    acc = Accelerator(config=RunConfig())
+    state = acc.gradient_state
+    assert state.plugin_kwargs == {"num_steps": 1, "adjust_scheduler": True, "sync_with_dataloader": True,
+                                   "sync_each_batch": False}
+    model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    x = torch.randn(12, 4)
+    for step in range(6):
+        sync = step % 3 == 2
+        state._set_sync_gradients(sync)
+        assert acc.sync_gradients is sync and state.sync_gradients is sync
+        batch = x[2 * step:2 * step + 2]
+        acc.backward(model(batch).pow(2).mean() / 3)
+        (ref(batch).pow(2).mean() / 3).backward()
+        if sync:
+            opt.step()
+            ref_opt.step()
+            ref_opt.zero_grad()
+        model.zero_grad()
+    assert opt.steps_taken == 2
+    for name, value in acc.get_state_dict(model).items():
+        torch.testing.assert_close(value, ref.state_dict()[name], atol=1e-6, rtol=0)
+    acc.gradient_state.gradient_accumulation_steps = 4
+    assert acc.gradient_state.plugin_kwargs["num_steps"] == 4
+
+
+def test_scaler_models_and_parallelism_config_as_trainer_reads_them():
+    acc = Accelerator(config=RunConfig())
+    assert acc.scaler is None and acc._models == [] and acc.parallelism_config is None
+    model, frozen = nn.Linear(4, 1), nn.Linear(2, 2)
+    model, _ = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    frozen = acc.prepare(frozen)
+    assert acc._models == [model, frozen]  # in the order they were prepared
+    assert acc.scaler is None  # fp32: no loss scaling
+    acc.free_memory()
+    assert acc._models == []
+
+
+def test_the_fp16_scaler_is_the_engines_and_its_state_round_trips_as_trainer_saves_it(tmp_path):
+    acc = Accelerator(mixed_precision="fp16", config=RunConfig())
+    assert acc.scaler is None  # no engine before prepare()
+    model = nn.Linear(4, 1)
+    model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    scaler = acc.scaler
+    assert scaler is acc._prepared.trained_engine().scaler and scaler.get_scale() == 2.0 ** 16
+    acc.backward(model(torch.randn(2, 4)).float().pow(2).mean())
+    opt.step()
+    path = tmp_path / "scaler.pt"  # transformers' _save_scaler / _load_scaler
+    torch.save(acc.scaler.state_dict(), path)
+    saved = acc.scaler.state_dict()
+    scaler.scale, scaler.iteration = 8.0, 99
+    acc.scaler.load_state_dict(torch.load(path, weights_only=True))
+    assert acc.scaler.state_dict() == saved and saved["iteration"] == 1

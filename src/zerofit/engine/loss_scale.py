@@ -56,6 +56,10 @@ class LossScaler:
                 self.scale *= 2
         self.iteration += 1
 
+    def get_scale(self) -> float:
+        """The current scale (torch's GradScaler spelling, read through `accelerator.scaler`)."""
+        return self.scale
+
     def state_dict(self) -> dict[str, Any]:
         return {"scale": self.scale, "hysteresis": self.hysteresis, "iteration": self.iteration,
                 "last_overflow": self.last_overflow}

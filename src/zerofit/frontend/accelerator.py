@@ -33,6 +33,7 @@ from torch import nn
 from zerofit.config import load_config
 from zerofit.config.schema import RunConfig, is_auto
 from zerofit.dist import runtime
+from zerofit.engine.loss_scale import LossScaler
 from zerofit.frontend import ops, plugins, tracking
 from zerofit.frontend.backoff import OomBackoff
 from zerofit.frontend.data import ShardedDataLoader
@@ -179,6 +180,25 @@ class Accelerator(PrepareMixin, PersistenceMixin, ProcessMethods):
     @property
     def optimizer_step_was_skipped(self) -> bool:
         return any(opt.step_was_skipped for opt in self._prepared.optimizers)
+
+    @property
+    def scaler(self) -> LossScaler | None:
+        """The trained model's fp16 loss scaler (`state_dict()`, `load_state_dict()`, `get_scale()`, what
+        scripts and transformers' Trainer read from Accelerate's GradScaler); None without fp16 loss
+        scaling or before `prepare()`. It is the engine's own: it checkpoints with `save_state` too."""
+        engine = self._prepared.trained_engine()
+        return engine.scaler if engine is not None and engine.scaler.enabled else None
+
+    @property
+    def _models(self) -> list[nn.Module]:
+        """The prepared models, in the order they were prepared (Accelerate's list; Trainer reads it)."""
+        return [engine.model for engine in self._prepared.engines.values()]
+
+    @property
+    def parallelism_config(self) -> None:
+        """None: zerofit has no tensor, context or sequence parallelism (`Accelerator(parallelism_config=...)`
+        is ignored with a warning); its data parallelism is the config's ZeRO settings."""
+        return None
 
     @property
     def project_dir(self) -> str | None:

@@ -143,6 +143,19 @@ class GradientState:
         if loader in self.active_dataloaders:
             self.active_dataloaders.remove(loader)
 
+    @property
+    def plugin_kwargs(self) -> dict[str, Any]:
+        """What Accelerate's `GradientAccumulationPlugin` settings are under zerofit (read by transformers'
+        Trainer): windows of `num_steps`, closed at the end of a dataloader, the scheduler stepped only
+        when a window closes; `sync_each_batch` is False, the engine decides when gradients travel."""
+        return {"num_steps": self.gradient_accumulation_steps, "adjust_scheduler": True,
+                "sync_with_dataloader": True, "sync_each_batch": False}
+
+    def _set_sync_gradients(self, sync_gradients: bool) -> None:
+        """Say whether the current micro-step closes a window, for a loop that counts its own micro-steps
+        instead of entering `accumulate()` (Accelerate's name; transformers' Trainer calls it every micro-step)."""
+        self.sync_gradients = bool(sync_gradients)
+
     def count_micro_step(self) -> None:
         """Advance by one micro-step: the window closes every N steps and at the end of the dataloader."""
         if self.end_of_dataloader:
