@@ -111,6 +111,7 @@ def test_zerofit_demo_trains_on_two_cpu_processes():
     # stage 3 shards the demo's 4 blocks (its persistence threshold), and prepare() says so, once
     assert proc.stdout.count("zerofit: ZeRO-3, 4 of 5 units sharded over 2 ranks, fp32, 2 processes (gloo)\n") == 1
     assert "done:" in proc.stdout
+    assert "never created a zerofit Accelerator" not in proc.stderr  # it did
     first, last = re.search(r"done: loss ([\d.]+) -> ([\d.]+)", proc.stdout).groups()
     assert float(last) < float(first)  # it learns
 
@@ -150,3 +151,37 @@ def test_ctrl_c_prints_one_line_and_no_traceback(tmp_path):
     assert proc.returncode == 130, err
     assert err == "zerofit launch: stopped by SIGINT; the workers were terminated\n"
     assert "Traceback" not in out
+
+
+PLAIN_TORCH_TRAINING = """
+import sys
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")  # the launcher's environment, as under torchrun: no zerofit anywhere
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(3):
+    model(torch.randn(8, 4)).pow(2).mean().backward()
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+    opt.step()
+    opt.zero_grad()
+print(f"trained rank {dist.get_rank()}", flush=True)
+dist.destroy_process_group()
+sys.exit()  # a success (code None), as `sys.exit(main())` ends many scripts
+"""
+NEVER_USED = "plain_train.py never created a zerofit Accelerator: the script ran without zerofit"
+
+
+def test_a_launch_that_never_built_zerofits_accelerator_says_so_once_at_the_end(tmp_path):
+    script = tmp_path / "plain_train.py"
+    script.write_text(PLAIN_TORCH_TRAINING)
+    proc = run_zerofit("launch", "--cpu", "--num_processes", "2", str(script))
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(proc.stdout.split("\n")[:-1]) == ["trained rank 0", "trained rank 1"]
+    assert proc.stderr.count(NEVER_USED) == 1, proc.stderr  # rank 0 only
+    notice = next(line for line in proc.stderr.splitlines() if NEVER_USED in line)
+    assert "Change `from accelerate import Accelerator` to `from zerofit import Accelerator`" in notice
+    assert "docs/accelerate.md" in notice

@@ -84,3 +84,21 @@ def test_repeated_warnings_show_on_rank_0_only(rank, shown, monkeypatch):
             warnings.warn(f"{category.__name__} of every rank", category, stacklevel=1)
         warnings.warn("about this rank's own data", UserWarning, stacklevel=1)
     assert [w.category for w in seen] == [*REPEATED_WARNINGS, UserWarning] if shown else [UserWarning]
+
+
+def test_only_rank_0_of_a_run_that_never_built_zerofit_state_names_the_import_to_change(monkeypatch):
+    """[Note: a run that never used zerofit] in zerofit.cli.worker."""
+    from zerofit import PartialState
+    from zerofit.cli.worker import unused_notice
+    from zerofit.frontend import processes
+
+    monkeypatch.setattr(runtime, "_zerofit_state_built", False)
+    monkeypatch.setenv("RANK", "0")
+    assert "train.py never created a zerofit Accelerator" in unused_notice(["/x/train.py", "--lr", "1"])
+    assert unused_notice(["-m", "pkg.train", "--lr", "1"]).startswith("zerofit launch: -m pkg.train never")
+    monkeypatch.setenv("RANK", "1")
+    assert unused_notice(["train.py"]) is None  # said once, by rank 0
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(processes, "_SHARED", None)
+    PartialState()  # a world of one here; an Accelerator builds the same state
+    assert runtime.zerofit_state_built() and unused_notice(["train.py"]) is None

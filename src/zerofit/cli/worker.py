@@ -11,6 +11,13 @@ between the open and the write leaves an empty file, and the agent then fails to
 crashes instead of restarting the job (seen once in ~20 runs of tests/test_faults.py). So the record
 is written to a file beside it and renamed over it: the agent sees the whole record or none.
 
+[Note: a run that never used zerofit]
+A script still importing `accelerate`, or transformers' Trainer (which builds Accelerate's own
+Accelerator), runs under `zerofit launch` without error, on plain PyTorch / Accelerate: nothing would
+tell the user that zerofit never sharded anything. So when the script ends successfully and this
+process never built zerofit's `Accelerator` or `PartialState` (`runtime.zerofit_state_built`), rank 0
+says so once, naming the import to change. Other ranks stay quiet: every rank runs the same script.
+
 [Note: warnings once per run]
 Every rank runs the same code, so a deprecation (of a library, or of a key in the config file) warns
 once per rank, and the copies interleave on the terminal. Ranks other than 0 ignore those categories
@@ -35,6 +42,7 @@ import torch.distributed.elastic.multiprocessing.errors as elastic_errors
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
 from zerofit.config import ConfigWarning
+from zerofit.dist import runtime
 
 _BOOTSTRAP_FILES = (os.path.abspath(__file__), runpy.__file__, "<frozen runpy>", elastic_errors.__file__)
 
@@ -128,6 +136,26 @@ def _excepthook(kind: type[BaseException], error: BaseException, tb: TracebackTy
     sys.stderr.flush()
 
 
+def unused_notice(argv: list[str]) -> str | None:
+    """What rank 0 prints after a successful run that never used zerofit, else None
+    (see [Note: a run that never used zerofit])."""
+    if os.environ.get("RANK", "0") != "0" or runtime.zerofit_state_built():
+        return None
+    name = " ".join(argv[:2]) if argv[0] == "-m" else os.path.basename(argv[0])
+    return (f"zerofit launch: {name} never created a zerofit Accelerator: the script ran without zerofit "
+            "(plain PyTorch / Accelerate), so nothing was sharded or offloaded. Change "
+            "`from accelerate import Accelerator` to `from zerofit import Accelerator` (for transformers' "
+            "Trainer, which builds Accelerate's own Accelerator, see docs/accelerate.md, "
+            "\"transformers' Trainer\")")
+
+
+def _finished(argv: list[str]) -> None:
+    """The script ended successfully: say so if it never used zerofit."""
+    notice = unused_notice(argv)
+    if notice is not None:
+        print(notice, file=sys.stderr, flush=True)
+
+
 INTERRUPTED_EXIT_CODE = 128 + signal.SIGINT
 """A process stopped by Ctrl-C exits with 130, as shells report it."""
 
@@ -159,8 +187,14 @@ if __name__ == "__main__":
     die_with_launcher()
     quiet_repeated_warnings()
     sys.excepthook = _excepthook  # set before the script runs, so torch's rank-prefixing hook wraps it
+    target = sys.argv[1:]  # the script's run rebinds sys.argv
     try:
-        main(sys.argv[1:])
+        main(target)  # returns on sys.exit(0) too (torchelastic's `record`)
+        _finished(target)
+    except SystemExit as done:  # sys.exit() / sys.exit(main()) with main returning None: a success too
+        if done.code is None:
+            _finished(target)
+        raise
     except KeyboardInterrupt:
         _exit_interrupted()
     except Exception as failure:

@@ -19,6 +19,19 @@ CONFIG_FILE_ENV = "ZEROFIT_CONFIG_FILE"
 """Environment variable naming the resolved config file the launcher wrote for its workers."""
 
 _cache: dict[str, RunConfig] = {}
+_zerofit_state_built = False
+
+
+def note_zerofit_state_built() -> None:
+    """Record that this process built zerofit's `Accelerator` or `PartialState` (so the script runs on zerofit)."""
+    global _zerofit_state_built
+    _zerofit_state_built = True
+
+
+def zerofit_state_built() -> bool:
+    """Whether this process built zerofit's `Accelerator` or `PartialState`; `zerofit launch`'s workers
+    read it when the script ends, to tell a run that never used zerofit (zerofit.cli.worker)."""
+    return _zerofit_state_built
 
 
 def current_config() -> RunConfig:

@@ -68,6 +68,7 @@ class ProcessState:
 
     @classmethod
     def create(cls, config: RunConfig, *, cpu: bool = False) -> ProcessState:
+        runtime.note_zerofit_state_built()  # Accelerator and PartialState both start here
         use_cpu = cpu or runtime.use_cpu(config)
         device = torch.device("cpu") if use_cpu else runtime.device(config)
         backend = runtime.backend_for(use_cpu)
