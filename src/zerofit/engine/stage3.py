@@ -100,6 +100,17 @@ def _input_grads_done(call: _Call) -> None:
         unit.release()
 
 
+def _plain_tensors(obj: Any) -> list[torch.Tensor]:
+    """Every tensor inside `obj` through plain tuples, lists and dicts: those `_map_tensors` can replace."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if type(obj) in (tuple, list):
+        return [t for item in obj for t in _plain_tensors(item)]
+    if type(obj) is dict:
+        return [t for item in obj.values() for t in _plain_tensors(item)]
+    return []
+
+
 def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     """`obj` with `fn` applied to every tensor in it, through plain tuples, lists and dicts."""
     if isinstance(obj, torch.Tensor):
@@ -186,7 +197,7 @@ class Stage3Hooks:
         self._open[unit] = None
         if not torch.is_grad_enabled():
             return None
-        inputs = {id(t): t for t in tensors_in((args, kwargs)) if t.requires_grad}
+        inputs = {id(t): t for t in _plain_tensors((args, kwargs)) if t.requires_grad}
         if not inputs:
             return None
         call = self._open[unit] = _Call(unit)
