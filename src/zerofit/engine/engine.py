@@ -308,7 +308,7 @@ class ZeroEngine:
                 self._reduce(unit)
             else:
                 self._launch_in_order()
-            if unit is not self.units[0]:
+            if unit is not self.units[0] and unit.backward_done:  # else stage 3 releases it when done
                 unit.release()
 
     def _launch_in_order(self, *, finishing: bool = False) -> None:

@@ -1,15 +1,40 @@
 """Stage 3: gather each unit just before its forward and its backward, release it right after.
 
-Hooks are the documented module forward pre/post hooks and `register_multi_grad_hook` on a unit's
+Hooks are the documented module forward pre/post hooks, `register_multi_grad_hook` on a unit's
 outputs, which fires before any of the unit's backward runs (the root's too: several forwards may
-precede their backwards, and each backward releases every unit). The unit's post-backward release happens
-when its last gradient has arrived (see `ZeroEngine._on_grad`); units whose gradients never arrive
-(frozen, unused) are released when `ZeroEngine.backward` returns.
+precede their backwards, and each backward releases every unit), and an identity autograd function on
+a unit's inputs, whose backward runs once the gradient w.r.t. those inputs exists. The unit is
+released after its backward when that is done (see [Note: a unit's backward is done]); units whose
+backward never ends that way (a trainable parameter without a gradient, an unused unit) are released
+when `ZeroEngine.backward` returns.
 
 [Note: prefetch order]
 Each forward records the order in which units ran. The next forward prefetches, on entering a unit,
 the unit that followed it last time; backward prefetches the one that preceded it. The first
 iteration has no record and simply gathers on demand. A changed order costs only a missed prefetch.
+
+[Note: a unit's backward is done]
+A unit's parameters are needed until its backward has computed both the gradients of its trainable
+parameters and the gradient w.r.t. its forward inputs - which runs through its frozen weights. The
+two come in no fixed order: in a LoRA linear (x @ W^T + (x @ A^T) @ B^T * s, W frozen) autograd
+delivers A's and B's gradients before the gradient w.r.t. x has gone through W. So:
+- each forward call whose inputs require grad passes them through `_InputGradSignal`, an identity
+  whose backward runs once the gradient w.r.t. them exists (the sum over all their uses in the unit);
+- the call's pre-backward hook (on its outputs) counts it as awaited in this backward
+  (`Unit.awaiting_inputs`), the signal uncounts it; a call whose backward never starts in this
+  backward (several forwards before their backwards) is not awaited;
+- the unit is released when the last of these events leaves `Unit.backward_done` true: the last
+  trainable gradient (`ZeroEngine._on_grad`) or the last awaited input gradient (`_input_grads_done`).
+A frozen unit (no trainable parameters) is thus released as soon as its input gradient exists, so
+LoRA on a big frozen model keeps two units gathered, not the model. A unit run twice in one forward
+is released after both calls' backwards when it trains; a frozen one may be released between them
+and gathered again by the earlier call's pre-backward. Under reentrant activation checkpointing the
+recomputed forward's outputs and inputs get the same hooks and the nested backward runs them; a
+non-reentrant recomputation's graph is never backpropagated, so its calls are never awaited.
+The rule misses a gradient that leaves the unit through a tensor that is neither an input (an
+argument, or inside a tuple, list or dict argument) nor a trainable parameter of its own, e.g. one
+hidden in an object: if such a path still needs the unit's frozen weights after the rule released
+them, backward fails with a storage of size 0.
 """
 
 from __future__ import annotations
@@ -36,6 +61,67 @@ def tensors_in(obj: Any) -> list[torch.Tensor]:
     return []
 
 
+class _Call:
+    """One forward call of a unit whose inputs require grad; `awaited_in` is the backward pass (see
+    `Unit.backward_pass`) that waits for its input gradient, None when none does."""
+
+    __slots__ = ("unit", "awaited_in")
+
+    def __init__(self, unit: Unit):
+        self.unit = unit
+        self.awaited_in: int | None = None
+
+
+class _InputGradSignal(torch.autograd.Function):
+    """Identity on a unit's inputs; its backward runs once their gradient exists: the unit's backward is
+    done with them (see [Note: a unit's backward is done])."""
+
+    @staticmethod
+    def forward(ctx, call: _Call, *tensors: torch.Tensor):
+        ctx.call = call
+        ctx.set_materialize_grads(False)
+        # Aliases, not the inputs themselves nor views: autograd forbids modifying a custom function's
+        # view output in place, and a module may update its input in place as it could without us.
+        return tuple(t.detach() for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        _input_grads_done(ctx.call)
+        return (None, *grads)
+
+
+def _input_grads_done(call: _Call) -> None:
+    unit = call.unit
+    if call.awaited_in != unit.backward_pass:
+        return  # its outputs got no gradient first in this backward: nobody counted it
+    call.awaited_in = None
+    unit.awaiting_inputs -= 1
+    if unit.backward_done:
+        unit.release()
+
+
+def _plain_tensors(obj: Any) -> list[torch.Tensor]:
+    """Every tensor inside `obj` through plain tuples, lists and dicts: those `_map_tensors` can replace."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if type(obj) in (tuple, list):
+        return [t for item in obj for t in _plain_tensors(item)]
+    if type(obj) is dict:
+        return [t for item in obj.values() for t in _plain_tensors(item)]
+    return []
+
+
+def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """`obj` with `fn` applied to every tensor in it, through plain tuples, lists and dicts."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if type(obj) in (tuple, list):
+        return type(obj)(_map_tensors(item, fn) for item in obj)
+    if type(obj) is dict:
+        return {k: _map_tensors(v, fn) for k, v in obj.items()}
+    return obj
+
+
 class Stage3Hooks:
     """Installs the gather/release hooks on every sharded unit and prefetches along the recorded order."""
 
@@ -43,6 +129,8 @@ class Stage3Hooks:
         self.root = root
         self.units = units
         self._in_backward = in_backward
+        self._open: dict[Unit, _Call | None] = {}
+        """Per unit: its forward call under way (between the pre and the post forward hook)."""
         self._order: list[Unit] = []
         self._last_order: list[Unit] = []
         self._handles = []
@@ -61,7 +149,7 @@ class Stage3Hooks:
             if unit is self.root or not unit.sharded:
                 continue
             self._handles.append(unit.module.register_forward_pre_hook(
-                lambda _m, _a, u=unit: self._pre_forward(u)))
+                lambda _m, args, kwargs, u=unit: self._pre_forward(u, args, kwargs), with_kwargs=True))
             self._handles.append(unit.module.register_forward_hook(
                 lambda _m, _a, out, u=unit: self._post_forward(u, out)))
 
@@ -99,23 +187,38 @@ class Stage3Hooks:
             # several forwards before their backwards needs it again for the later ones.
             register_multi_grad_hook(needs_grad, lambda _grad: self.root.wait_gathered(), mode="any")
 
-    def _pre_forward(self, unit: Unit) -> None:
+    def _pre_forward(self, unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         if not self._in_backward() and unit not in self._order:
             self._order.append(unit)
         unit.wait_gathered()
         nxt = self._neighbour(self._last_order, unit, +1)
         if nxt is not None and not self._in_backward():
             nxt.gather()
+        self._open[unit] = None
+        if not torch.is_grad_enabled():
+            return None
+        inputs = {id(t): t for t in _plain_tensors((args, kwargs)) if t.requires_grad}
+        if not inputs:
+            return None
+        call = self._open[unit] = _Call(unit)
+        signalled = dict(zip(inputs, _InputGradSignal.apply(call, *inputs.values())))
+        wrap = lambda t: signalled.get(id(t), t)  # noqa: E731
+        return _map_tensors(args, wrap), _map_tensors(kwargs, wrap)
 
     def _post_forward(self, unit: Unit, output: Any) -> None:
-        if self._in_backward():
-            return  # activation recomputation: the unit is needed right now by its backward
+        call = self._open.pop(unit, None)
         needs_grad = [t for t in tensors_in(output) if t.requires_grad]
         if needs_grad:
-            register_multi_grad_hook(needs_grad, lambda _grad, u=unit: self._pre_backward(u), mode="any")
+            # Also for a recomputation inside backward: a reentrant checkpoint backpropagates through it.
+            register_multi_grad_hook(needs_grad, lambda _grad, u=unit, c=call: self._pre_backward(u, c), mode="any")
+        if self._in_backward():
+            return  # activation recomputation: the unit is needed right now by its backward
         unit.release()
 
-    def _pre_backward(self, unit: Unit) -> None:
+    def _pre_backward(self, unit: Unit, call: _Call | None) -> None:
+        if call is not None:
+            call.awaited_in = unit.backward_pass
+            unit.awaiting_inputs += 1
         unit.wait_gathered()
         prev = self._neighbour(self._order, unit, -1)  # backward runs this forward's order in reverse
         if prev is not None:

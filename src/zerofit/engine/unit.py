@@ -39,6 +39,11 @@ class Unit:
         """Per trainable group: parameters that got a gradient on this rank in this accumulation window."""
         self.reduced = False
         """Gradients of this backward have been handed to a reduction."""
+        self.backward_pass = 0
+        """Counts `begin_backward` calls: a forward call's input-gradient signal from an earlier backward is stale."""
+        self.awaiting_inputs = 0
+        """Forward calls whose backward began in this backward and whose input gradient is not computed yet
+        (see [Note: a unit's backward is done] in zerofit.engine.stage3)."""
         self.before_use = None
         """Called before the parameters are gathered or used (waits for an overlapped host step)."""
 
@@ -82,6 +87,8 @@ class Unit:
         for s in self.reported:
             s.clear()
         self.reduced = False
+        self.backward_pass += 1
+        self.awaiting_inputs = 0
 
     def on_grad(self, group: int, index: int, grad: torch.Tensor) -> bool:
         """Take one parameter's gradient; True once every trainable parameter has reported."""
@@ -94,6 +101,12 @@ class Unit:
     def complete(self) -> bool:
         """Every trainable parameter's gradient of this backward has arrived."""
         return all(len(s) == len(g.params) for s, g in zip(self.reported, self.trainable))
+
+    @property
+    def backward_done(self) -> bool:
+        """Nothing left in this backward needs the parameters: every trainable gradient has arrived and the
+        gradient w.r.t. the inputs of every forward call it backpropagated through exists."""
+        return self.complete and self.awaiting_inputs == 0
 
     def has_new_grads(self) -> bool:
         return any(self.reported)
