@@ -49,14 +49,20 @@ def assert_all_gone(pids: list[int]) -> None:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory) -> dict:
+def uninterrupted_run(tmp_path_factory) -> tuple[dict, subprocess.CompletedProcess, Path]:
+    """The fault-free run, which also reports what it listens on (one launch for both)."""
     out = tmp_path_factory.mktemp("uninterrupted")
-    proc, _ = launch(out)
+    proc, _ = launch(out, script_args=("--sockets", str(out / "sockets.json")))
     assert proc.returncode == 0, proc.stderr
     result = json.loads((out / "losses.json").read_text())
     assert len(result["losses"]) == 12 and len(set(result["losses"])) == 12  # 12 distinct steps: a real run
     assert result["attempts"] == [0] * 12 and result["resumed_from"] is None
-    return result
+    return result, proc, out / "sockets.json"
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(uninterrupted_run) -> dict:
+    return uninterrupted_run[0]
 
 
 @pytest.mark.parametrize("run", range(KILL_RUNS))
@@ -112,10 +118,8 @@ def test_a_rank_with_more_batches_raises_a_clear_error_instead_of_hanging(tmp_pa
     assert_all_gone(worker_pids(tmp_path))
 
 
-def test_a_one_machine_launch_listens_on_loopback_only(tmp_path):
-    report_file = tmp_path / "sockets.json"
-    proc, _ = launch(tmp_path, script_args=("--sockets", str(report_file)))
-    assert proc.returncode == 0, proc.stderr
+def test_a_one_machine_launch_listens_on_loopback_only(uninterrupted_run):
+    _, proc, report_file = uninterrupted_run
     assert "WARNING" not in proc.stderr
     report = json.loads(report_file.read_text())
     assert report["launcher"], "the launcher's rendezvous store was not found listening"
