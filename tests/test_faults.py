@@ -5,12 +5,14 @@ tests/scripts/fault_train.py (12 ZeRO-2 steps, a checkpoint every 4, resume by `
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import json
 import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -48,22 +50,83 @@ def assert_all_gone(pids: list[int]) -> None:
     assert not alive, f"worker processes left behind: {alive}"
 
 
+@dataclasses.dataclass
+class Run:
+    proc: subprocess.CompletedProcess
+    seconds: float
+    ended: float  # time.time() when the launch returned
+    out: Path
+
+
+# Every launch the tests below read: (launcher flags, script flags). The sockets report costs the
+# fault-free run nothing (rank 0 writes it before the first step), so it is that run's too.
+RUNS = {
+    "uninterrupted": ((), ("--sockets", "{out}/sockets.json")),
+    "hung": (("--process_group_timeout", "5"), ("--hang_step", "3")),
+    "uneven": (("--process_group_timeout", "5"), ("--uneven",)),
+    **{f"kill{i}": (("--max_restarts", "3"), ("--kill_step", "6")) for i in range(KILL_RUNS)},
+    "own_init": (("--max_restarts", "3"), ("--kill_step", "6", "--own_init")),
+}
+READS = {  # test name (without parameters) -> the runs it reads
+    "test_killed_rank_restarts_and_resumes_without_losing_or_repeating_a_step": lambda p: [f"kill{p['run']}"],
+    "test_a_script_that_creates_the_process_group_itself_also_survives_the_kill": lambda p: ["own_init"],
+    "test_hung_rank_times_out_naming_the_collective_and_every_rank_is_stopped": lambda p: ["hung"],
+    "test_a_rank_with_more_batches_raises_a_clear_error_instead_of_hanging": lambda p: ["uneven"],
+    "test_a_one_machine_launch_listens_on_loopback_only": lambda p: [],
+}
+
+
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("uninterrupted")
-    proc, _ = launch(out)
-    assert proc.returncode == 0, proc.stderr
-    result = json.loads((out / "losses.json").read_text())
+def runs(request, tmp_path_factory):
+    """Each launch in RUNS at most once. Those the selected tests read start together on first use, two at
+    a time: a launch alone leaves a core idle much of the time (the launcher's start-up, a restart, the
+    5 s a hung or uneven run waits for its timeout), two keep both busy. Each waits for itself only."""
+    root = tmp_path_factory.mktemp("faults")
+    done: dict[str, Run] = {}
+
+    def run(key: str) -> Run:
+        out = root / key
+        flags, script_args = RUNS[key]
+        proc, seconds = launch(out, *flags, script_args=tuple(a.format(out=out) for a in script_args))
+        return Run(proc, seconds, time.time(), out)
+
+    wanted = {"uninterrupted"}  # every kill run is compared with it
+    for item in request.session.items:
+        if item.path == Path(__file__).resolve() and item.originalname in READS:
+            wanted.update(READS[item.originalname](getattr(item, "callspec", None) and item.callspec.params))
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {key: pool.submit(run, key) for key in RUNS if key in wanted}  # RUNS' order: hung, uneven early
+    done.update((key, future.result()) for key, future in futures.items())
+
+    def get(key: str) -> Run:
+        if key not in done:
+            done[key] = run(key)
+        return done[key]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_run(runs) -> Run:
+    """The fault-free run, which also reports what it listens on (one launch for both)."""
+    run = runs("uninterrupted")
+    assert run.proc.returncode == 0, run.proc.stderr
+    result = json.loads((run.out / "losses.json").read_text())
     assert len(result["losses"]) == 12 and len(set(result["losses"])) == 12  # 12 distinct steps: a real run
     assert result["attempts"] == [0] * 12 and result["resumed_from"] is None
-    return result
+    return run
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(uninterrupted_run) -> dict:
+    return json.loads((uninterrupted_run.out / "losses.json").read_text())
 
 
 @pytest.mark.parametrize("run", range(KILL_RUNS))
-def test_killed_rank_restarts_and_resumes_without_losing_or_repeating_a_step(run, uninterrupted, tmp_path):
-    proc, seconds = launch(tmp_path, "--max_restarts", "3", script_args=("--kill_step", "6"))
+def test_killed_rank_restarts_and_resumes_without_losing_or_repeating_a_step(run, uninterrupted, runs):
+    proc, seconds, _, out = dataclasses.astuple(runs(f"kill{run}"))
     assert proc.returncode == 0, proc.stderr[-5000:]
-    result = json.loads((tmp_path / "losses.json").read_text())
+    result = json.loads((out / "losses.json").read_text())
     # Attempt 0 died after step 6; attempt 1 resumed from the step-4 checkpoint: steps 1-4 come from
     # attempt 0 through the checkpoint, 5-12 were computed once more by attempt 1.
     assert result["attempts"] == [0] * 4 + [1] * 8, proc.stderr[-3000:]
@@ -71,22 +134,22 @@ def test_killed_rank_restarts_and_resumes_without_losing_or_repeating_a_step(run
     assert result["completed_steps"] == 12
     assert result["resumed_from"].endswith("checkpoint_0")
     assert "zerofit: resumed from checkpoint" in proc.stderr and "continuing with step 5" in proc.stderr
-    assert_all_gone(worker_pids(tmp_path))
+    assert_all_gone(worker_pids(out))
     print(f"kill run {run}: {seconds:.1f} s")
 
 
-def test_a_script_that_creates_the_process_group_itself_also_survives_the_kill(uninterrupted, tmp_path):
+def test_a_script_that_creates_the_process_group_itself_also_survives_the_kill(uninterrupted, runs):
     """Its keys never carry zerofit's attempt prefix: the launcher's fresh store per restart covers it."""
-    proc, _ = launch(tmp_path, "--max_restarts", "3", script_args=("--kill_step", "6", "--own_init"))
+    proc, out = runs("own_init").proc, runs("own_init").out
     assert proc.returncode == 0, proc.stderr[-5000:]
-    result = json.loads((tmp_path / "losses.json").read_text())
+    result = json.loads((out / "losses.json").read_text())
     assert result["attempts"] == [0] * 4 + [1] * 8
     assert result["losses"] == uninterrupted["losses"]
-    assert_all_gone(worker_pids(tmp_path))
+    assert_all_gone(worker_pids(out))
 
 
-def test_hung_rank_times_out_naming_the_collective_and_every_rank_is_stopped(tmp_path):
-    proc, _ = launch(tmp_path, "--process_group_timeout", "5", script_args=("--hang_step", "3"))
+def test_hung_rank_times_out_naming_the_collective_and_every_rank_is_stopped(runs):
+    proc, _, ended, out = dataclasses.astuple(runs("hung"))
     assert proc.returncode != 0
     # Rank 1 sleeps inside step 3; rank 0 waits in the backward's first gradient reduction.
     assert "CollectiveError: rank 0: collective reduce_scatter:" in proc.stderr
@@ -94,13 +157,13 @@ def test_hung_rank_times_out_naming_the_collective_and_every_rank_is_stopped(tmp
     # Rank 1 sleeps for an hour: the launch ending at all (launch() stops waiting after LAUNCH_TIMEOUT_S) is
     # the timeout's work, and the message above says which timeout fired. Wall time on a loaded machine
     # proves nothing more, so only the lower bound is checked: the ranks did wait out the 5 s.
-    hung_for = time.time() - float((tmp_path / "hang-start").read_text())
+    hung_for = ended - float((out / "hang-start").read_text())
     assert hung_for >= 5, f"the launch ended {hung_for:.1f} s after rank 1 hung, before the timeout"
-    assert_all_gone(worker_pids(tmp_path))
+    assert_all_gone(worker_pids(out))
 
 
-def test_a_rank_with_more_batches_raises_a_clear_error_instead_of_hanging(tmp_path):
-    proc, _ = launch(tmp_path, "--process_group_timeout", "5", script_args=("--uneven",))
+def test_a_rank_with_more_batches_raises_a_clear_error_instead_of_hanging(runs):
+    proc, out = runs("uneven").proc, runs("uneven").out
     assert proc.returncode != 0
     # Rank 1 finishes its 4 batches and waits at the final barrier while rank 0 runs a 5th step: they
     # run different collectives, so both give up within the timeout, each naming what it waited in.
@@ -108,14 +171,12 @@ def test_a_rank_with_more_batches_raises_a_clear_error_instead_of_hanging(tmp_pa
     assert "CollectiveError: rank 1: collective barrier (wait_for_everyone) did not complete" in proc.stderr
     assert "a DataLoader not passed to prepare()" in proc.stderr
     assert "did not complete within 5 s (launch.process_group_timeout)" in proc.stderr  # the timeout ended it
-    assert not (tmp_path / "losses.json").exists()
-    assert_all_gone(worker_pids(tmp_path))
+    assert not (out / "losses.json").exists()
+    assert_all_gone(worker_pids(out))
 
 
-def test_a_one_machine_launch_listens_on_loopback_only(tmp_path):
-    report_file = tmp_path / "sockets.json"
-    proc, _ = launch(tmp_path, script_args=("--sockets", str(report_file)))
-    assert proc.returncode == 0, proc.stderr
+def test_a_one_machine_launch_listens_on_loopback_only(uninterrupted_run):
+    proc, report_file = uninterrupted_run.proc, uninterrupted_run.out / "sockets.json"
     assert "WARNING" not in proc.stderr
     report = json.loads(report_file.read_text())
     assert report["launcher"], "the launcher's rendezvous store was not found listening"

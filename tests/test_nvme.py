@@ -44,13 +44,17 @@ def _nvme_engine(stage: int, path: str, *, buffer_count: int = 4, perturb: float
     return case, model, opt, ZeroEngine(model, opt, zero=zero, device=torch.device("cpu"))
 
 
-def parity_and_memory(rank, world, path):
+def parity_runs(rank, world, path):
     out = {}
     for stage, gas in PARITY:
         cpu = run_engine(rank, world, Case(stage=stage, gas=gas, offload="cpu"))
         nvme = run_engine(rank, world, Case(stage=stage, gas=gas, offload="nvme", nvme_path=path))
         out[(stage, gas)] = (cpu, nvme)
-    # memory: a pool of 2 buffers, more groups than that
+    return out
+
+
+def memory_run(rank, world, path):
+    """A pool of 2 buffers, more groups than that."""
     case, model, _, engine = _nvme_engine(2, path, buffer_count=2)
     swapper, groups = engine.swapper, [g for g in engine._trainable if g.placement.offload_state]
     files = sorted(os.listdir(swapper.dir))
@@ -68,19 +72,24 @@ def parity_and_memory(rank, world, path):
     directory = swapper.dir
     engine.stepper.close()  # what the engine's finalizer does
     memory["removed"] = not os.path.exists(directory)
-    return out, memory
+    return memory
+
+
+# Two launches, so the fast loop (-m "not slow") runs the memory check without the parity sweep.
+@pytest.fixture(scope="module")
+def parity(tmp_path_factory):
+    return run_distributed(parity_runs, 2, str(tmp_path_factory.mktemp("nvme")), timeout=300)
 
 
 @pytest.fixture(scope="module")
-def parity(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("nvme"))
-    return path, run_distributed(parity_and_memory, 2, path, timeout=300)
+def memory_runs(tmp_path_factory):
+    return run_distributed(memory_run, 2, str(tmp_path_factory.mktemp("nvme")), timeout=300)
 
 
 @pytest.mark.slow  # a sweep of NVMe runs
 @pytest.mark.parametrize("stage,gas", PARITY)
 def test_nvme_bit_equal_to_cpu_offload(parity, stage, gas):
-    for out, _ in parity[1]:
+    for out in parity:
         cpu, nvme = out[(stage, gas)]
         assert nvme["offloaded"] == cpu["offloaded"] > 0
         assert nvme["losses"] == cpu["losses"]
@@ -89,8 +98,8 @@ def test_nvme_bit_equal_to_cpu_offload(parity, stage, gas):
             assert all(torch.equal(g1[k], g2[k]) for k in g1)
 
 
-def test_nvme_keeps_host_memory_bounded(parity):
-    for _, memory in parity[1]:
+def test_nvme_keeps_host_memory_bounded(memory_runs):
+    for memory in memory_runs:
         assert memory["groups"] > 2 and memory["files"] == memory["groups"]
         assert max(memory["resident"]) <= 2 and memory["resident"][1::2] == [0, 0, 0]
         assert memory["allocated"] <= 2

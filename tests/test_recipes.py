@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -160,17 +161,48 @@ def assets(tmp_path_factory) -> dict[str, Path]:
     return build_assets(tmp_path_factory.mktemp("assets"))
 
 
+def _selected_runs(items) -> list[tuple[str, str]]:
+    """The (recipe, stage) runs the selected tests of this module read, DDP references first."""
+    wanted = set()
+    for item in items:
+        if item.path != Path(__file__).resolve():
+            continue
+        params = item.callspec.params if hasattr(item, "callspec") else {}
+        if item.name.startswith("test_recipe_"):
+            wanted.add((params["recipe"], "ddp"))
+        if "stage" in params:
+            wanted.add((params["recipe"], params["stage"]))
+        if item.name.startswith("test_clm_resumed"):
+            wanted.add(("clm", "zero2"))
+    return sorted(wanted, key=lambda run: (run[1] != "ddp", run))
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, assets):
-    """Each (recipe, stage) launched at most once per module, on first use."""
+def runs(request, tmp_path_factory, assets):
+    """Each (recipe, stage) launched once per module. The runs the selected tests need start together
+    on first use, two launches at a time: a launch alone leaves a core idle much of the time (start-up,
+    tokenizing, the launcher's own import), two keep both busy."""
     root = tmp_path_factory.mktemp("runs")
     done: dict[tuple[str, str], tuple[dict, Path]] = {}
 
+    def run(recipe: str, stage: str) -> tuple[dict, Path]:
+        script, args, _ = RECIPES[recipe]
+        out = root / f"{recipe}_{stage}"
+        return launch(STAGES[stage](root), script, out, args(assets), root), out
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {key: pool.submit(run, *key) for key in _selected_runs(request.session.items)}
+    for key, future in futures.items():
+        try:
+            done[key] = future.result()
+        except AssertionError as e:  # a failed launch fails only the tests that read it
+            done[key] = e
+
     def get(recipe: str, stage: str) -> tuple[dict, Path]:
         if (recipe, stage) not in done:
-            script, args, _ = RECIPES[recipe]
-            out = root / f"{recipe}_{stage}"
-            done[recipe, stage] = launch(STAGES[stage](root), script, out, args(assets), root), out
+            done[recipe, stage] = run(recipe, stage)
+        if isinstance(done[recipe, stage], AssertionError):
+            raise done[recipe, stage]
         return done[recipe, stage]
 
     return get

@@ -10,7 +10,8 @@ Faults, each on rank 1 only, on the first attempt only:
   --kill_step N   SIGKILL itself at step N, after that step's update
   --hang_step N   sleep inside step N (before backward), as a hung rank does
   --uneven        train on the script's own, unprepared DataLoader with one batch more on rank 0
-  --sockets FILE  (no fault) rank 0 writes the listening sockets of the launcher and every worker
+  --sockets FILE  (no fault) rank 0 writes the listening sockets of the launcher and every worker, after
+                  prepare() and before the first step; the run then trains as without it
   --own_init      the script creates the process group itself (torch's env:// rendezvous), before zerofit
 """
 
@@ -113,7 +114,6 @@ def main() -> None:
             with open(args.sockets, "w") as f:
                 json.dump(report, f)
         accelerator.wait_for_everyone()
-        return
 
     step = accelerator.completed_steps
     epochs = -(-args.steps // len(loader))

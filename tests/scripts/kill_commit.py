@@ -2,6 +2,7 @@
 
     python kill_commit.py ROOT VERSION before|after N
 
+(or `run(ROOT, VERSION, when, N)` in a fresh process, as the test does: multiprocessing's fork server)
 saves a one-process engine (every master weight VERSION, extra_state {"version": VERSION}) to ROOT/ckpt
 and kills itself with SIGKILL right before or right after the N-th rename into ROOT: 1 is `ckpt` moved
 aside to `ckpt.old-*` (when it exists), then the finished `ckpt.tmp-*` renamed to `ckpt`, then
@@ -44,8 +45,8 @@ def kill_at(root: Path, when: str, n: int) -> None:
     os.rename, os.replace = counted(os.rename), counted(os.replace)
 
 
-def main() -> None:
-    root, version, when, n = Path(sys.argv[1]).absolute(), float(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+def run(root: Path, version: float, when: str, n: int) -> None:
+    root = Path(root).absolute()
     engine = build(1)[3]
     with torch.no_grad():
         for g in engine.groups:
@@ -56,4 +57,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(Path(sys.argv[1]), float(sys.argv[2]), sys.argv[3], int(sys.argv[4]))

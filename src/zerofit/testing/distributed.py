@@ -4,6 +4,12 @@
 for), returns every rank's result in rank order, and turns any rank's exception or a timeout into one
 error in the caller that shows each failing rank's traceback. Sibling ranks are killed on failure, so a
 crash never leaves a hung collective behind.
+
+Ranks are spawned by default: each one starts Python and imports torch (a few seconds of CPU per rank).
+A test suite that launches many times can call `use_forkserver(preload)` once (zerofit's own tests do, in
+tests/conftest.py): ranks are then forked from one server process that imported `preload` once, so a
+launch costs milliseconds of start-up instead. Each rank is still a fresh process with the caller's
+current environment variables, working directory and sys.path.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ import queue
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -27,8 +33,37 @@ class DistributedTestError(AssertionError):
     """One or more ranks failed or timed out; the message holds their tracebacks."""
 
 
+_START_METHOD = "spawn"
+
+
+def use_forkserver(preload: Sequence[str] = ("torch",)) -> None:
+    """From now on, fork ranks from a server process that imported the modules `preload` names once.
+
+    For test suites (zerofit's own call it from tests/conftest.py): it saves the interpreter start and
+    the imports on every launch. The server starts at the first launch; its modules are imported and
+    never run anything, so every rank still starts from freshly imported modules.
+    """
+    global _START_METHOD
+    mp.get_context("forkserver").set_forkserver_preload(list(preload))
+    _START_METHOD = "forkserver"
+
+
+def stop_forkserver() -> None:
+    """Stop the fork server, if one runs, and wait for it: its ranks' CPU time is then counted in the
+    caller's (`time pytest` tells the truth), and nothing outlives the test session."""
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver, "_forkserver", None)
+    if server is not None and getattr(server, "_forkserver_pid", None) is not None:
+        server._stop()
+
+
 def _worker(rank: int, world_size: int, init_file: str, backend: str, timeout_s: float,
-            threads: int, fn: Callable, args: tuple, results: Any) -> None:
+            threads: int, fn: Callable, args: tuple, results: Any, environ: dict[str, str]) -> None:
+    # The caller's environment as it is now: a forked rank would otherwise see the fork server's, as it
+    # was when the server started (a test's monkeypatch.setenv must reach its ranks).
+    os.environ.clear()
+    os.environ.update(environ)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size))
     torch.set_num_threads(threads)
@@ -49,15 +84,17 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
                     backend: str = "gloo", threads: int | None = None) -> list[Any]:
     """Call `fn(rank, world_size, *args)` on `world_size` fresh processes; return their results by rank.
 
-    `fn` must be importable (defined at module top level) because ranks are spawned, not forked.
+    `fn` must be importable (defined at module top level): ranks are spawned (or forked from the fork
+    server, see use_forkserver), never forked from the caller, and import it by name.
     """
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context(_START_METHOD)
     results = ctx.Queue()
     threads = threads or max(1, (os.cpu_count() or 1) // world_size)
     with tempfile.TemporaryDirectory(prefix="zerofit-rdzv-") as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         procs = [ctx.Process(target=_worker, daemon=True,
-                             args=(r, world_size, init_file, backend, timeout, threads, fn, args, results))
+                             args=(r, world_size, init_file, backend, timeout, threads, fn, args, results,
+                                   dict(os.environ)))
                  for r in range(world_size)]
         for p in procs:
             p.start()

@@ -1,0 +1,25 @@
+"""Shared set-up for the suite.
+
+Launches through zerofit.testing.distributed.run_distributed (about 60 of them, most of two gloo ranks)
+fork their ranks from one server process that has imported torch, zerofit and the shared test helpers
+once, instead of spawning a fresh interpreter per rank: those imports (with torch._dynamo, which the
+first optimizer step pulls in, and transformers' GPT-2 for the tests that build one) are 2-4 s of CPU
+per rank, which was most of the fast tier's time. Each rank is still a new process and gets the test's
+current environment, working directory and sys.path; see use_forkserver.
+"""
+
+import pkgutil
+
+import zerofit
+from zerofit.testing.distributed import stop_forkserver, use_forkserver
+
+_LIBRARY = ["zerofit"] + [m.name for m in pkgutil.walk_packages(zerofit.__path__, "zerofit.")
+                          if m.name.split(".")[1] in ("config", "dist", "engine", "frontend", "checkpoint", "plan")]
+use_forkserver(["numpy", "torch", "torch.distributed", "torch._dynamo", "pytest", *_LIBRARY,
+                "engine_cases", "test_checkpoint_support",
+                # absent without transformers (the fork server skips what does not import)
+                "transformers.models.gpt2.modeling_gpt2", "transformers.models.llama.modeling_llama"])
+
+
+def pytest_sessionfinish(session, exitstatus):
+    stop_forkserver()  # and wait for it: its ranks' CPU time then counts in pytest's (`time pytest`)
