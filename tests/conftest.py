@@ -8,9 +8,16 @@ per rank, which was most of the fast tier's time. Each rank is still a new proce
 current environment, working directory and sys.path; see use_forkserver.
 """
 
+import os
 import pkgutil
+import tempfile
 
 import zerofit
+
+# The suite never reads this machine's own Hugging Face folder: a default config that `accelerate config`
+# wrote there would change what a launch without --config_file runs (zerofit reads it, as Accelerate's
+# launcher does). Set before the fork server starts, so every rank and subprocess inherits it.
+os.environ["HF_HOME"] = tempfile.mkdtemp(prefix="zerofit-tests-hf-")
 from zerofit.testing.distributed import stop_forkserver, use_forkserver
 
 _LIBRARY = ["zerofit"] + [m.name for m in pkgutil.walk_packages(zerofit.__path__, "zerofit.")
