@@ -430,35 +430,24 @@ class ZeroEngine:
         no step count - and DDP leaves such a parameter's gradient None when no rank used it. The
         engine does the same: each rank records which parameters got a gradient in the window
         (`Unit.used`), the ranks sum one flag per parameter, and the step leaves the master pieces of
-        parameters with a sum of 0 out (`FlatGroup.unused`, `leaving_out_unused`). A parameter used on
+        parameters with a sum of 0 out (`FlatGroup.unused`, `optim.without_grads`). A parameter used on
         some ranks only is stepped on every rank with the averaged gradient, as DDP does. The sum is
         one small all-reduce per step, issued by every rank; a rank that used every parameter knows
         the answer without reading it, so only a window with a parameter unused here waits for it.
         """
-        per_unit = [(u, gi, g) for u in self.units for gi, g in enumerate(u.trainable)]
-        if not per_unit:
-            return
-        missing = any(len(u.used[gi]) < len(g.params) for u, gi, g in per_unit)
-        used_anywhere: list[float] | None = None
+        groups = [(g, u.used[gi]) for u in self.units for gi, g in enumerate(u.trainable)]
+        flags = [float(i in used) for g, used in groups for i in range(len(g.params))]
+        missing = 0.0 in flags
         if self.comm.world > 1:
-            sizes = [len(g.params) for _, _, g in per_unit]
-            if missing:
-                flags = [float(i in u.used[gi]) for u, gi, g in per_unit for i in range(len(g.params))]
-                counts = torch.tensor(flags, dtype=torch.float32).to(self.device)
-            else:
-                counts = torch.ones(sum(sizes), dtype=torch.float32, device=self.device)
+            counts = (torch.tensor(flags, dtype=torch.float32).to(self.device) if missing
+                      else torch.ones(len(flags), dtype=torch.float32, device=self.device))
             self.comm.all_reduce_now(counts, "used_params")
             if missing:
-                used_anywhere = counts.tolist()  # host sync only where some parameter went unused here
+                flags = counts.tolist()  # host sync only where some parameter went unused here
         cursor = 0
-        for u, gi, g in per_unit:
+        for g, _ in groups:
             n = len(g.params)
-            if not missing:
-                g.unused = frozenset()
-            elif used_anywhere is None:
-                g.unused = frozenset(i for i in range(n) if i not in u.used[gi])
-            else:
-                g.unused = frozenset(i for i in range(n) if used_anywhere[cursor + i] == 0)
+            g.unused = frozenset(i for i in range(n) if flags[cursor + i] == 0) if missing else frozenset()
             cursor += n
 
     def _warn_if_nonfinite(self) -> None:

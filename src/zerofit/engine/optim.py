@@ -3,8 +3,9 @@
 [Note: one optimizer object]
 The script's optimizer object stays the one that steps: its param groups keep every setting (lr,
 betas, weight decay, ...) but their `params` are replaced by this rank's fp32 master pieces, one per
-parameter part in the shard (see `zerofit.engine.layout`), each with its own optimizer state. LR schedulers built on that
-optimizer before `prepare()` therefore keep working, and any torch optimizer whose update is
+parameter part in the shard (see `zerofit.engine.layout`), each with its own optimizer state. LR
+schedulers built on that optimizer before `prepare()` therefore keep working, and any torch optimizer
+whose update is
 elementwise (Adam, AdamW, SGD with momentum, ...) computes exactly what it would on the whole model.
 """
 
