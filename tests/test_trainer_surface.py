@@ -34,6 +34,7 @@ RELIED_ON = {
     "_load_optimizer_and_scheduler": ["self", "checkpoint"],
     "get_resumed_dataloader": ["self", "dataloader", "num_batches"],
     "get_decay_parameter_names": ["self", "model"],
+    "_move_model_to_device": ["self", "model", "device"],
 }
 
 
