@@ -28,6 +28,7 @@ class Run:
     save_steps: int = 2
     resume_from: str | None = None
     evaluate: bool = False  # evaluate() before train(), and every 2 steps during it (Trainer only)
+    prompt: bool = False  # PEFT prompt tuning (Trainer only): its adapter is saved by a forward pass
 
 
 def tiny_gpt2():
@@ -101,6 +102,11 @@ def run(run: Run, output_dir: str, *, zerofit: bool) -> dict:
         from zerofit.integrations import transformers as ours
 
         model = with_lora(model) if run.lora else model
+        if run.prompt:
+            import peft
+
+            torch.manual_seed(1)
+            model = peft.get_peft_model(model, peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3))
         cls = ours.Trainer if zerofit else transformers.Trainer
         if run.evaluate:
             common.update(eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=3)

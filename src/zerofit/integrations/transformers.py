@@ -112,6 +112,9 @@ class ZerofitTrainerMixin:
         if not self.accelerator.is_prepared(self.model):  # not trained yet (save before train): Trainer's own
             return super().save_model(output_dir, _internal_call)
         state_dict = self.accelerator.get_state_dict(self.model)
+        if not self.args.should_save and _runs_forward_to_save(self.model):
+            # [Note: saving runs a forward] rank 0 runs the same inside `_save`, which returns at once here
+            self.model.save_pretrained(output_dir, state_dict=state_dict, is_main_process=False)
         self._save(output_dir, state_dict=state_dict)
         self.accelerator.wait_for_everyone()  # the files exist on return, on every rank
         if self.args.push_to_hub and not _internal_call:
@@ -155,6 +158,16 @@ class TrainerAccelerator(Accelerator):
         if evaluation_mode and model is self.trained_model and not self.is_prepared(model):
             return model.to(self.device)
         return super().prepare_model(model, device_placement, evaluation_mode)
+
+
+def _runs_forward_to_save(model: torch.nn.Module) -> bool:
+    """[Note: saving runs a forward] PEFT saves a prompt-learning adapter (prompt, prefix, p-tuning) as the
+    output of its prompt encoder, computed in `save_pretrained` by a forward pass. At ZeRO-3 that forward
+    gathers the encoder's parameters from every rank, so every rank must run `save_pretrained` (PEFT
+    computes its state dict on each process and writes only where `is_main_process`); run on rank 0
+    alone, as Trainer's `_save` does, it waits forever."""
+    configs = getattr(model, "peft_config", None)
+    return isinstance(configs, dict) and any(getattr(c, "is_prompt_learning", False) for c in configs.values())
 
 
 def _refuse_other_engines(args: Any) -> None:
