@@ -41,7 +41,7 @@ CONFIGS = {
 FULL, LORA, EVAL, PROMPT = tc.Run(), tc.Run(lora=True), tc.Run(evaluate=True), tc.Run(prompt=True)
 SFT, SFT_LORA, DPO = tc.Run("sft"), tc.Run("sft", lora=True), tc.Run("dpo")
 CASES = ([(FULL, c) for c in CONFIGS] + [(LORA, c) for c in ("stage0", "stage2", "stage3", "stage3_offload")]
-         + [(EVAL, "stage3"), (PROMPT, "stage3"), (SFT, "stage2_offload"), (SFT, "stage3"), (SFT_LORA, "stage3"), (DPO, "stage3")])
+         + [(EVAL, "stage3"), (PROMPT, "stage3"), (SFT, "stage0"), (SFT, "stage2_offload"), (SFT, "stage3"), (SFT_LORA, "stage3"), (DPO, "stage3")])
 
 
 def _case_id(case) -> str:
