@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import resource
@@ -187,7 +188,16 @@ def resolved_config(trainer, args: argparse.Namespace):
 
         return to_dict(trainer.accelerator.config)
     hf_config = getattr(trainer.args, "hf_deepspeed_config", None)
-    return getattr(hf_config, "config", None)
+    return _strict_json(getattr(hf_config, "config", None))
+
+
+def _strict_json(value):
+    """`value` with non-finite floats as strings (Trainer sets DeepSpeed's steps_per_print to inf)."""
+    if isinstance(value, dict):
+        return {k: _strict_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strict_json(v) for v in value]
+    return str(value) if isinstance(value, float) and not math.isfinite(value) else value
 
 
 def versions() -> dict[str, str | None]:
