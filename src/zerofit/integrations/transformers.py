@@ -121,7 +121,8 @@ class ZerofitTrainerMixin:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        self.accelerator.save_state(os.path.join(output_dir, ZEROFIT_STATE))
+        # no `latest` pointer beside it: Trainer finds its checkpoints by their checkpoint-N names
+        self.accelerator._save(os.path.join(output_dir, ZEROFIT_STATE), update_latest=False)
         if self.args.should_save and not isinstance(self.lr_scheduler, AcceleratedScheduler):
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
