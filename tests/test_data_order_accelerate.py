@@ -238,3 +238,25 @@ def test_workers_take_the_base_seed_draw_once_per_epoch_or_once_when_persistent(
 
     _same(zerofit_run(with_workers, False, 0, 2, seedable=False, epochs=3),
           accelerate_run(with_workers, False, 0, 2, seedable=False, epochs=3))
+
+
+def test_a_run_resumed_at_another_world_size_carries_on_the_saved_runs_order():
+    """Saved at 2 ranks (shuffle=True: a generator carried on), resumed in one process (its own kind
+    would draw from the global RNG): the resumed epoch gives the rest of the saved run's epoch."""
+    ranks = []
+    for rank in range(2):
+        torch.manual_seed(SEED)  # as on every rank of a real run
+        ranks.append(sharded(shuffled(False), rank, 2, seedable=False))
+    for loader in ranks:
+        list(loader)  # epoch 0
+    iters = [iter(loader) for loader in ranks]
+    for it in iters:
+        next(it)  # one step of epoch 1, then the checkpoint
+    saved = loop_state.collect(schedulers=[], optimizers=[], dataloaders=[ranks[0]], custom=[], iteration=0)
+    straight = [a.tolist() + b.tolist() for a, b in zip(*iters)]  # each remaining global batch, rank 0's rows first
+    straight[-1] = straight[-1][:len(DATA) % 8]  # 2 x 4 over 21 samples: the last global batch holds 5 real ones
+
+    one = sharded(DataLoader(DATA, batch_size=8, shuffle=True), 0, 1, seedable=False)
+    loop_state.restore(saved, schedulers=[], optimizers=[], dataloaders=[one], custom=[])
+    one.skip_batches(one.resume_position)
+    assert [b.tolist() for b in one] == straight

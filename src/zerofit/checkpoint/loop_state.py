@@ -90,8 +90,7 @@ def restore(extra: dict[str, Any], *, schedulers: list[Any], optimizers: list[An
         loader.iteration = sd["epoch"]
         loader.resume_position = sd["batches_yielded"]
         loader.seed = sd.get("seed", loader.seed)
-        if loader.order is not None:
-            loader.order.load_state_dict(sd.get("order", {}))
+        loader.load_order_state(sd.get("order", {}))
     for obj, sd in zip(custom, saved_custom):
         obj.load_state_dict(sd)
     if "rng" in extra:

@@ -42,7 +42,7 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler
 
 from zerofit.frontend.backoff import BatchSplitter
 from zerofit.frontend.ops import send_to_device
-from zerofit.frontend.sampling import EpochOrder, OwnOrder, SeededOrder
+from zerofit.frontend.sampling import EpochOrder, OwnOrder, SeededOrder, restored
 from zerofit.frontend.state import GradientState
 
 
@@ -223,6 +223,11 @@ class ShardedDataLoader:
     def order(self) -> EpochOrder | None:
         """How the epochs' indices are drawn (checkpoints save its `state_dict()`); None for an iterable dataset."""
         return self.batch_sampler.order if self.batch_sampler is not None else None
+
+    def load_order_state(self, state: dict[str, Any]) -> None:
+        """Put back a checkpoint's `order.state_dict()` (of another kind too: `sampling.restored`)."""
+        if self.batch_sampler is not None and state:
+            self.batch_sampler.order = restored(self.batch_sampler.order, state)
 
     @property
     def total_batch_size(self) -> int | None:

@@ -25,7 +25,9 @@ Resuming stays exact. `SeededOrder` and `StreamOrder` compute an epoch's order f
 and the epoch number. `OwnOrder` keeps the global RNG state from before its epoch's draws, and
 checkpoints save that state. An epoch resumed mid-way replays the draws under the saved state
 (`indices(..., resumed=True)`) and leaves the live RNG alone: the checkpoint already restored the
-live RNG to a point after those draws.
+live RNG to a point after those draws. A run resumed at another world size can find a saved order
+of another kind (`shuffle=True` is a `StreamOrder` over several processes and an `OwnOrder` in one).
+It then takes up the saved kind (`restored`), so its epochs carry on the saved run's order.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from torch.utils.data import RandomSampler, Sampler
 class EpochOrder(Protocol):
     """The indices of one epoch of a sampler; the strategies are described in the module note."""
 
+    sampler: Sampler
     replays: torch.Generator | None
     """The script's generator this order draws from in its own replay (as the dataloader's base-seed
     draw); the dataloader then must not draw from it a second time. None for the other orders."""
@@ -72,7 +75,7 @@ class OwnOrder:
         return list(self.sampler)
 
     def state_dict(self) -> dict[str, Any]:
-        return {} if self.rng_before is None else {"rng_before": self.rng_before}
+        return {"kind": "own"} | ({} if self.rng_before is None else {"rng_before": self.rng_before})
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.rng_before = state.get("rng_before", self.rng_before)
@@ -95,7 +98,7 @@ class SeededOrder:
                                   generator=generator))
 
     def state_dict(self) -> dict[str, Any]:
-        return {"seed": self.seed}
+        return {"kind": "seeded", "seed": self.seed}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.seed = int(state.get("seed", self.seed))
@@ -141,7 +144,7 @@ class StreamOrder:
             self.sampler.generator = own
 
     def state_dict(self) -> dict[str, Any]:
-        return {"start": self.start}
+        return {"kind": "stream", "start": self.start, "replays": self.replays is not None}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if "start" in state:
@@ -167,3 +170,17 @@ def order_for(sampler: Sampler, *, loader_generator: torch.Generator | None, see
         return StreamOrder(sampler, torch.Generator().manual_seed(seed).get_state())
     return StreamOrder(sampler, share(own.get_state()),
                        replays=own if loader_generator is own else None)
+
+
+def restored(order: EpochOrder, state: dict[str, Any]) -> EpochOrder:
+    """`order` with a checkpoint's `state` loaded, or the saved kind of order when it differs (the module note)."""
+    kind = state.get("kind")
+    sampler = order.sampler
+    if kind == "seeded" and not isinstance(order, SeededOrder):
+        order = SeededOrder(sampler, int(state["seed"]))
+    elif kind == "stream" and not isinstance(order, StreamOrder):
+        order = StreamOrder(sampler, state["start"], replays=sampler.generator if state["replays"] else None)
+    elif kind == "own" and not isinstance(order, OwnOrder):
+        order = OwnOrder(sampler)
+    order.load_state_dict(state)
+    return order
