@@ -38,15 +38,16 @@ CONFIGS = {
     "stage3_offload": {"zero": {"stage": 3, "param_persistence_threshold": 0, "offload_optimizer": {"device": "cpu"},
                                 "offload_param": {"device": "cpu"}}},
 }
-FULL, LORA = tc.Run(), tc.Run(lora=True)
+FULL, LORA, EVAL, PROMPT = tc.Run(), tc.Run(lora=True), tc.Run(evaluate=True), tc.Run(prompt=True)
 SFT, SFT_LORA, DPO = tc.Run("sft"), tc.Run("sft", lora=True), tc.Run("dpo")
 CASES = ([(FULL, c) for c in CONFIGS] + [(LORA, c) for c in ("stage0", "stage2", "stage3", "stage3_offload")]
-         + [(SFT, "stage2_offload"), (SFT, "stage3"), (SFT_LORA, "stage3"), (DPO, "stage3")])
+         + [(EVAL, "stage3"), (PROMPT, "stage3"), (SFT, "stage0"), (SFT, "stage2_offload"), (SFT, "stage3"), (SFT_LORA, "stage3"), (DPO, "stage3")])
 
 
 def _case_id(case) -> str:
     run, config = case
-    return f"{run.kind}{'_lora' if run.lora else ''}-{config}"
+    extras = "".join(f"_{name}" for name in ("lora", "evaluate", "prompt") if getattr(run, name))
+    return f"{run.kind}{extras}-{config}"
 
 
 def _zerofit_runs(rank: int, world: int, root: str) -> dict:
@@ -66,7 +67,7 @@ def _zerofit_runs(rank: int, world: int, root: str) -> dict:
 def _references(rank: int, world: int, root: str) -> dict:
     """One process, per-device batch doubled: the same global batch as the 2-rank runs, unsharded."""
     out = {}
-    for run in (FULL, LORA, SFT, SFT_LORA, DPO):
+    for run in (FULL, LORA, EVAL, PROMPT, SFT, SFT_LORA, DPO):
         out[_case_id((run, "reference"))] = tc.run(tc.Run(**{**run.__dict__, "per_device": 2 * run.per_device}),
                                                    os.path.join(root, _case_id((run, "reference"))), zerofit=False)
     # a ZeRO-3 checkpoint of 2 ranks, resumed by 1 process under ZeRO-2 offload (another world, stage, offload)
@@ -101,6 +102,8 @@ def test_trains_as_the_unsharded_reference(results, case):
     assert len(got["losses"]) == run.steps
     assert max(abs(a - b) for a, b in zip(got["losses"], want["losses"])) < LOSS_TOL, (got["losses"], want["losses"])
     assert _worst(tc.saved_weights(got["saved"]), tc.saved_weights(want["saved"])) < WEIGHT_TOL
+    assert len(got["evals"]) == len(want["evals"])  # evaluate() before train() (unsharded), then every 2 steps
+    assert max((abs(a - b) for a, b in zip(got["evals"], want["evals"])), default=0.0) < LOSS_TOL
 
 
 @pytest.mark.parametrize("case", CASES, ids=_case_id)

@@ -27,6 +27,8 @@ class Run:
     steps: int = 4
     save_steps: int = 2
     resume_from: str | None = None
+    evaluate: bool = False  # evaluate() before train(), and every 2 steps during it (Trainer only)
+    prompt: bool = False  # PEFT prompt tuning (Trainer only): its adapter is saved by a forward pass
 
 
 def tiny_gpt2():
@@ -100,8 +102,16 @@ def run(run: Run, output_dir: str, *, zerofit: bool) -> dict:
         from zerofit.integrations import transformers as ours
 
         model = with_lora(model) if run.lora else model
+        if run.prompt:
+            import peft
+
+            torch.manual_seed(1)
+            model = peft.get_peft_model(model, peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3))
         cls = ours.Trainer if zerofit else transformers.Trainer
-        trainer = cls(model=model, args=transformers.TrainingArguments(**common), train_dataset=token_data())
+        if run.evaluate:
+            common.update(eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=3)
+        trainer = cls(model=model, args=transformers.TrainingArguments(**common), train_dataset=token_data(),
+                      eval_dataset=token_data()[:12] if run.evaluate else None)
     else:
         import trl
 
@@ -126,11 +136,13 @@ def run(run: Run, output_dir: str, *, zerofit: bool) -> dict:
                                           target_modules=["c_attn"], fan_in_fan_out=True)
         trainer = cls(model=model, args=args, train_dataset=text_data(run.kind), processing_class=tokenizer(),
                       peft_config=peft_config, **extra)
+    before = trainer.evaluate()["eval_loss"] if run.evaluate else None
     trainer.train(resume_from_checkpoint=run.resume_from)
     final = os.path.join(output_dir, "final")
     trainer.save_model(final)
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
-    return {"losses": losses, "saved": final, "rank": int(os.environ.get("RANK", "0"))}
+    evals = [before] + [e["eval_loss"] for e in trainer.state.log_history if "eval_loss" in e] if run.evaluate else []
+    return {"losses": losses, "evals": evals, "saved": final, "rank": int(os.environ.get("RANK", "0"))}
 
 
 def saved_weights(directory: str) -> dict[str, torch.Tensor]:
