@@ -38,9 +38,17 @@ RELIED_ON = {
 }
 
 
+# Newer than the oldest transformers the `trainer` extra admits: before it (5.17), Trainer skips a resumed epoch's
+# batches with accelerate's skip_first_batches, which rebuilds a plain DataLoader over the prepared loader's own
+# per-rank batch sampler: the same batches (tests/test_trainer.py resumes bit-identically on 5.17 too).
+ADDED_LATER = {"get_resumed_dataloader"}
+
+
 @pytest.mark.parametrize("name", sorted(RELIED_ON))
 def test_trainer_still_has_each_method_the_mixin_relies_on(name):
     method = getattr(transformers.Trainer, name, None)
+    if method is None and name in ADDED_LATER:
+        pytest.skip(f"transformers {transformers.__version__} has no Trainer.{name} yet")
     assert method is not None, f"transformers.Trainer.{name} is gone: zerofit.integrations.transformers needs a new hook"
     assert list(inspect.signature(method).parameters) == RELIED_ON[name]
 

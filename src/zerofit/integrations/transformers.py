@@ -112,10 +112,11 @@ class ZerofitTrainerMixin:
         if not self.accelerator.is_prepared(self.model):  # not trained yet (save before train): Trainer's own
             return super().save_model(output_dir, _internal_call)
         state_dict = self.accelerator.get_state_dict(self.model)
-        if not self.args.should_save and _runs_forward_to_save(self.model):
-            # [Note: saving runs a forward] rank 0 runs the same inside `_save`, which returns at once here
+        if self.args.should_save:  # `_save` writes wherever it is called in transformers < 5.20: the main process only
+            self._save(output_dir, state_dict=state_dict)
+        elif _runs_forward_to_save(self.model):
+            # [Note: saving runs a forward] the main process runs the same inside `_save`
             self.model.save_pretrained(output_dir, state_dict=state_dict, is_main_process=False)
-        self._save(output_dir, state_dict=state_dict)
         self.accelerator.wait_for_everyone()  # the files exist on return, on every rank
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
