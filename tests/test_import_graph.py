@@ -22,6 +22,7 @@ LAYERS = [
     ("zerofit.checkpoint", "zerofit.plan"),
     ("zerofit.frontend",),
     ("zerofit.utils", "zerofit.local_sgd", "zerofit"),  # the public spellings: zerofit.Accelerator, zerofit.utils.set_seed
+    ("zerofit.integrations",),  # other libraries' training loops (transformers' Trainer, TRL) on the Accelerator
     ("zerofit.testing", "zerofit.bench"),
     ("zerofit.cli",),
     ("zerofit.demo",),  # a training script of the library's own, started by `zerofit demo` by module name

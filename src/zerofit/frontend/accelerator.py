@@ -128,6 +128,9 @@ class Accelerator(PrepareMixin, PersistenceMixin, ProcessMethods):
         self._backoff = OomBackoff(settings=lambda: self.config, process=self.process,  # inside accumulate()
                                    gradient_state=self.gradient_state, prepared=self._prepared)
         self._probe: StepProbe | None = None  # checks an "auto" choice on the first step (zerofit.frontend.probe)
+        self.planning_accumulation: int | None = None
+        """The accumulation the loop really runs, when the loop counts it itself and the Accelerator's own is 1
+        (transformers' Trainer: zerofit.integrations.trainer_config); the planner sizes "auto" for it."""
 
     @property
     def mixed_precision(self) -> str:

@@ -9,6 +9,7 @@ config, process and gradient state.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -186,9 +187,15 @@ class PrepareMixin:
                                        2 if self.config.precision.mixed_precision in ("bf16", "fp16") else 4)
         planned = needs_planning(self.config) or share is not None
         if planned:  # "auto": the planner picks (zerofit.frontend.auto_plan) and prints its choice
-            self.config, probe = plan_for(self.config, model, loaders=self._prepared.dataloaders,
-                                          micro_batch=self._facts.micro_batch_size, process=self.process,
-                                          host_share=share, rates=machine_rates(self.device, self.num_processes))
+            batch = self.config.batch
+            planning = self.config
+            if self.planning_accumulation is not None:  # the loop accumulates itself (Trainer)
+                planning = planning.replace(batch=dataclasses.replace(
+                    batch, gradient_accumulation_steps=self.planning_accumulation))
+            planned_config, probe = plan_for(planning, model, loaders=self._prepared.dataloaders,
+                                             micro_batch=self._facts.micro_batch_size, process=self.process,
+                                             host_share=share, rates=machine_rates(self.device, self.num_processes))
+            self.config = planned_config.replace(batch=batch)
         apply_checkpointing(self.config, model)
         cfg = self.config
         engine = ZeroEngine(model, optimizer, zero=cfg.zero, precision=cfg.precision,
@@ -215,6 +222,10 @@ class PrepareMixin:
                 if hasattr(module, "generate") or module is model:
                     module._is_fsdp_managed_module = True
 
+    def is_prepared(self, model: nn.Module) -> bool:
+        """True once `model` went through `prepare()` (its weights are then the engine's: save through it)."""
+        return id(model) in self._prepared.engines
+
     def _wrap_optimizer(self, opt: Any, real: torch.optim.Optimizer) -> AcceleratedOptimizer:
         engine = next((e for e in self._prepared.engines.values() if e.optimizer is real), None)
         if engine is None:
@@ -226,6 +237,7 @@ class PrepareMixin:
             wrapped.after_step = self._probe.check
         self._prepared.built[id(opt)] = wrapped
         self._prepared.built[id(real)] = wrapped
+        self._prepared.built[id(wrapped)] = wrapped  # DummyScheduler(prepared optimizer), as Trainer builds it
         self._prepared.optimizers.append(wrapped)
         return wrapped
 

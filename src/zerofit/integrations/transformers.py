@@ -1,0 +1,164 @@
+"""transformers' `Trainer` on zerofit: change one import, launch with `zerofit launch --config_file X`.
+
+    from zerofit.integrations.transformers import Trainer      # was: from transformers import Trainer
+    # zerofit launch --config_file ds_zero3.json train.py --per_device_train_batch_size 8 ...
+
+`Trainer` and `Seq2SeqTrainer` are transformers' own classes with `ZerofitTrainerMixin` in front; any
+other Trainer subclass gets the same by putting the mixin first: `class MyTrainer(ZerofitTrainerMixin,
+SomeTrainer)`. The mixin replaces only what must change for a sharded engine, through methods
+transformers documents for overriding where it has them:
+
+* `create_accelerator_and_postprocess` builds a `zerofit.Accelerator` from the launch config completed
+  from TrainingArguments (`zerofit.integrations.trainer_config`), and tells Trainer to take its plain
+  data-parallel paths (`is_deepspeed_enabled` / `is_fsdp_enabled` False): zerofit's engine does the
+  sharding behind the same calls.
+* `create_optimizer` / `create_scheduler` build the config's `optimizer` / `scheduler` sections when it
+  has them (DeepSpeed's rule: the file's optimizer replaces Trainer's), else Trainer's own.
+* `save_model` gathers on every rank (the weights of a ZeRO-3 model live on all of them) and lets
+  rank 0 write what `save_pretrained` writes: sharded safetensors, or with PEFT the adapter alone.
+* `_save_optimizer_and_scheduler` / `_load_optimizer_and_scheduler` (private: no public hook exists)
+  write and read zerofit's sharded checkpoint in `checkpoint-N/zerofit_state/`, so
+  `resume_from_checkpoint` works at another world size, stage or offload. tests/test_trainer_surface.py
+  pins each private name and signature this module relies on.
+* `get_resumed_dataloader` skips with zerofit's own dataloader.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+from typing import Any
+
+import torch
+import transformers
+from transformers.trainer import SCHEDULER_NAME
+
+from zerofit.dist import runtime
+from zerofit.errors import CheckpointError, ConfigError
+from zerofit.frontend.accelerator import Accelerator
+from zerofit.frontend.plugins import DataLoaderConfiguration
+from zerofit.frontend.schedulers import AcceleratedScheduler
+from zerofit.frontend.utils import DummyOptim, DummyScheduler
+from zerofit.integrations.trainer_config import TrainerFacts, scheduler_filled, trainer_config
+
+ZEROFIT_STATE = "zerofit_state"
+"""The folder inside Trainer's `checkpoint-N/` that holds zerofit's sharded optimizer and master weights."""
+
+
+class ZerofitTrainerMixin:
+    """Runs a transformers `Trainer` (or subclass) on zerofit's ZeRO engine; put it first in the bases."""
+
+    accelerator: Accelerator
+
+    def create_accelerator_and_postprocess(self) -> None:
+        args = self.args
+        _refuse_other_engines(args)
+        facts = TrainerFacts.from_args(args, world=int(os.environ.get("WORLD_SIZE", "1")))
+        config = trainer_config(runtime.current_config(), facts)
+        ac = args.accelerator_config
+        loaders = DataLoaderConfiguration(split_batches=bool(ac.split_batches), even_batches=bool(ac.even_batches),
+                                          use_seedable_sampler=bool(ac.use_seedable_sampler), data_seed=args.data_seed)
+        self.accelerator = Accelerator(config=config, gradient_accumulation_steps=1, dataloader_config=loaders,
+                                       cpu=bool(getattr(args, "use_cpu", False)))
+        self.accelerator.planning_accumulation = facts.accumulation  # [Note: Trainer owns the loop]
+        self.gather_function = functools.partial(self.accelerator.gather_for_metrics,
+                                                 use_gather_object=args.eval_use_gather_object)
+        # zerofit's engine shards behind the plain data-parallel calls: Trainer's DeepSpeed and FSDP
+        # branches (their engines' own checkpoint formats, deepspeed_init) must not run.
+        self.is_deepspeed_enabled = False
+        self.is_fsdp_enabled = False
+
+    # --- optimizer and schedule ---------------------------------------------------------------
+    def create_optimizer(self, model: torch.nn.Module | None = None) -> Any:
+        """The config's optimizer section when it has one (its "auto" values are TrainingArguments'),
+        over Trainer's parameter groups (weight decay off for biases and norms); else Trainer's own."""
+        if self.accelerator.config.optimizer is None or self.optimizer is not None:
+            return super().create_optimizer(model)
+        model = model if model is not None else self.model
+        decay = set(self.get_decay_parameter_names(model))
+        trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        groups = [{"params": [p for n, p in trainable if n in decay], "weight_decay": self.args.weight_decay},
+                  {"params": [p for n, p in trainable if n not in decay], "weight_decay": 0.0}]
+        self.optimizer = DummyOptim([g for g in groups if g["params"]], lr=self.args.learning_rate,
+                                    weight_decay=self.args.weight_decay)
+        return self.optimizer
+
+    def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
+        """The config's scheduler section when it has one (total and warmup steps from Trainer's
+        schedule), prepared by zerofit; else Trainer's own schedule on the prepared optimizer."""
+        acc = self.accelerator
+        if acc.config.scheduler is None:
+            return super().create_scheduler(num_training_steps, optimizer)
+        if self.lr_scheduler is None:
+            acc.config = scheduler_filled(acc.config, total_steps=num_training_steps,
+                                          warmup_steps=self.args.get_warmup_steps(num_training_steps),
+                                          lr=self.args.learning_rate)
+            self.lr_scheduler = acc.prepare(DummyScheduler(optimizer if optimizer is not None else self.optimizer))
+            self._created_lr_scheduler = True
+        return self.lr_scheduler
+
+    # --- saving and resuming ------------------------------------------------------------------
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """What `save_pretrained` writes (sharded safetensors, or a PEFT model's adapter), gathered on
+        every rank and written by the main process. Every process must call it, as Trainer does."""
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        if not self.accelerator.is_prepared(self.model):  # not trained yet (save before train): Trainer's own
+            return super().save_model(output_dir, _internal_call)
+        state_dict = self.accelerator.get_state_dict(self.model)
+        self._save(output_dir, state_dict=state_dict)
+        self.accelerator.wait_for_everyone()  # the files exist on return, on every rank
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        self.accelerator.save_state(os.path.join(output_dir, ZEROFIT_STATE))
+        if self.args.should_save and not isinstance(self.lr_scheduler, AcceleratedScheduler):
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None:
+            return
+        state = os.path.join(checkpoint, ZEROFIT_STATE)
+        if not os.path.isdir(state):
+            raise CheckpointError(
+                f"resume_from_checkpoint={checkpoint}: it has no {ZEROFIT_STATE}/ folder, so it was not written by "
+                "a zerofit Trainer and holds no optimizer state zerofit can read. Resume it with the launcher "
+                "that wrote it, or start a new run from its weights (--model_name_or_path "
+                f"{checkpoint}) without resume_from_checkpoint")
+        self.accelerator.load_state(state)
+        scheduler_file = os.path.join(checkpoint, SCHEDULER_NAME)
+        if not isinstance(self.lr_scheduler, AcceleratedScheduler) and os.path.isfile(scheduler_file):
+            self.lr_scheduler.load_state_dict(torch.load(scheduler_file, weights_only=True))
+
+    def get_resumed_dataloader(self, dataloader: Any, num_batches: int) -> Any:
+        return self.accelerator.skip_first_batches(dataloader, num_batches)
+
+
+def _refuse_other_engines(args: Any) -> None:
+    """TrainingArguments that hand the run to DeepSpeed or FSDP, or that zerofit cannot serve: one error."""
+    problems = []
+    if getattr(args, "deepspeed", None):
+        problems.append(
+            f"TrainingArguments(deepspeed={args.deepspeed!r}) hands the run to DeepSpeed: drop --deepspeed and pass "
+            f"the same file to the launcher instead: zerofit launch --config_file {args.deepspeed} your_script.py ...")
+    if getattr(args, "fsdp", None):
+        problems.append(f"TrainingArguments(fsdp={args.fsdp!r}) hands the run to FSDP: drop --fsdp; zerofit's ZeRO "
+                        "stage 3 (zero_optimization.stage: 3 in the launch config) shards parameters as FSDP does")
+    if getattr(args, "auto_find_batch_size", False):
+        problems.append("TrainingArguments(auto_find_batch_size=True) retries training with a new Accelerator, "
+                        "which zerofit's Trainer does not support yet: set --per_device_train_batch_size, or let "
+                        "zerofit choose the stage and offload that fit (zero_optimization.stage: auto)")
+    if problems:
+        raise ConfigError(problems)
+    if getattr(args, "torch_compile", False):
+        warnings.warn("TrainingArguments(torch_compile=True) is not applied under zerofit yet: the model trains "
+                      "uncompiled", stacklevel=3)
+
+
+class Trainer(ZerofitTrainerMixin, transformers.Trainer):
+    """transformers' `Trainer` on zerofit's ZeRO engine (see the module doc)."""
+
+
+class Seq2SeqTrainer(ZerofitTrainerMixin, transformers.Seq2SeqTrainer):
+    """transformers' `Seq2SeqTrainer` on zerofit's ZeRO engine (see the module doc)."""
