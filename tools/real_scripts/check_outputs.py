@@ -19,8 +19,13 @@ import csv
 import json
 from pathlib import Path
 
-KIND = {"glue": "classifier", "clm": "lm", "sft": "lm", "dpo": "lm", "corda": "lora"}
-FIXTURE = {"classifier": "tiny-bert", "lm": "tiny-llama", "lora": "tiny-llama"}
+KIND = {"glue": "classifier", "clm": "lm", "sft": "lm", "dpo": "lm", "corda": "lm"}
+FIXTURE = {"classifier": "tiny-bert", "lm": "tiny-llama"}
+
+
+def adapter_dir(run: Path) -> Path | None:
+    """Where a PEFT run saved its adapter: corda_finetuning.py in ft/, TRL's --use_peft in the output dir."""
+    return next((d for d in (run / "ft", run) if (d / "adapter_config.json").is_file()), None)
 
 
 def logged_losses(run: Path) -> tuple[list[float], float | None]:
@@ -41,18 +46,20 @@ def _load(kind: str, run: Path, fixtures: Path):
 
     auto = transformers.AutoModelForSequenceClassification if kind == "classifier" else transformers.AutoModelForCausalLM
     base = auto.from_pretrained(fixtures / FIXTURE[kind])
-    if kind != "lora":
+    adapter = adapter_dir(run)
+    if adapter is None:
         model, info = auto.from_pretrained(run, output_loading_info=True)
         return model.state_dict(), info, base.state_dict()
     from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
     from safetensors.torch import load_file
 
-    adapter = run / "ft"  # where corda_finetuning.py saves the adapter
     saved = load_file(adapter / "adapter_model.safetensors")
-    # what the same LoraConfig puts on the fixture model; lora_B starts at zero, so "differs from the
-    # fixture" means some lora_B was trained away from zero
+    # what the same LoraConfig puts on the fixture model: the keys and shapes to expect
     fresh = get_peft_model(auto.from_pretrained(fixtures / FIXTURE[kind]), LoraConfig.from_pretrained(adapter))
     start = get_peft_model_state_dict(fresh)
+    # only lora_B has a known start (zero); lora_A's is random, so it is held to its shape alone
+    start = {k: saved[k] if "lora_B" not in k and k in saved and saved[k].shape == v.shape else v
+             for k, v in start.items()}
     loaded = get_peft_model_state_dict(PeftModel.from_pretrained(base, adapter))
     differ = [k for k in saved if k in loaded and not loaded[k].equal(saved[k])]
     info = {"missing_keys": sorted(set(start) - set(loaded)), "unexpected_keys": [], "mismatched_keys": differ}
@@ -91,13 +98,18 @@ def _runs(out: Path) -> list[dict]:
     return list(latest.values())
 
 
+def _tag(config: str) -> str:
+    """The variant a run_all.sh TAG names (config "zero2+peft" has tag "peft")."""
+    return config.partition("+")[2]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--baseline", type=Path, help="OUT_DIR of a LAUNCHER=ddp run of run_all.sh")
     args = parser.parse_args(argv)
     fixtures = args.out / "fixtures"
-    base_rows = {r["script"]: r for r in _runs(args.baseline)} if args.baseline else {}
+    base_rows = {(r["script"], _tag(r["config"])): r for r in _runs(args.baseline)} if args.baseline else {}
 
     header = ["script", "config", "run", "steps", "first loss", "last loss", "train_loss", "Δloss vs DDP",
               "max|Δw| vs DDP", "reload", "s"]
@@ -108,8 +120,9 @@ def main(argv: list[str] | None = None) -> int:
         ran = r["rc"] == "0"
         loaded, note, weights = reload_check(kind, run, fixtures) if ran else (False, "not run", {})
         d_loss = d_w = "-"
-        if r["script"] in base_rows and ran:
-            b_run = Path(base_rows[r["script"]]["output_dir"])
+        baseline = base_rows.get((r["script"], _tag(r["config"])))
+        if baseline is not None and ran:
+            b_run = Path(baseline["output_dir"])
             b_steps, _ = logged_losses(b_run)
             if steps and len(b_steps) == len(steps):
                 d_loss = f"{max(abs(a - b) for a, b in zip(steps, b_steps)):.1e}"

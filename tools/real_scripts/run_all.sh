@@ -20,7 +20,10 @@
 #                            0, so these tiny models' layers are really sharded (else every unit stays whole)
 #             zero3_offload_shipped  tests/fixtures/configs/ds_zero3_offload.json as it is
 #             zf_zero2       a zerofit YAML, stage 2 with no optimizer section (the Trainer's own AdamW)
+#             acc_zero2      tests/fixtures/configs/accelerate_zero2.yaml (Accelerate YAML, DeepSpeed stage 2)
 #   SCRIPTS   which scripts (default "glue clm sft dpo corda")
+#   EXTRA_ARGS  more arguments for every script (they come last, so they override), e.g. "--use_peft"
+#   TAG       names the variant EXTRA_ARGS make: runs are CONFIG+TAG, compared with the baseline's ddp+TAG
 #   BASELINE  an OUT_DIR of an earlier LAUNCHER=ddp run to compare losses and weights with
 #
 # Writes OUT_DIR/{fixtures,scripts,configs,runs,logs}, OUT_DIR/results.tsv and prints the table of
@@ -94,6 +97,7 @@ config_file() {  # name -> path
     case $1 in
         zero2) echo "$shipped/ds_zero2_auto.json" ;;
         zero3_offload_shipped) echo "$shipped/ds_zero3_offload.json" ;;
+        acc_zero2) echo "$shipped/accelerate_zero2.yaml" ;;
         zero3_offload)
             "$PYTHON" - "$shipped/ds_zero3_offload.json" "$OUT/configs/ds_zero3_offload_sharded.json" <<'PY'
 import json, sys
@@ -106,7 +110,7 @@ PY
             printf 'zero:\n  stage: 2\nprecision:\n  mixed_precision: auto\nbatch:\n  train_micro_batch_size_per_gpu: auto\n  gradient_accumulation_steps: auto\ngradient_clipping: auto\n' \
                 >"$OUT/configs/zerofit_stage2_auto.yaml"
             echo "$OUT/configs/zerofit_stage2_auto.yaml" ;;
-        *) echo "unknown config '$1' (zero2, zero3_offload, zero3_offload_shipped, zf_zero2)" >&2; return 1 ;;
+        *) echo "unknown config '$1' (zero2, zero3_offload, zero3_offload_shipped, zf_zero2, acc_zero2)" >&2; return 1 ;;
     esac
 }
 
@@ -135,10 +139,11 @@ for name in $SCRIPTS; do
     [[ -n ${FILE[$name]:-} ]] || { echo "unknown script '$name'" >&2; exit 2; }
     copy=$(copy_script "$name") || { failed=1; continue; }
     for cfg in $CONFIGS; do
-        run="$OUT/runs/${name}__$cfg" log="$OUT/logs/${name}__$cfg.log"
+        label=$cfg${TAG:++$TAG}
+        run="$OUT/runs/${name}__$label" log="$OUT/logs/${name}__$label.log"
         rm -rf "$run"
         # shellcheck disable=SC2207  # the paths have no spaces
-        args=($(script_args "$name" "$run"))
+        args=($(script_args "$name" "$run") ${EXTRA_ARGS:-})
         if [[ $LAUNCHER == ddp ]]; then
             port=$("$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
             cmd=("$PYTHON" -m torch.distributed.run --nproc_per_node 2 --master_port "$port" "$copy" "${args[@]}")
@@ -146,14 +151,14 @@ for name in $SCRIPTS; do
             cfg_path=$(config_file "$cfg") || exit 2
             cmd=("$PYTHON" -m zerofit.cli.main launch --config_file "$cfg_path" --num_processes 2 --cpu "$copy" "${args[@]}")
         fi
-        echo "== $name / $cfg"
+        echo "== $name / $label"
         start=$(date +%s.%N)
         # started in the fixtures folder: `evaluate.load("accuracy")` finds ./accuracy/accuracy.py there
         (cd "$FIX" && printf '%q ' "${cmd[@]}" >"$log" && echo >>"$log" && timeout 600 "${cmd[@]}" >>"$log" 2>&1)
         rc=$?
         seconds=$(echo "$(date +%s.%N) - $start" | bc)
         ((rc == 0)) || { failed=1; echo "   failed (rc $rc), last lines of $log:"; tail -n 15 "$log" | sed 's/^/   | /'; }
-        printf '%s\t%s\t%s\t%.1f\t%s\t%s\n' "$name" "$cfg" "$rc" "$seconds" "$run" "$log" >>"$OUT/results.tsv"
+        printf '%s\t%s\t%s\t%.1f\t%s\t%s\n' "$name" "$label" "$rc" "$seconds" "$run" "$log" >>"$OUT/results.tsv"
     done
 done
 
