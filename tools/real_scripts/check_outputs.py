@@ -19,8 +19,8 @@ import csv
 import json
 from pathlib import Path
 
-KIND = {"glue": "classifier", "clm": "lm", "sft": "lm", "dpo": "lm", "corda": "lm"}
-FIXTURE = {"classifier": "tiny-bert", "lm": "tiny-llama"}
+KIND = {"glue": "classifier", "clm": "lm", "translation": "seq2seq", "sft": "lm", "dpo": "lm", "corda": "lm"}
+FIXTURE = {"classifier": "tiny-bert", "lm": "tiny-llama", "seq2seq": "tiny-bart"}
 
 
 def adapter_dir(run: Path) -> Path | None:
@@ -44,7 +44,8 @@ def _load(kind: str, run: Path, fixtures: Path):
     """The saved model, its loading info and the fixture model it started from, all on CPU in fp32."""
     import transformers
 
-    auto = transformers.AutoModelForSequenceClassification if kind == "classifier" else transformers.AutoModelForCausalLM
+    auto = {"classifier": transformers.AutoModelForSequenceClassification, "lm": transformers.AutoModelForCausalLM,
+            "seq2seq": transformers.AutoModelForSeq2SeqLM}[kind]
     base = auto.from_pretrained(fixtures / FIXTURE[kind])
     adapter = adapter_dir(run)
     if adapter is None:

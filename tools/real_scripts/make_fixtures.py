@@ -7,12 +7,15 @@ Writes, under OUT_DIR (nothing is downloaded; everything comes from the text thi
     tokenizer.json          a byte-level BPE trained on src/zerofit/demo/*.txt and tests/fixtures/data/*
     tiny-llama/             LlamaForCausalLM from a config, with that tokenizer (bos/eos/pad, chat template)
     tiny-bert/              BertForSequenceClassification (2 labels), same BPE wrapped in [CLS] ... [SEP]
+    tiny-bart/              BartForConditionalGeneration, same BPE wrapped in bos ... eos
     data/                   mrpc_{train,validation}.csv and text_{train,validation}.txt, copied
     sft/{train,test}.jsonl  conversations as `messages` lists (TRL's conversational SFT format)
     dpo/{train,test}.jsonl  prompt / chosen / rejected strings (TRL's standard preference format)
     instruct/train.jsonl    instruction / output pairs (PEFT's instruction-tuning examples)
+    translation/{train,validation}.jsonl  {"translation": {"en": context, "de": response}} pairs
     accuracy/accuracy.py    a local `evaluate` metric: `evaluate.load("accuracy")` looks for
                             ./accuracy/accuracy.py before the hub, so runs started in OUT_DIR stay offline
+    sacrebleu/sacrebleu.py  the same for `evaluate.load("sacrebleu")`, over the installed sacrebleu package
 
 The models are tiny (hidden size 64, two layers) so each script runs a few steps in seconds on CPU;
 the weights are random but seeded, so two builds give the same files.
@@ -62,6 +65,31 @@ class Accuracy(evaluate.Metric):
         weights = sample_weight if sample_weight is not None else [1.0] * len(hits)
         total = sum(h * w for h, w in zip(hits, weights))
         return {"accuracy": total / sum(weights) if normalize else total}
+'''
+
+
+SACREBLEU_MODULE = '''"""Corpus BLEU, as a local evaluate module (written by tools/real_scripts/make_fixtures.py)."""
+
+import datasets
+import evaluate
+import sacrebleu
+
+
+class Sacrebleu(evaluate.Metric):
+    def _info(self):
+        return evaluate.MetricInfo(
+            description="sacrebleu's corpus BLEU.",
+            citation="",
+            inputs_description="predictions: list of strings; references: list of lists of strings",
+            features=datasets.Features({"predictions": datasets.Value("string"),
+                                        "references": datasets.Sequence(datasets.Value("string"))}),
+        )
+
+    def _compute(self, predictions, references):
+        columns = [list(c) for c in zip(*references)]  # sacrebleu wants one list per reference position
+        bleu = sacrebleu.corpus_bleu(predictions, columns)
+        return {"score": bleu.score, "counts": bleu.counts, "totals": bleu.totals,
+                "sys_len": bleu.sys_len, "ref_len": bleu.ref_len}
 '''
 
 
@@ -121,9 +149,28 @@ def cls_tokenizer(bpe):
                                    **CLS_SPECIALS)
 
 
+def seq2seq_tokenizer(bpe):
+    from tokenizers import processors
+    from transformers import PreTrainedTokenizerFast
+
+    raw = bpe.__class__.from_str(bpe.to_str())
+    bos, eos = LM_SPECIALS["bos_token"], LM_SPECIALS["eos_token"]
+    raw.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A {eos}", pair=f"{bos} $A {eos} $B:1 {eos}:1",
+        special_tokens=[(t, raw.token_to_id(t)) for t in (bos, eos)])
+    return PreTrainedTokenizerFast(tokenizer_object=raw, model_max_length=MAX_LENGTH, **LM_SPECIALS)
+
+
 def build_models(out: Path, bpe) -> None:
     import torch
-    from transformers import BertConfig, BertForSequenceClassification, LlamaConfig, LlamaForCausalLM
+    from transformers import (
+        BartConfig,
+        BartForConditionalGeneration,
+        BertConfig,
+        BertForSequenceClassification,
+        LlamaConfig,
+        LlamaForCausalLM,
+    )
 
     lm_tok = lm_tokenizer(bpe)
     torch.manual_seed(0)
@@ -144,6 +191,17 @@ def build_models(out: Path, bpe) -> None:
     bert.save_pretrained(out / "tiny-bert")
     cls_tok.save_pretrained(out / "tiny-bert")
 
+    s2s_tok = seq2seq_tokenizer(bpe)
+    torch.manual_seed(0)
+    bart = BartForConditionalGeneration(BartConfig(
+        vocab_size=len(s2s_tok), d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, max_position_embeddings=MAX_LENGTH,
+        pad_token_id=s2s_tok.pad_token_id, bos_token_id=s2s_tok.bos_token_id, eos_token_id=s2s_tok.eos_token_id,
+        decoder_start_token_id=s2s_tok.eos_token_id, forced_eos_token_id=s2s_tok.eos_token_id))
+    bart.generation_config.max_length = 32
+    bart.save_pretrained(out / "tiny-bart")
+    s2s_tok.save_pretrained(out / "tiny-bart")
+
 
 def build_data(out: Path) -> None:
     data = out / "data"
@@ -161,11 +219,16 @@ def build_data(out: Path) -> None:
         _write_jsonl(out / "dpo" / f"{split}.jsonl", [
             {"prompt": r["context"], "chosen": " " + r["response"], "rejected": " " + rows[(i + 1) % len(rows)]["response"]}
             for i, r in enumerate(rows)])
+    for split, rows in (("train", splits["train"]), ("validation", splits["test"])):
+        _write_jsonl(out / "translation" / f"{split}.jsonl",
+                     [{"translation": {"en": r["context"], "de": r["response"]}} for r in rows])
     _write_jsonl(out / "instruct" / "train.jsonl", [
         {"instruction": r["context"], "output": r["response"]} for r in splits["train"] + splits["test"]])
 
     (out / "accuracy").mkdir(exist_ok=True)
     (out / "accuracy" / "accuracy.py").write_text(ACCURACY_MODULE, encoding="utf-8")
+    (out / "sacrebleu").mkdir(exist_ok=True)
+    (out / "sacrebleu" / "sacrebleu.py").write_text(SACREBLEU_MODULE, encoding="utf-8")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -177,7 +240,7 @@ def main(argv: list[str] | None = None) -> None:
     bpe.save(str(out / "tokenizer.json"))
     build_models(out, bpe)
     build_data(out)
-    print(f"fixtures in {out}: vocabulary {bpe.get_vocab_size()}, models tiny-llama and tiny-bert")
+    print(f"fixtures in {out}: vocabulary {bpe.get_vocab_size()}, models tiny-llama, tiny-bert and tiny-bart")
 
 
 if __name__ == "__main__":

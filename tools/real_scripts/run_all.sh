@@ -7,9 +7,10 @@
 # SCRIPTS_DIR holds the fetched scripts under these names (they are never committed here):
 #   run_glue.py          transformers examples/pytorch/text-classification/run_glue.py
 #   run_clm.py           transformers examples/pytorch/language-modeling/run_clm.py
+#   run_translation.py   transformers examples/pytorch/translation/run_translation.py (Seq2SeqTrainer)
 #   sft.py, dpo.py       trl/scripts/sft.py and trl/scripts/dpo.py
 #   corda_finetuning.py  peft examples/corda_finetuning/corda_finetuning.py (Trainer + LoRA)
-# run_glue.py and run_clm.py import `evaluate`: have it importable (SCRIPTS_DIR/pydeps is put on the path).
+# The transformers scripts import `evaluate`: have it importable (SCRIPTS_DIR/pydeps is put on the path).
 #
 # Environment:
 #   LAUNCHER  zerofit (default): copies with the one import changed, under `zerofit launch --cpu`;
@@ -21,7 +22,7 @@
 #             zero3_offload_shipped  tests/fixtures/configs/ds_zero3_offload.json as it is
 #             zf_zero2       a zerofit YAML, stage 2 with no optimizer section (the Trainer's own AdamW)
 #             acc_zero2      tests/fixtures/configs/accelerate_zero2.yaml (Accelerate YAML, DeepSpeed stage 2)
-#   SCRIPTS   which scripts (default "glue clm sft dpo corda")
+#   SCRIPTS   which scripts (default "glue clm translation sft dpo corda")
 #   EXTRA_ARGS  more arguments for every script (they come last, so they override), e.g. "--use_peft"
 #   TAG       names the variant EXTRA_ARGS make: runs are CONFIG+TAG, compared with the baseline's ddp+TAG
 #   BASELINE  an OUT_DIR of an earlier LAUNCHER=ddp run to compare losses and weights with
@@ -38,7 +39,7 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
 LAUNCHER=${LAUNCHER:-zerofit}
 CONFIGS=${CONFIGS:-zero2 zero3_offload}
-SCRIPTS=${SCRIPTS:-glue clm sft dpo corda}
+SCRIPTS=${SCRIPTS:-glue clm translation sft dpo corda}
 PYTHON=${PYTHON:-python}
 
 export PYTHONPATH="$ROOT/src${SCRIPTS_DIR:+:$SCRIPTS_DIR/pydeps}${PYTHONPATH:+:$PYTHONPATH}"
@@ -48,9 +49,9 @@ unset ZEROFIT_CONFIG_FILE
 
 mkdir -p "$OUT"/{scripts,configs,runs,logs}
 FIX="$OUT/fixtures"
-[[ -f "$FIX/tiny-llama/config.json" ]] || "$PYTHON" "$HERE/make_fixtures.py" "$FIX" || exit 1
+[[ -f "$FIX/tiny-bart/config.json" ]] || "$PYTHON" "$HERE/make_fixtures.py" "$FIX" || exit 1
 
-declare -A FILE=([glue]=run_glue.py [clm]=run_clm.py [sft]=sft.py [dpo]=dpo.py [corda]=corda_finetuning.py)
+declare -A FILE=([glue]=run_glue.py [clm]=run_clm.py [translation]=run_translation.py [sft]=sft.py [dpo]=dpo.py [corda]=corda_finetuning.py)
 
 # The one change a user makes: the trainer class comes from zerofit instead of transformers / trl.
 # A name inside a parenthesised `from transformers import (...)` leaves it, and the zerofit import
@@ -60,17 +61,18 @@ s/^\( *\)from transformers import \(Trainer\|Seq2SeqTrainer\)$/\1from zerofit.in
 s/^\( *\)from trl import \(SFTTrainer\|DPOTrainer\), \(.*\)$/\1from trl import \3\n\1from zerofit.integrations.trl import \2/
 s/^\( *\)from trl import \(SFTTrainer\|DPOTrainer\)$/\1from zerofit.integrations.trl import \2/
 /^from transformers import ($/,/^)$/{
-  /^    Trainer,$/{
-    s/.*/T/
+  /^    \(Seq2Seq\)\{0,1\}Trainer,$/{
+    s/^    \(.*\),$/\1/
     h
     d
   }
   /^)$/{
     x
-    /^T$/{
+    /^\(Seq2Seq\)\{0,1\}Trainer$/{
+      s/.*/)\nfrom zerofit.integrations.transformers import &/
+      x
       s/.*//
       x
-      a from zerofit.integrations.transformers import Trainer
       b
     }
     x
@@ -124,6 +126,10 @@ script_args() {  # name output_dir -> the script's own arguments
         clm) echo --model_name_or_path "$FIX/tiny-llama" --train_file "$FIX/data/text_train.txt" \
                   --validation_file "$FIX/data/text_validation.txt" --block_size 64 --do_train --do_eval \
                   --per_device_eval_batch_size 4 "${common[@]}" ;;
+        translation) echo --model_name_or_path "$FIX/tiny-bart" --train_file "$FIX/translation/train.jsonl" \
+                          --validation_file "$FIX/translation/validation.jsonl" --source_lang en --target_lang de \
+                          --do_train --do_eval --predict_with_generate --max_source_length 32 --max_target_length 32 \
+                          --num_beams 2 --per_device_eval_batch_size 4 "${common[@]}" ;;
         sft) echo --model_name_or_path "$FIX/tiny-llama" --dataset_name "$FIX/sft" --bf16 false "${common[@]}" ;;
         dpo) echo --model_name_or_path "$FIX/tiny-llama" --dataset_name "$FIX/dpo" --bf16 false "${common[@]}" ;;
         corda) echo --model_name_or_path "$FIX/tiny-llama" --data_path "$FIX/instruct" --dataset_split train \
