@@ -3,7 +3,7 @@
 #   ./run.sh demo [ARGS...]    the main job: a tiny model trained by 2 CPU processes on shipped text
 #   ./run.sh test [ARGS...]    the test suite (CPU only): python -m pytest -x -q
 # On first use it creates a virtual environment ($ZEROFIT_VENV, default .venv) with torch, zerofit
-# (editable, with its dev, examples and bench extras); later runs reuse it.
+# (editable, with its dev, examples, bench and trainer extras); later runs reuse it.
 set -euo pipefail
 cd "$(dirname "$0")"
 VENV="${ZEROFIT_VENV:-.venv}"
@@ -24,8 +24,9 @@ if [ ! -x "$VENV/bin/zerofit" ]; then
     say "installing torch $TORCH_VERSION..."
     "${pip[@]}" install "torch==$TORCH_VERSION"
   fi
-  say "installing zerofit (editable) with its dev, examples and bench extras..."
-  "${pip[@]}" install -e '.[dev,examples,bench]'  # examples: transformers, datasets, sacrebleu, scikit-learn; bench: matplotlib
+  say "installing zerofit (editable) with its dev, examples, bench and trainer extras..."
+  # examples: transformers, datasets, sacrebleu, scikit-learn; bench: matplotlib; trainer: accelerate, peft, trl
+  "${pip[@]}" install -e '.[dev,examples,bench,trainer]'
   say "$VENV is ready; later runs reuse it"
 fi
 

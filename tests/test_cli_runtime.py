@@ -96,6 +96,17 @@ def test_only_rank_0_of_a_run_that_never_built_zerofit_state_names_the_import_to
     monkeypatch.setenv("RANK", "0")
     assert "train.py never created a zerofit Accelerator" in unused_notice(["/x/train.py", "--lr", "1"])
     assert unused_notice(["-m", "pkg.train", "--lr", "1"]).startswith("zerofit launch: -m pkg.train never")
+    import sys
+    import types
+
+    for loaded, named in ((None, "from zerofit import Accelerator"),
+                          ("transformers.trainer", "from zerofit.integrations.transformers import Trainer"),
+                          ("trl", "from zerofit.integrations.trl import SFTTrainer")):
+        for module in ("trl", "transformers.trainer"):
+            monkeypatch.delitem(sys.modules, module, raising=False)
+        if loaded:  # the script used transformers' or TRL's trainer: the import to change is that one
+            monkeypatch.setitem(sys.modules, loaded, types.ModuleType(loaded))
+        assert named in unused_notice(["train.py"])
     monkeypatch.setenv("RANK", "1")
     assert unused_notice(["train.py"]) is None  # said once, by rank 0
     monkeypatch.setenv("RANK", "0")

@@ -46,8 +46,9 @@ def _save_then_resume(rank, world, out):
     assert model.save_checkpoint(out, "step3", client_state={"epoch": 1, "last_global_step": 3}) is True
     straight = _train(acc, model, opt, sched, batches[3:])
     acc, model, opt, dl, sched = _setup()
+    batches = list(dl)  # before the load, as above: starting an epoch draws from the global RNG, as under Accelerate
     path, client_state = model.load_checkpoint(out)  # no tag: the one `latest` names
-    resumed = _train(acc, model, opt, sched, list(dl)[3:])
+    resumed = _train(acc, model, opt, sched, batches[3:])
     with pytest.warns(UserWarning, match="there is no checkpoint to load"):
         nothing = model.load_checkpoint(out + "-empty")
     with pytest.raises(ValueError, match="zerofit restores the whole training state"):

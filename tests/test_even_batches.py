@@ -13,6 +13,7 @@ import pytest
 from torch.utils.data import RandomSampler, SequentialSampler
 
 from zerofit.frontend.data import ShardedBatchSampler
+from zerofit.frontend.sampling import SeededOrder
 
 CASES = list(itertools.product((1, 5, 9, 24, 31), (1, 2, 4), (2, 3, 4), (False, True), (False, True)))
 
@@ -23,7 +24,8 @@ def test_every_rank_gets_the_same_number_of_batches(n, batch, world, drop_last, 
     sampler = RandomSampler(data) if shuffle else SequentialSampler(data)
     counts, seen = [], []
     for rank in range(world):
-        s = ShardedBatchSampler(sampler, batch, drop_last, rank=rank, world=world, split_batches=False, seed=7)
+        order = SeededOrder(sampler, 7) if shuffle else None  # every rank cuts the same epoch
+        s = ShardedBatchSampler(sampler, batch, drop_last, rank=rank, world=world, split_batches=False, order=order)
         batches = list(s)
         assert len(batches) == len(s) and all(len(b) == batch for b in batches)
         counts.append(len(batches))

@@ -3,9 +3,9 @@
 The engine's parameters, master weights, optimizer state and loss scaler are written by
 `zerofit.checkpoint`; this module collects the rest as `extra_state` (plain Python values and
 tensors only, so loading never needs to unpickle arbitrary objects): every scheduler's
-`state_dict()`, the optimizer wrappers' flags, each dataloader's epoch and position, this rank's RNG
-states (Python, NumPy, torch CPU and CUDA), and the `state_dict()` of every object given to
-`register_for_checkpointing`. The accumulation window's micro-step is the engine's to save (its
+`state_dict()`, the optimizer wrappers' flags, each dataloader's epoch, position and order, this
+rank's RNG states (Python, NumPy, torch CPU and CUDA), and the `state_dict()` of every object given
+to `register_for_checkpointing`. The accumulation window's micro-step is the engine's to save (its
 common record); a `micro_step` key older checkpoints have here is ignored.
 """
 
@@ -56,8 +56,8 @@ def collect(*, schedulers: list[Any], optimizers: list[Any], dataloaders: list[A
         "schedulers": [s.state_dict() for s in schedulers],
         "optimizers": [{"step_was_skipped": bool(o.step_was_skipped), "steps_taken": o.steps_taken}
                        for o in optimizers],
-        "dataloaders": [{"epoch": d.iteration, "batches_yielded": d.batches_yielded, "seed": d.seed}
-                        for d in dataloaders],
+        "dataloaders": [{"epoch": d.iteration, "batches_yielded": d.batches_yielded, "seed": d.seed,
+                         "order": d.order.state_dict() if d.order is not None else {}} for d in dataloaders],
         "custom": [obj.state_dict() for obj in custom],
         "iteration": iteration,
         "rng": rng_state(),
@@ -90,6 +90,7 @@ def restore(extra: dict[str, Any], *, schedulers: list[Any], optimizers: list[An
         loader.iteration = sd["epoch"]
         loader.resume_position = sd["batches_yielded"]
         loader.seed = sd.get("seed", loader.seed)
+        loader.load_order_state(sd.get("order", {}))
     for obj, sd in zip(custom, saved_custom):
         obj.load_state_dict(sd)
     if "rng" in extra:

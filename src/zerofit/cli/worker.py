@@ -143,10 +143,19 @@ def unused_notice(argv: list[str]) -> str | None:
         return None
     name = " ".join(argv[:2]) if argv[0] == "-m" else os.path.basename(argv[0])
     return (f"zerofit launch: {name} never created a zerofit Accelerator: the script ran without zerofit "
-            "(plain PyTorch / Accelerate), so nothing was sharded or offloaded. Change "
-            "`from accelerate import Accelerator` to `from zerofit import Accelerator` (for transformers' "
-            "Trainer, which builds Accelerate's own Accelerator, see docs/accelerate.md, "
-            "\"transformers' Trainer\")")
+            f"(plain PyTorch / Accelerate), so nothing was sharded or offloaded. Change {_import_to_change()}")
+
+
+def _import_to_change() -> str:
+    """The one import that puts the script on zerofit, guessed from the libraries it loaded: TRL's and
+    transformers' trainers build Accelerate's own Accelerator (docs/transformers.md)."""
+    if "trl" in sys.modules:
+        return ("`from trl import SFTTrainer` to `from zerofit.integrations.trl import SFTTrainer` (DPOTrainer "
+                "likewise; see docs/transformers.md)")
+    if "transformers.trainer" in sys.modules:
+        return ("`from transformers import Trainer` to `from zerofit.integrations.transformers import Trainer` "
+                "(Seq2SeqTrainer likewise; see docs/transformers.md)")
+    return "`from accelerate import Accelerator` to `from zerofit import Accelerator`"
 
 
 def _finished(argv: list[str]) -> None:

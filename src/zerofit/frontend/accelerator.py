@@ -53,7 +53,7 @@ from zerofit.frontend.utils import ProjectConfiguration
 # Accelerate arguments zerofit accepts and leaves alone (with a warning when given a value).
 _IGNORED = ("device_placement", "rng_types", "dynamo_backend", "dynamo_plugin",
             "deepspeed_plugins", "fsdp_plugin", "megatron_lm_plugin", "torch_tp_plugin",
-            "parallelism_config", "even_batches", "dispatch_batches", "use_seedable_sampler")
+            "parallelism_config", "even_batches", "dispatch_batches")
 # What the warning for an ignored argument says zerofit does instead (default: _DECIDED_BY_ZEROFIT).
 _DECIDED_BY_ZEROFIT = "its engine and config decide this"
 _INSTEAD = {
@@ -88,8 +88,11 @@ class Accelerator(PrepareMixin, PersistenceMixin, ProcessMethods):
                               "warning", stacklevel=2)
         if gradient_accumulation_plugin is not None:
             gradient_accumulation_steps = getattr(gradient_accumulation_plugin, "num_steps", gradient_accumulation_steps)
-        if dataloader_config is not None:
-            split_batches = bool(getattr(dataloader_config, "split_batches", split_batches))
+        if dataloader_config is None:
+            dataloader_config = plugins.DataLoaderConfiguration(split_batches=split_batches)
+        if use_seedable_sampler is not None:  # Accelerate's older spelling of the dataloader_config field
+            dataloader_config = dataclasses.replace(dataloader_config, use_seedable_sampler=bool(use_seedable_sampler))
+        split_batches = bool(getattr(dataloader_config, "split_batches", split_batches))
         timeout = plugins.process_group_timeout(kwargs_handlers)
         self._profile_kwargs = next((h for h in kwargs_handlers or () if isinstance(h, plugins.ProfileKwargs)), None)
         _check_accumulation_steps(gradient_accumulation_steps)
@@ -109,6 +112,8 @@ class Accelerator(PrepareMixin, PersistenceMixin, ProcessMethods):
                                              mixed_precision=mixed_precision, world=self.num_processes)
         self.gradient_state = GradientState(early_accumulation(self.config, self.num_processes))
         self.split_batches = split_batches
+        self.dataloader_config = dataloader_config
+        """How prepared dataloaders shard and shuffle (`split_batches`, `use_seedable_sampler`, `data_seed`)."""
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
         self.project_configuration = project_config or ProjectConfiguration()
         if project_dir is not None:
@@ -135,6 +140,11 @@ class Accelerator(PrepareMixin, PersistenceMixin, ProcessMethods):
     @property
     def mixed_precision(self) -> str:
         return self.config.precision.mixed_precision
+
+    @property
+    def use_seedable_sampler(self) -> bool:
+        """Whether shuffled epochs are seeded with seed + epoch ([Note: the same order as Accelerate])."""
+        return bool(getattr(self.dataloader_config, "use_seedable_sampler", False))
 
     @property
     def use_fp16(self) -> bool:

@@ -32,6 +32,12 @@ class PersistenceMixin:
     _resume_checked = False
     _custom_to_restore: list[Any] | tuple[()] = ()
     """Saved states of registered objects that an automatic resume found before the script registered them."""
+    _checkpoint_dataloaders = True
+    """False where the loop keeps its own data position (transformers' Trainer): the dataloaders' positions
+    are then neither saved nor restored, so a loader prepared later (evaluation) cannot mismatch."""
+
+    def _loop_loaders(self) -> list[Any]:
+        return self._prepared.dataloaders if self._checkpoint_dataloaders else []
 
     @property
     def completed_steps(self) -> int:
@@ -121,7 +127,7 @@ class PersistenceMixin:
         if engine is None:
             raise ValueError("save_state() needs a prepared model: call prepare(model, optimizer, ...) first")
         extra = checkpointing.collect(schedulers=self._prepared.schedulers, optimizers=self._prepared.optimizers,
-                                      dataloaders=self._prepared.dataloaders, custom=self._prepared.custom,
+                                      dataloaders=self._loop_loaders(), custom=self._prepared.custom,
                                       iteration=self.project_configuration.iteration)
         if client_state is not None:
             extra["client_state"] = dict(client_state)
@@ -154,7 +160,7 @@ class PersistenceMixin:
         try:  # a rank file that parses but has the wrong shape fails here, on its rank alone
             self._custom_to_restore = checkpointing.restore(
                 extra, schedulers=self._prepared.schedulers, optimizers=self._prepared.optimizers,
-                dataloaders=self._prepared.dataloaders, custom=self._prepared.custom,
+                dataloaders=self._loop_loaders(), custom=self._prepared.custom,
                 custom_may_follow=custom_may_follow)
         except (ValueError, TypeError, KeyError, AttributeError, IndexError) as bad:
             error = (f"rank {engine.comm.rank}: {where}: the loop state saved with the checkpoint (schedulers, "

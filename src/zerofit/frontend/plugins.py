@@ -2,7 +2,8 @@
 
 What each becomes in zerofit:
 - `GradientAccumulationPlugin(num_steps=...)`: the accumulation steps, as `gradient_accumulation_steps=`.
-- `DataLoaderConfiguration(split_batches=..., even_batches=...)`: how prepared dataloaders shard.
+- `DataLoaderConfiguration(split_batches=..., use_seedable_sampler=..., data_seed=...)`: how prepared
+  dataloaders shard and shuffle (zerofit.frontend.sampling); batches are always even.
 - `InitProcessGroupKwargs(timeout=...)`: the process group's timeout (`launch.process_group_timeout`)
   when this process creates the group; zerofit picks the backend itself (gloo on CPU, NCCL on GPUs).
 - `DeepSpeedPlugin(...)`: the ZeRO settings of the run, read as the `deepspeed_config` section of an
@@ -44,7 +45,8 @@ class GradientAccumulationPlugin:
 
 @dataclass
 class DataLoaderConfiguration:
-    """How prepared dataloaders shard; zerofit reads `split_batches` and `even_batches`."""
+    """How prepared dataloaders shard and shuffle; zerofit reads `split_batches`, `use_seedable_sampler` and
+    `data_seed` (its batches are always even: every rank must run the same steps)."""
 
     split_batches: bool = False
     dispatch_batches: bool | None = None

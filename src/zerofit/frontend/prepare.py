@@ -10,6 +10,7 @@ config, process and gradient state.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +35,7 @@ from zerofit.frontend.banner import describe_engine
 from zerofit.frontend.data import ShardedDataLoader
 from zerofit.frontend.optimizers import AcceleratedOptimizer, build_optimizer
 from zerofit.frontend.progress import Progress
+from zerofit.frontend.sampling import order_for
 from zerofit.frontend.schedulers import AcceleratedScheduler, build_scheduler
 from zerofit.frontend.script_config import hidden_size_of, resolve, scheduler_total_steps
 from zerofit.frontend.utils import DummyOptim, DummyScheduler
@@ -148,11 +150,16 @@ class PrepareMixin:
         self.gradient_state.gradient_accumulation_steps = self.config.batch.gradient_accumulation_steps
 
     def _prepare_dataloader(self, loader: DataLoader) -> ShardedDataLoader:
-        if self._seed is None:  # one shuffling seed for every process (see zerofit.frontend.data)
+        if self._seed is None:  # one seed of the workers for every process (see zerofit.frontend.data)
             self._seed = int(ops.broadcast_object(torch.initial_seed() % 2**62))
+        settings = self.dataloader_config
+        order = functools.partial(order_for, loader_generator=loader.generator,
+                                  seedable=bool(getattr(settings, "use_seedable_sampler", False)),
+                                  data_seed=getattr(settings, "data_seed", None), world=self.num_processes,
+                                  share=ops.broadcast_object)
         sharded = ShardedDataLoader(loader, gradient_state=self.gradient_state, device=self.device,
                                     rank=self.process_index, world=self.num_processes,
-                                    split_batches=self.split_batches, seed=self._seed)
+                                    split_batches=self.split_batches, seed=self._seed, order=order)
         if sharded.batch_size is not None:
             known = self._facts.micro_batch_size
             self._facts.micro_batch_size = sharded.batch_size if known is None else min(known, sharded.batch_size)

@@ -9,9 +9,11 @@ the window Trainer really uses is kept as a hint for the planner (`stage: auto`)
 
 Everything else follows the rule DeepSpeed users know from `--deepspeed ds.json`: a key the file
 leaves "auto" (or out) takes the TrainingArguments value, a key the file writes must agree with it,
-and every disagreement is listed in one error naming the key, both values and the fix. Only an
-Accelerate YAML's `mixed_precision` yields to the script, as Accelerate itself lets
-`Accelerator(mixed_precision=...)` (which Trainer passes) win over the launcher's setting.
+and every disagreement is listed in one error naming the key, both values and the fix. The
+precision is the one exception: Trainer's `--bf16` / `--fp16` decide it, as `Accelerator(mixed_precision=...)`
+(which Trainer passes) wins over the launcher's setting in Accelerate; only a file that asks for
+another low precision than the script (fp16 against bf16, or either against fp32) is an error,
+because "no" is also what a file that never mentions precision holds.
 """
 
 from __future__ import annotations
@@ -102,10 +104,13 @@ def trainer_config(config: RunConfig, facts: TrainerFacts) -> RunConfig:
     check.take("gradient_clipping", config.gradient_clipping or None, facts.max_grad_norm, "max_grad_norm", same=_close)
     precision = config.precision
     mode = precision.mixed_precision
-    if config.source_format == "accelerate" or config.source is None or is_auto(mode):
-        mode = facts.mixed_precision
-    else:
-        mode = check.take("precision.mixed_precision", mode, facts.mixed_precision, "bf16/fp16")
+    if (config.source_format != "accelerate" and mode not in ("no", facts.mixed_precision) and not is_auto(mode)):
+        name = key_name(config.source_format, "precision.mixed_precision")
+        check.problems.append(
+            f"{name} asks for {mode} in the config but TrainingArguments trains in "
+            f"{'fp32' if facts.mixed_precision == 'no' else facts.mixed_precision}: Trainer's --bf16 / --fp16 "
+            f"decide the precision, so pass --{mode} true to the script, or write \"auto\" in the config")
+    mode = facts.mixed_precision
     optimizer = config.optimizer
     if optimizer is not None:
         wanted = {"lr": facts.lr, "betas": list(facts.betas), "eps": facts.eps, "weight_decay": facts.weight_decay}

@@ -20,7 +20,8 @@ transformers documents for overriding where it has them:
   write and read zerofit's sharded checkpoint in `checkpoint-N/zerofit_state/`, so
   `resume_from_checkpoint` works at another world size, stage or offload. tests/test_trainer_surface.py
   pins each private name and signature this module relies on.
-* `get_resumed_dataloader` skips with zerofit's own dataloader.
+* `get_resumed_dataloader` skips with zerofit's own dataloader; `_move_model_to_device` (private) leaves
+  placing the model to `prepare()`, which shards it first.
 """
 
 from __future__ import annotations
@@ -59,8 +60,9 @@ class ZerofitTrainerMixin:
         ac = args.accelerator_config
         loaders = DataLoaderConfiguration(split_batches=bool(ac.split_batches), even_batches=bool(ac.even_batches),
                                           use_seedable_sampler=bool(ac.use_seedable_sampler), data_seed=args.data_seed)
-        self.accelerator = Accelerator(config=config, gradient_accumulation_steps=1, dataloader_config=loaders,
-                                       cpu=bool(getattr(args, "use_cpu", False)))
+        self.accelerator = TrainerAccelerator(config=config, gradient_accumulation_steps=1, dataloader_config=loaders,
+                                              cpu=bool(getattr(args, "use_cpu", False)))
+        self.accelerator.trained_model = self.model
         self.accelerator.planning_accumulation = facts.accumulation  # [Note: Trainer owns the loop]
         self.gather_function = functools.partial(self.accelerator.gather_for_metrics,
                                                  use_gather_object=args.eval_use_gather_object)
@@ -68,6 +70,10 @@ class ZerofitTrainerMixin:
         # branches (their engines' own checkpoint formats, deepspeed_init) must not run.
         self.is_deepspeed_enabled = False
         self.is_fsdp_enabled = False
+
+    def _move_model_to_device(self, model: torch.nn.Module, device: torch.device) -> None:
+        """Nothing: `prepare()` places the model, after sharding it (a ZeRO-3 model never lands on one
+        GPU whole, as it would if Trainer moved it at construction)."""
 
     # --- optimizer and schedule ---------------------------------------------------------------
     def create_optimizer(self, model: torch.nn.Module | None = None) -> Any:
@@ -106,13 +112,17 @@ class ZerofitTrainerMixin:
         if not self.accelerator.is_prepared(self.model):  # not trained yet (save before train): Trainer's own
             return super().save_model(output_dir, _internal_call)
         state_dict = self.accelerator.get_state_dict(self.model)
+        if not self.args.should_save and _runs_forward_to_save(self.model):
+            # [Note: saving runs a forward] rank 0 runs the same inside `_save`, which returns at once here
+            self.model.save_pretrained(output_dir, state_dict=state_dict, is_main_process=False)
         self._save(output_dir, state_dict=state_dict)
         self.accelerator.wait_for_everyone()  # the files exist on return, on every rank
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        self.accelerator.save_state(os.path.join(output_dir, ZEROFIT_STATE))
+        # no `latest` pointer beside it: Trainer finds its checkpoints by their checkpoint-N names
+        self.accelerator._save(os.path.join(output_dir, ZEROFIT_STATE), update_latest=False)
         if self.args.should_save and not isinstance(self.lr_scheduler, AcceleratedScheduler):
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
@@ -133,6 +143,32 @@ class ZerofitTrainerMixin:
 
     def get_resumed_dataloader(self, dataloader: Any, num_batches: int) -> Any:
         return self.accelerator.skip_first_batches(dataloader, num_batches)
+
+
+class TrainerAccelerator(Accelerator):
+    """The Accelerator a zerofit Trainer holds: `prepare_model(model, evaluation_mode=True)` of the trained
+    model before training (Trainer's `evaluate()` before `train()`) only places it on the device, so
+    that `train()` can still prepare it with its optimizer; it evaluates unsharded then. Any other
+    model asked for evaluation (DPO's reference model) is prepared frozen, sharded as the config says."""
+
+    trained_model: torch.nn.Module | None = None
+    _checkpoint_dataloaders = False  # Trainer saves and restores its data position itself (trainer_state.json)
+
+    def prepare_model(self, model: torch.nn.Module, device_placement: Any = None,
+                      evaluation_mode: bool = False) -> torch.nn.Module:
+        if evaluation_mode and model is self.trained_model and not self.is_prepared(model):
+            return model.to(self.device)
+        return super().prepare_model(model, device_placement, evaluation_mode)
+
+
+def _runs_forward_to_save(model: torch.nn.Module) -> bool:
+    """[Note: saving runs a forward] PEFT saves a prompt-learning adapter (prompt, prefix, p-tuning) as the
+    output of its prompt encoder, computed in `save_pretrained` by a forward pass. At ZeRO-3 that forward
+    gathers the encoder's parameters from every rank, so every rank must run `save_pretrained` (PEFT
+    computes its state dict on each process and writes only where `is_main_process`); run on rank 0
+    alone, as Trainer's `_save` does, it waits forever."""
+    configs = getattr(model, "peft_config", None)
+    return isinstance(configs, dict) and any(getattr(c, "is_prompt_learning", False) for c in configs.values())
 
 
 def _refuse_other_engines(args: Any) -> None:
