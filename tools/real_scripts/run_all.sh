@@ -171,7 +171,7 @@ for name in $SCRIPTS; do
             echo "   timed out (attempt $attempt), running it again"
         done
         seconds=$(echo "$(date +%s.%N) - $start" | bc)
-        ((rc == 0)) || { failed=1; echo "   failed (rc $rc), last lines of $log:"; tail -n 15 "$log" | sed 's/^/   | /'; }
+        ((rc == 0)) || { failed=1; echo "   failed (rc $rc), last lines of $log:"; tail -n 15 "$log" | cut -c1-300 | sed 's/^/   | /'; }
         printf '%s\t%s\t%s\t%.1f\t%s\t%s\n' "$name" "$label" "$rc" "$seconds" "$run" "$log" >>"$OUT/results.tsv"
     done
 done
