@@ -158,12 +158,12 @@ for name in $SCRIPTS; do
             cmd=("$PYTHON" -m zerofit.cli.main launch --config_file "$cfg_path" --num_processes 2 --cpu "$copy" "${args[@]}")
         fi
         echo "== $name / $label"
-        start=$(date +%s.%N)
         # started in the fixtures folder: `evaluate.load("accuracy")` finds ./accuracy/accuracy.py there
         # A DDP worker can hang at exit after Accelerate's end_training destroyed the gloo group while
         # DDP's Reducer still holds it (~ProcessGroupGloo joins a thread that never ends): that is the
         # baseline's own flake, so a ddp run that times out is run again; a zerofit hang is a finding.
         for attempt in 1 2 3; do
+            start=$(date +%s.%N)
             (cd "$FIX" && printf '%q ' "${cmd[@]}" >"$log" && echo >>"$log" &&
                 timeout "$([[ $LAUNCHER == ddp ]] && echo 180 || echo 600)" "${cmd[@]}" >>"$log" 2>&1)
             rc=$?
