@@ -109,6 +109,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out", type=Path)
     parser.add_argument("--baseline", type=Path, help="OUT_DIR of a LAUNCHER=ddp run of run_all.sh")
     args = parser.parse_args(argv)
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()  # the table alone: no loading bars or notices
+    transformers.utils.logging.disable_progress_bar()
     fixtures = args.out / "fixtures"
     base_rows = {(r["script"], _tag(r["config"])): r for r in _runs(args.baseline)} if args.baseline else {}
 
