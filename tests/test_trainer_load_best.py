@@ -64,3 +64,26 @@ def test_the_model_saved_after_load_best_model_at_end_is_the_best_checkpoints(tm
         assert max((final[k] - last[k]).abs().max().item() for k in final) > 0, name  # best != last here
         for key, tensor in chosen.items():
             torch.testing.assert_close(final[key], tensor, rtol=0, atol=0, msg=f"{name} {key}")
+
+
+def _train_saving_only_the_model(rank: int, world: int, root: str) -> str:
+    import transformers
+
+    from zerofit.errors import CheckpointError
+    from zerofit.integrations.transformers import Trainer
+
+    args = transformers.TrainingArguments(
+        output_dir=root, per_device_train_batch_size=4, max_steps=2, eval_strategy="steps", eval_steps=2,
+        save_steps=2, save_only_model=True, load_best_model_at_end=True, report_to=[], use_cpu=True,
+        disable_tqdm=True)
+    trainer = Trainer(model=tc.tiny_gpt2(), args=args, train_dataset=tc.token_data(), eval_dataset=tc.token_data()[:8])
+    try:
+        trainer.train()
+    except CheckpointError as e:
+        return str(e)
+    return "no error"
+
+
+def test_save_only_model_with_load_best_model_at_end_is_one_error_naming_the_fix(tmp_path):
+    message = run_distributed(_train_saving_only_the_model, 1, str(tmp_path), timeout=120)[0]
+    assert "checkpoint-2 has no zerofit_state/ folder" in message and "drop --save_only_model" in message, message
