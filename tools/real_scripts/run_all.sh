@@ -15,10 +15,11 @@
 # Environment:
 #   LAUNCHER  zerofit (default): copies with the one import changed, under `zerofit launch --cpu`;
 #             ddp: the scripts unchanged under `torchrun --nproc_per_node 2` (the baseline)
-#   CONFIGS   zerofit configs to run (default "zero2 zero3_offload"); one of
-#             zero2          tests/fixtures/configs/ds_zero2_auto.json (stage 2, every batch/optimizer key auto)
+#   CONFIGS   zerofit configs to run (default "zero2 zf_zero2 zero3_offload"); any of
+#             zero2          tests/fixtures/configs/ds_zero2_auto.json (stage 2, every batch/optimizer key auto;
+#                            its WarmupDecayLR replaces Trainer's schedule, so its losses are not DDP's)
 #             zero3_offload  tests/fixtures/configs/ds_zero3_offload.json with stage3_param_persistence_threshold
-#                            0, so these tiny models' layers are really sharded (else every unit stays whole)
+#                            0, so every unit is sharded whatever "auto" resolves to for the model
 #             zero3_offload_shipped  tests/fixtures/configs/ds_zero3_offload.json as it is
 #             zf_zero2       a zerofit YAML, stage 2 with no optimizer section (the Trainer's own AdamW)
 #             acc_zero2      tests/fixtures/configs/accelerate_zero2.yaml (Accelerate YAML, DeepSpeed stage 2)
@@ -38,7 +39,7 @@ OUT=$(realpath -m "$2")
 HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
 LAUNCHER=${LAUNCHER:-zerofit}
-CONFIGS=${CONFIGS:-zero2 zero3_offload}
+CONFIGS=${CONFIGS:-zero2 zf_zero2 zero3_offload}
 SCRIPTS=${SCRIPTS:-glue clm translation sft dpo corda}
 PYTHON=${PYTHON:-python}
 
@@ -158,7 +159,7 @@ for name in $SCRIPTS; do
             cmd=("$PYTHON" -m zerofit.cli.main launch --config_file "$cfg_path" --num_processes 2 --cpu "$copy" "${args[@]}")
         fi
         echo "== $name / $label"
-        # started in the fixtures folder: `evaluate.load("accuracy")` finds ./accuracy/accuracy.py there
+        # Started in the fixtures folder: `evaluate.load("accuracy")` finds ./accuracy/accuracy.py there.
         # A DDP worker can hang at exit after Accelerate's end_training destroyed the gloo group while
         # DDP's Reducer still holds it (~ProcessGroupGloo joins a thread that never ends): that is the
         # baseline's own flake, so a ddp run that times out is run again; a zerofit hang is a finding.
