@@ -148,7 +148,9 @@ def gather_eval(rank: int, world: int, cases: list[tuple[int, int, bool]]):
     acc = Accelerator()
     ragged = torch.full((rank + 1, 2), rank + 1)  # rank 0: 1 row, rank 1: 2 rows
     padded = acc.pad_across_processes(ragged, dim=0, pad_index=-1)
+    labels = torch.tensor([rank, rank])  # one dimension: padding along dim 1 leaves it, as Trainer's eval needs
     extras = {"padded": acc.gather(padded).tolist(),
+              "labels": acc.gather(acc.pad_across_processes(labels, dim=1, pad_index=-100)).tolist(),
               "sum": acc.reduce(torch.tensor([rank + 1.0])).item(),
               "mean": acc.reduce(torch.tensor([rank + 1.0]), reduction="mean").item(),
               "objects": acc.gather_for_metrics([f"r{rank}"], use_gather_object=True)}
@@ -160,6 +162,7 @@ def test_gather_for_metrics_returns_exactly_the_dataset_when_the_last_batch_is_u
     results = run_distributed(gather_eval, 2, cases)
     for rank_out, extras in results:
         assert extras["padded"] == [[1, 1], [-1, -1], [2, 2], [2, 2]]
+        assert extras["labels"] == [0, 0, 1, 1]
         assert (extras["sum"], extras["mean"], extras["objects"]) == (3.0, 1.5, ["r0", "r1"])
         for (n, batch, _), (seen, plain, last_flags, length) in zip(cases, rank_out):
             steps = math.ceil(n / (2 * batch))

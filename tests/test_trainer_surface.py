@@ -32,6 +32,7 @@ RELIED_ON = {
     "_save": ["self", "output_dir", "state_dict"],
     "_save_optimizer_and_scheduler": ["self", "output_dir"],
     "_load_optimizer_and_scheduler": ["self", "checkpoint"],
+    "_load_best_model": ["self"],
     "get_resumed_dataloader": ["self", "dataloader", "num_batches"],
     "get_decay_parameter_names": ["self", "model"],
     "_move_model_to_device": ["self", "model", "device"],

@@ -146,10 +146,12 @@ def reduce(data: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
 
 
 def pad_across_processes(data: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False) -> Any:
-    """Pad every tensor along `dim` to the largest size any process has, so that `gather` can stack them."""
+    """Pad every tensor along `dim` to the largest size any process has, so that `gather` can stack them.
+    A tensor without that dimension is returned as it is, as Accelerate does: Trainer pads every label
+    tensor along dim 1, and a classifier's labels have one dimension."""
 
     def one(t: torch.Tensor) -> torch.Tensor:
-        if _world() == 1 or t.ndim == 0:
+        if _world() == 1 or not -t.ndim <= dim < t.ndim:
             return t
         d = dim if dim >= 0 else t.ndim + dim
         size = torch.tensor([t.shape[d]], device=t.device)

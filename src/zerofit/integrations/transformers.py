@@ -18,7 +18,8 @@ transformers documents for overriding where it has them:
   rank 0 write what `save_pretrained` writes: sharded safetensors, or with PEFT the adapter alone.
 * `_save_optimizer_and_scheduler` / `_load_optimizer_and_scheduler` (private: no public hook exists)
   write and read zerofit's sharded checkpoint in `checkpoint-N/zerofit_state/`, so
-  `resume_from_checkpoint` works at another world size, stage or offload. tests/test_trainer_surface.py
+  `resume_from_checkpoint` works at another world size, stage or offload; `_load_best_model` (private)
+  reads the best checkpoint's `zerofit_state/` for `load_best_model_at_end`. tests/test_trainer_surface.py
   pins each private name and signature this module relies on.
 * `get_resumed_dataloader` skips with zerofit's own dataloader; `_move_model_to_device` (private) leaves
   placing the model to `prepare()`, which shards it first.
@@ -141,6 +142,19 @@ class ZerofitTrainerMixin:
         scheduler_file = os.path.join(checkpoint, SCHEDULER_NAME)
         if not isinstance(self.lr_scheduler, AcceleratedScheduler) and os.path.isfile(scheduler_file):
             self.lr_scheduler.load_state_dict(torch.load(scheduler_file, weights_only=True))
+
+    def _load_best_model(self) -> None:
+        """The best checkpoint's weights, through zerofit's own checkpoint of it. Trainer's loads them with
+        `model.load_state_dict`, which at ZeRO-3 writes into released parameter storage (a segfault) and
+        in bf16 reaches only the compute copies, not the fp32 masters that `save_model` writes."""
+        best = self.state.best_model_checkpoint
+        state = os.path.join(best, ZEROFIT_STATE)
+        if not os.path.isdir(state):
+            raise CheckpointError(
+                f"load_best_model_at_end: the best checkpoint {best} has no {ZEROFIT_STATE}/ folder (save_only_model="
+                "True writes none), and zerofit loads the best weights from it: drop --save_only_model, as "
+                "Trainer asks of DeepSpeed and FSDP runs, or drop --load_best_model_at_end")
+        self.accelerator.load_state(state)
 
     def get_resumed_dataloader(self, dataloader: Any, num_batches: int) -> Any:
         return self.accelerator.skip_first_batches(dataloader, num_batches)
