@@ -128,3 +128,19 @@ def test_torch_compile_is_named_as_not_applied():
     args = SimpleNamespace(deepspeed=None, fsdp="", auto_find_batch_size=False, torch_compile=True)
     with pytest.warns(UserWarning, match="torch_compile"):
         ours._refuse_other_engines(args)
+
+
+def test_config_json_names_the_dtype_of_the_weights_written(tmp_path):
+    """A bf16 run saves its trained parameters from the fp32 masters: config.json must say float32, or
+    `from_pretrained` loads the file in bf16 where the same script under DDP gives fp32."""
+    import json
+
+    import torch
+
+    (tmp_path / "config.json").write_text(json.dumps({"dtype": "bfloat16", "model_type": "gpt2"}))
+    written = ours._main_dtype({"w": torch.zeros(10), "b": torch.zeros(3, dtype=torch.bfloat16),
+                                "ids": torch.zeros(99, dtype=torch.long)})
+    assert written == torch.float32
+    ours._record_saved_dtype(str(tmp_path), written)
+    assert json.loads((tmp_path / "config.json").read_text()) == {"dtype": "float32", "model_type": "gpt2"}
+    ours._record_saved_dtype(str(tmp_path / "absent"), written)  # an adapter folder has no config.json: nothing

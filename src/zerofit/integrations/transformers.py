@@ -28,6 +28,7 @@ transformers documents for overriding where it has them:
 from __future__ import annotations
 
 import functools
+import json
 import os
 import warnings
 from typing import Any
@@ -114,7 +115,9 @@ class ZerofitTrainerMixin:
             return super().save_model(output_dir, _internal_call)
         state_dict = self.accelerator.get_state_dict(self.model)
         if self.args.should_save:  # `_save` writes wherever it is called in transformers < 5.20: the main process only
+            written = _main_dtype(state_dict)  # before `save_pretrained`, which empties the dict as it writes
             self._save(output_dir, state_dict=state_dict)
+            _record_saved_dtype(output_dir, written)
         elif _runs_forward_to_save(self.model):
             # [Note: saving runs a forward] the main process runs the same inside `_save`
             self.model.save_pretrained(output_dir, state_dict=state_dict, is_main_process=False)
@@ -174,6 +177,36 @@ class TrainerAccelerator(Accelerator):
         if evaluation_mode and model is self.trained_model and not self.is_prepared(model):
             return model.to(self.device)
         return super().prepare_model(model, device_placement, evaluation_mode)
+
+
+def _main_dtype(state_dict: dict[str, torch.Tensor]) -> torch.dtype | None:
+    """The floating dtype that holds most of `state_dict`'s elements (None: no floating tensor)."""
+    counts: dict[torch.dtype, int] = {}
+    for t in state_dict.values():
+        if t.is_floating_point():
+            counts[t.dtype] = counts.get(t.dtype, 0) + t.numel()
+    return max(counts, key=counts.get) if counts else None
+
+
+def _record_saved_dtype(output_dir: str, written: torch.dtype | None) -> None:
+    """Make `config.json` name `written`, the dtype of the weights written. `save_pretrained` records the
+    model's own parameter dtype, but trained parameters are saved from zerofit's fp32 masters: a bf16 run's
+    file holds fp32 (as Trainer under DDP writes it, autocast over fp32 weights), and `from_pretrained`
+    must load fp32."""
+    path = os.path.join(output_dir, "config.json")
+    if written is None or not os.path.isfile(path):
+        return
+    name = str(written).removeprefix("torch.")
+    with open(path) as f:
+        config = json.load(f)
+    keys = [k for k in ("dtype", "torch_dtype") if k in config and config[k] != name]
+    if not keys:
+        return
+    for key in keys:
+        config[key] = name
+    with open(path, "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+        f.write("\n")
 
 
 def _runs_forward_to_save(model: torch.nn.Module) -> bool:
