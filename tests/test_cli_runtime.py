@@ -113,3 +113,13 @@ def test_only_rank_0_of_a_run_that_never_built_zerofit_state_names_the_import_to
     monkeypatch.setattr(processes, "_SHARED", None)
     PartialState()  # a world of one here; an Accelerator builds the same state
     assert runtime.zerofit_state_built() and unused_notice(["train.py"]) is None
+
+
+def test_a_failed_script_given_deepspeed_or_fsdp_arguments_is_told_where_the_file_belongs():
+    from zerofit.cli.failure_report import engine_argument_hint
+
+    hint = engine_argument_hint(["train.py", "--bf16", "--deepspeed", "ds_z3.json"])
+    assert "zerofit launch --config_file ds_z3.json" in hint and "zerofit.integrations.transformers" in hint
+    assert "--config_file ds.json" in engine_argument_hint(["train.py", "--deepspeed=ds.json"])
+    assert "stage 3" in engine_argument_hint(["-m", "pkg.train", "--fsdp", "full_shard"])
+    assert engine_argument_hint(["train.py", "--lr", "1"]) is None

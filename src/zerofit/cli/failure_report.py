@@ -84,3 +84,21 @@ def summary(name: str, failures: dict[int, Any], first_rank: int) -> str:
             f = failures[rank]
             lines.append(f"  then rank {rank} (exit code {f.exitcode}): {_error_line(f)}")
     return "\n".join(lines)
+
+
+def engine_argument_hint(target: tuple[str, ...] | list[str]) -> str | None:
+    """A line for a failed script given `--deepspeed FILE` or `--fsdp ...`: transformers' TrainingArguments
+    hands the run to that engine (and without DeepSpeed installed fails before zerofit's Trainer can say
+    so), where under `zerofit launch` the file belongs to the launcher (docs/transformers.md)."""
+    args = list(target)
+    for i, arg in enumerate(args):
+        flag, _, value = arg.partition("=")
+        if flag == "--deepspeed":
+            value = value or (args[i + 1] if i + 1 < len(args) else "ds.json")
+            return (f"zerofit launch: the script was given --deepspeed {value}, which hands a transformers Trainer "
+                    f"to DeepSpeed: drop it and pass the file to the launcher (zerofit launch --config_file {value} "
+                    "...), with `from zerofit.integrations.transformers import Trainer` in the script")
+        if flag == "--fsdp":
+            return ("zerofit launch: the script was given --fsdp, which hands a transformers Trainer to FSDP: drop "
+                    "it; zerofit's ZeRO stage 3 (zero_optimization.stage: 3) shards parameters as FSDP does")
+    return None
