@@ -44,6 +44,10 @@ def test_a_frozen_model_is_said_to_be_frozen(capsys):
     assert capsys.readouterr().out.splitlines() == [
         "zerofit: ZeRO-3, 4 of 4 units sharded over 1 rank, no optimizer (frozen), parameters offloaded to cpu, "
         "fp32, 1 process"]
+    _prepare(RunConfig(zero=ZeroConfig(stage=2)), optimizer=False)  # DPO's reference model at ZeRO-2
+    assert capsys.readouterr().out.splitlines() == [
+        "zerofit: ZeRO-2, a model without an optimizer (frozen): nothing of it is sharded below stage 3, fp32, "
+        "1 process"]
 
 
 def test_a_planned_run_prints_the_planners_line_only(capsys):

@@ -33,6 +33,8 @@ def _sharding(engine: ZeroEngine, spell: Callable[[str], str]) -> str:
     if stage == 0:
         return "ZeRO-0 (plain data parallel: nothing sharded)"
     if stage in SHARDED_BY_STAGE:
+        if engine.optimizer is None:  # a frozen model (DPO's reference model): no state or gradients to split
+            return f"ZeRO-{stage}, a model without an optimizer (frozen): nothing of it is sharded below stage 3"
         if world == 1:
             return f"ZeRO-{stage} (one process: nothing to shard over)"
         return f"ZeRO-{stage}, {SHARDED_BY_STAGE[stage]} sharded over {world} ranks"
@@ -49,7 +51,7 @@ def _sharding(engine: ZeroEngine, spell: Callable[[str], str]) -> str:
 def _optimizer_offload(engine: ZeroEngine) -> str | None:
     trained = [u for u in engine.units if u.trainable]
     if engine.optimizer is None:
-        return "no optimizer (frozen)"
+        return None if engine.policy.stage in SHARDED_BY_STAGE else "no optimizer (frozen)"
     host = [u for u in trained if any(g.placement.offload_state for g in u.trainable)]
     streamed = [u for u in trained if any(g.placement.stream_state for g in u.trainable)]
     offloaded = len({id(u) for u in host + streamed})
