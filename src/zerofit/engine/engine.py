@@ -31,6 +31,7 @@ from zerofit.engine import replicas
 from zerofit.engine.comm import Collectives, InFlight
 from zerofit.engine.flat_group import FlatGroup
 from zerofit.engine.full_state import FullStateDict
+from zerofit.engine.full_state_load import FullStateLoad
 from zerofit.engine.host_mode import HostStep
 from zerofit.engine.loss_scale import LossScaler
 from zerofit.engine.materialize import Materializer, has_meta_tensors
@@ -147,6 +148,7 @@ class ZeroEngine:
         if self.shards_parameters:
             self.stage3.install()
             self.full_state.install()
+        FullStateLoad(self).install()  # model.load_state_dict() reaches the masters and shards (see its note)
         if self.compute_dtype != torch.float32:
             self._hooks.append(model.register_forward_pre_hook(self._cast_inputs, with_kwargs=True))
 
