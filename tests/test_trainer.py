@@ -11,7 +11,6 @@ logs the same losses as zerofit's. transformers, accelerate, peft, trl and datas
 
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
@@ -87,9 +86,7 @@ def _references(rank: int, world: int, root: str) -> dict:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("trainer"))
-    for name, config in CONFIGS.items():
-        with open(os.path.join(root, f"{name}.json"), "w") as f:
-            json.dump(config, f)
+    tc.write_configs(root, CONFIGS)
     ranks = run_distributed(_zerofit_runs, 2, root, timeout=600)
     reference = run_distributed(_references, 1, root, timeout=300)[0]
     return {"ranks": ranks, "reference": reference}

@@ -12,7 +12,6 @@ the last batch is short), evaluating every 2 steps. It runs once as plain `Train
 
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
@@ -20,6 +19,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
+
+from trainer_cases import write_configs  # noqa: E402
 
 from zerofit.testing.distributed import run_distributed  # noqa: E402
 
@@ -71,9 +72,7 @@ def _runs(rank: int, world: int, root: str) -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("trainer_dropout"))
-    for name, config in STAGES.items():
-        with open(os.path.join(root, f"{name}.json"), "w") as f:
-            json.dump(config, f)
+    write_configs(root, STAGES)
     return run_distributed(_runs, 2, root, timeout=300)[0]
 
 

@@ -7,6 +7,7 @@ and returns the per-step losses, the final trainable weights and what it saved.
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 
@@ -154,3 +155,10 @@ def saved_weights(directory: str) -> dict[str, torch.Tensor]:
         if os.path.isfile(path):
             return load_file(path)
     raise FileNotFoundError(f"no safetensors weights in {directory}: {sorted(os.listdir(directory))}")
+
+
+def write_configs(root: str, configs: dict[str, dict]) -> None:
+    """Each zerofit config as `root/NAME.json`, for `ZEROFIT_CONFIG_FILE` to name in the ranks."""
+    for name, config in configs.items():
+        with open(os.path.join(root, f"{name}.json"), "w") as f:
+            json.dump(config, f)
