@@ -9,6 +9,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from zerofit import Accelerator
+from zerofit.config import config_from_dict
 from zerofit.config.schema import RunConfig, ZeroConfig
 from zerofit.testing.distributed import run_distributed
 
@@ -105,3 +106,26 @@ def test_a_submodules_state_dict_gathers_too():
                 torch.testing.assert_close(got[path][name], value, rtol=0, atol=0, msg=f"rank {rank} {path} {name}")
     assert ranks[0][4] and ranks[1][4]  # keep_vars=True still gives the parameters themselves, no gather
     assert ranks[0][5] == pytest.approx(ranks[1][5])
+
+
+def _one_rank_first(rank: int, world: int) -> list[str]:
+    import time
+
+    from zerofit.engine import full_state
+
+    full_state.ALONE_AFTER_S = 0.5  # the rank that calls first waits for the late one: it says why it may hang
+    acc = Accelerator(config=config_from_dict({"zero": {"stage": 3, "param_persistence_threshold": 0}}), cpu=True)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+    model, _ = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    if rank == 1:
+        time.sleep(3.0)  # late, not absent: the gather still completes
+    full = model.state_dict()
+    assert full["0.weight"].shape == (8, 8)
+    return list(full_state.waiting_notices)
+
+
+def test_a_state_dict_call_left_waiting_for_other_ranks_names_the_usual_mistake():
+    """[Note: state_dict() on one rank]: `if accelerator.is_main_process: model.save_pretrained(...)` at ZeRO-3."""
+    notices = run_distributed(_one_rank_first, 2, timeout=60)
+    assert len(notices[0]) == 1 and notices[1] == []
+    assert "every rank must call it" in notices[0][0] and "is_main_process=accelerator.is_main_process" in notices[0][0]
