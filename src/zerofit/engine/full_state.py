@@ -68,6 +68,12 @@ def _warn_if_alone(what: str) -> Iterator[None]:
         timer.cancel()
 
 
+def inside_walk(open_walk: tuple[nn.Module, str, Any] | None, prefix: str) -> bool:
+    """True for a child module's hook inside the walk `open_walk` serves (its prefix extends the walk's);
+    a walk that raised never closes, so a fresh call with the walk's own prefix replaces it."""
+    return open_walk is not None and len(prefix) > len(open_walk[1]) and prefix.startswith(open_walk[1])
+
+
 class FullStateDict:
     """The two state-dict hooks of every module of a stage-3 model (see the note above)."""
 
@@ -92,8 +98,8 @@ class FullStateDict:
     def _before(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
         if keep_vars:
             return
-        if self._open is not None and len(prefix) > len(self._open[1]) and prefix.startswith(self._open[1]):
-            return  # a child in the open walk (a walk that raised never closes: a fresh call replaces it)
+        if inside_walk(self._open, prefix):
+            return
         self._open = None
         ids = {id(p) for p in module.parameters()}
         units = [u for u in self.units if any(id(p) in ids for g in u.groups for p in g.params)]

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from zerofit.engine.full_state import inside_walk
 from zerofit.engine.state import local_fragments
 
 
@@ -36,22 +37,16 @@ class FullStateLoad:
         self.engine = engine
         self._open: tuple[nn.Module, str, list[str]] | None = None
         """The walk being served: (its outermost module, its prefix, the keys taken out of the dict)."""
-        self._handles: list[Any] = []
 
     def install(self) -> None:
         for module in self.engine.model.modules():
-            self._handles += [module.register_load_state_dict_pre_hook(lambda *a: self._before(*a)),
-                              module.register_load_state_dict_post_hook(lambda *a: self._after(*a))]
-
-    def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
+            module.register_load_state_dict_pre_hook(lambda *a: self._before(*a))
+            module.register_load_state_dict_post_hook(lambda *a: self._after(*a))
 
     def _before(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, _metadata: Any, _strict: bool,
                 _missing: list[str], _unexpected: list[str], error_msgs: list[str]) -> None:
-        if self._open is not None and len(prefix) > len(self._open[1]) and prefix.startswith(self._open[1]):
-            return  # a child in the open walk (a walk that raised never closes: a fresh call replaces it)
+        if inside_walk(self._open, prefix):
+            return
         self._open = (module, prefix, self._take(module, state_dict, prefix, error_msgs))
 
     def _after(self, module: nn.Module, incompatible: Any) -> None:
