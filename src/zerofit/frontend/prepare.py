@@ -152,11 +152,9 @@ class PrepareMixin:
     def _prepare_dataloader(self, loader: DataLoader) -> ShardedDataLoader:
         if self._seed is None:  # one seed of the workers for every process (see zerofit.frontend.data)
             self._seed = int(ops.broadcast_object(torch.initial_seed() % 2**62))
-        settings = self.dataloader_config
-        order = functools.partial(order_for, loader_generator=loader.generator,
-                                  seedable=bool(getattr(settings, "use_seedable_sampler", False)),
-                                  data_seed=getattr(settings, "data_seed", None), world=self.num_processes,
-                                  share=ops.broadcast_object)
+        order = functools.partial(order_for, loader_generator=loader.generator, seedable=self.use_seedable_sampler,
+                                  data_seed=getattr(self.dataloader_config, "data_seed", None),
+                                  world=self.num_processes, share=ops.broadcast_object)
         sharded = ShardedDataLoader(loader, gradient_state=self.gradient_state, device=self.device,
                                     rank=self.process_index, world=self.num_processes,
                                     split_batches=self.split_batches, seed=self._seed, order=order)
