@@ -169,3 +169,8 @@ def max_diff(a: dict, b: dict) -> float:
     """The largest elementwise difference between two name -> tensor dicts with the same names."""
     assert sorted(a) == sorted(b), (sorted(a), sorted(b))
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+def trainable(model) -> dict:
+    """A copy of every trainable parameter of `model`, by name (what an unsharded reference ends with)."""
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from engine_cases import max_diff, trainable
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -132,9 +133,6 @@ def loss_fn(logits, y):
     return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
 
 
-def trainable(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-
 
 def reference(case: Case) -> dict:
     model, opt = model_and_optim(case)
@@ -198,8 +196,7 @@ def test_adapters_train_as_the_unsharded_reference_at_stage_3(world2, case):
     got = r0[case]
     assert got["sharded"] == len(KINDS), "every block is a sharded unit of its own"
     assert max(abs(a - b) for a, b in zip(got["losses"], want["losses"])) < TOL, (got["losses"], want["losses"])
-    assert sorted(got["params"]) == sorted(want["params"])
-    worst = max((got["params"][n] - want["params"][n]).abs().max().item() for n in want["params"])
+    worst = max_diff(got["params"], want["params"])  # the same names, then the largest difference
     assert worst < TOL, worst
     assert all(torch.equal(got["params"][n], r1[case]["params"][n]) for n in want["params"])
     assert r0[case]["trace"] == r1[case]["trace"]

@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch
 
 pytest.importorskip("accelerate")
 pytest.importorskip("peft")
@@ -22,6 +21,7 @@ pytest.importorskip("trl")
 pytest.importorskip("datasets")
 
 import trainer_cases as tc  # noqa: E402
+from engine_cases import max_diff  # noqa: E402
 
 from zerofit.testing.distributed import run_distributed  # noqa: E402
 
@@ -92,11 +92,6 @@ def results(tmp_path_factory):
     return {"ranks": ranks, "reference": reference}
 
 
-def _worst(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert sorted(a) == sorted(b)
-    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
-
-
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_trains_as_the_unsharded_reference(results, case):
     run, _ = case
@@ -104,7 +99,7 @@ def test_trains_as_the_unsharded_reference(results, case):
     want = results["reference"][_case_id((run, "reference"))]
     assert len(got["losses"]) == run.steps
     assert max(abs(a - b) for a, b in zip(got["losses"], want["losses"])) < LOSS_TOL, (got["losses"], want["losses"])
-    assert _worst(tc.saved_weights(got["saved"]), tc.saved_weights(want["saved"])) < WEIGHT_TOL
+    assert max_diff(tc.saved_weights(got["saved"]), tc.saved_weights(want["saved"])) < WEIGHT_TOL
     assert len(got["evals"]) == len(want["evals"])  # evaluate() before train() (unsharded), then every 2 steps
     assert max((abs(a - b) for a, b in zip(got["evals"], want["evals"])), default=0.0) < LOSS_TOL
 
@@ -112,7 +107,7 @@ def test_trains_as_the_unsharded_reference(results, case):
 @pytest.mark.parametrize("case", RESUMED, ids=_case_id)
 def test_a_resumed_run_ends_bit_identical(results, case):
     got = results["ranks"][0]["zerofit"][_case_id(case)]
-    assert _worst(tc.saved_weights(got["whole"]["saved"]), tc.saved_weights(got["resumed"]["saved"])) == 0.0
+    assert max_diff(tc.saved_weights(got["whole"]["saved"]), tc.saved_weights(got["resumed"]["saved"])) == 0.0
     assert got["resumed"]["losses"] == got["whole"]["losses"]  # steps 1-2 from the checkpoint's trainer state
 
 
@@ -132,7 +127,7 @@ def test_a_zero3_checkpoint_of_two_ranks_resumes_at_one_process_under_zero2_offl
     regrouped = results["reference"]["regrouped"]
     assert len(regrouped["losses"]) == len(whole["losses"])
     assert max(abs(a - b) for a, b in zip(regrouped["losses"], whole["losses"])) < LOSS_TOL
-    assert _worst(tc.saved_weights(regrouped["saved"]), tc.saved_weights(whole["saved"])) < WEIGHT_TOL
+    assert max_diff(tc.saved_weights(regrouped["saved"]), tc.saved_weights(whole["saved"])) < WEIGHT_TOL
 
 
 def test_zerofit_logs_the_losses_of_trainer_under_ddp(results):
