@@ -70,3 +70,9 @@ class CollectiveError(EngineError):
         super().__init__(message)
         self.label = label
         self.rank = rank
+
+
+class RanksApartError(CollectiveError):
+    """Ranks reached different collective calls (one rank in `state_dict()`, another in `wait_for_everyone()`
+    or gone), so the collective would never complete; raised before it is entered (see `zerofit.dist.arrival`).
+    The message names what each rank is doing, the usual cause and the fix."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-from zerofit.dist import process_group
+from zerofit.dist import arrival, process_group
 from zerofit.errors import CollectiveError
 
 TIMEOUT_KEY = "launch.process_group_timeout"
@@ -24,6 +24,9 @@ TIMEOUT_FLAG = "--process_group_timeout"
 def describe(label: str, rank: int, error: BaseException) -> str:
     """The message of the CollectiveError that replaces torch's `error` for collective `label`."""
     text = str(error)
+    apart = arrival.known_apart()
+    if apart is not None:  # this rank found the others at another call: that is why its collective failed
+        return f"rank {rank}: collective {label} failed: {apart} [{_first_line(text)}]"
     seconds = process_group.current_timeout_s()
     limit = f"{seconds:g} s" if seconds is not None else "its timeout"
     if "timed out" in text.lower() or "timeout" in text.lower():
@@ -40,6 +43,7 @@ def describe(label: str, rank: int, error: BaseException) -> str:
 @contextlib.contextmanager
 def named(label: str, rank: int) -> Iterator[None]:
     """Run a collective's issue or wait; a communication failure becomes a CollectiveError naming `label`."""
+    arrival.note_collective()  # how far this rank got, for [Note: a rank that went on training]
     try:
         yield
     except CollectiveError:

@@ -30,6 +30,11 @@ def restart_count() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
 
 
+def attempt_prefix() -> str:
+    """The key space of this attempt in the launcher's store (see the module note)."""
+    return f"zerofit/attempt-{restart_count()}"
+
+
 def launched() -> bool:
     """True when a launcher announced a world to join (torchrun sets WORLD_SIZE and MASTER_ADDR)."""
     return int(os.environ.get("WORLD_SIZE", "0") or 0) >= 1 and "MASTER_ADDR" in os.environ
@@ -37,6 +42,10 @@ def launched() -> bool:
 
 _joined_timeout_s: float | None = None
 """The timeout `join` gave the process group (None: zerofit did not create it)."""
+
+_joined_store: dist.Store | None = None
+"""The store `join` formed the group through (torchrun's agent store, this attempt's key space), kept for
+`zerofit.dist.arrival`; None when rank 0 hosted the store itself or zerofit did not create the group."""
 
 
 def timeout_of(config: RunConfig) -> timedelta:
@@ -48,11 +57,17 @@ def current_timeout_s() -> float | None:
     return _joined_timeout_s
 
 
+def joined_store() -> dist.Store | None:
+    """This attempt's key space in the agent store that `join` formed the group through, if it did."""
+    return _joined_store
+
+
 def join(config: RunConfig, backend: str, device: torch.device) -> None:
     """Create the default process group from the launcher's environment (see the module note)."""
-    global _joined_timeout_s
+    global _joined_timeout_s, _joined_store
     timeout = timeout_of(config)
     _joined_timeout_s = timeout.total_seconds()
+    _joined_store = None
     device_id = device if device.type == "cuda" else None
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
         # Not started by torchrun's agent (e.g. MASTER_ADDR set by hand): rank 0 hosts the store itself
@@ -62,6 +77,7 @@ def join(config: RunConfig, backend: str, device: torch.device) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     agent_store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
                                 is_master=False, timeout=timeout)
-    store = dist.PrefixStore(f"zerofit/attempt-{restart_count()}", agent_store)
+    store = dist.PrefixStore(attempt_prefix(), agent_store)
+    _joined_store = store
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout,
                             device_id=device_id)
