@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 import zerofit
 from zerofit.config import load_config
-from zerofit.dist import runtime
+from zerofit.dist import arrival, runtime
 from zerofit.engine.engine import default_device
 from zerofit.errors import ConfigError
 from zerofit.frontend.state import ProcessState
@@ -64,6 +64,7 @@ def test_the_device_is_selected_when_the_script_made_the_process_group(monkeypat
     monkeypatch.setattr(dist, "get_backend", lambda *a: "nccl")
     monkeypatch.setattr(dist, "get_rank", lambda *a: 2)
     monkeypatch.setattr(dist, "get_world_size", lambda *a: 4)
+    monkeypatch.setattr(arrival, "open_board", lambda **kw: None)  # no real group for the ranks to agree over
     state = ProcessState.create(load_config(None))
     assert state.device == torch.device("cuda", 2) and not state.initialized_here
     assert selected == [torch.device("cuda", 2)]

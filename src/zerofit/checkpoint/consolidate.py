@@ -22,6 +22,7 @@ from torch import nn
 from zerofit.checkpoint.export import ShardWriter, parse_size, plan_shards, save_hf_configs
 from zerofit.checkpoint.inventory import buffer_entries, param_entries, persistent_buffers
 from zerofit.checkpoint.ranks import Ranks
+from zerofit.dist import arrival
 
 
 def _gather_group(g, ranks: Ranks, device: torch.device) -> torch.Tensor | None:
@@ -61,6 +62,8 @@ def full_state_dict(engine, model: nn.Module | None = None, *, every_tied_key: b
     under each name `model.state_dict()` gives it, one tensor for all (what a strict
     `load_state_dict` into a plain model of the same class needs)."""
     model = model if model is not None else engine.model
+    if any(g.placement.shard_world > 1 for g in engine.groups):  # it gathers: every rank must be here too
+        arrival.check_in(arrival.GET_STATE_DICT)
     out = dict(iter_full_tensors(engine, model))
     if not out:
         return out
@@ -82,6 +85,7 @@ def save_consolidated(engine, model: nn.Module | None, directory: str | os.PathL
     """Collective: write the model's consolidated weights to `directory` as `from_pretrained` reads
     them (plus `config.json` when the model has a Hugging Face config), one shard file at a time."""
     model = model if model is not None else engine.model
+    arrival.check_in(arrival.SAVE_MODEL)  # collective from here: every rank must be here too
     ranks = Ranks(engine.comm.group)
     out = Path(directory)
     plan = plan_shards(param_entries(engine) + buffer_entries(model), parse_size(max_shard_size))

@@ -16,56 +16,25 @@ Only the outermost call of a walk gathers: `state_dict()` recurses into the chil
 see an open walk whose prefix theirs extends and leave the entries to it.
 Every rank gets the full tensors, so the call is collective: every rank must call `state_dict()` on
 the same module (as `save_pretrained(..., is_main_process=...)` is called on every rank in
-Accelerate scripts); a call on one rank alone waits for the others until the process-group timeout
-names it, and after a minute says what the usual cause is ([Note: state_dict() on one rank]). Each rank holds one full copy of the module in host memory until the caller drops the dict.
+Accelerate scripts). Before the first gather each rank says so in the run's store and waits for the
+others: a call on one rank alone (`if accelerator.is_main_process: model.save_pretrained(...)`)
+raises `RanksApartError` within seconds, there and on the ranks that went elsewhere, naming the
+cause and the fix; a rank that is only late is waited for ([Note: checked places] in
+zerofit.dist.arrival). Each rank holds one full copy of the module in host memory until the caller
+drops the dict.
 `state_dict(keep_vars=True)` asks for the parameters themselves and gets them, sharded, with no
 gather: the engine's own checkpoint code reads names that way.
 """
 
 from __future__ import annotations
 
-import contextlib
-import sys
-import threading
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
+from zerofit.dist import arrival
 from zerofit.engine.unit import ParamState, Unit
-
-ALONE_AFTER_S = 60.0
-"""Seconds a `state_dict()` gather may wait for the other ranks before this rank says why it may wait forever."""
-
-waiting_notices: list[str] = []
-"""The notices `_warn_if_alone` printed in this process (for tests)."""
-
-
-@contextlib.contextmanager
-def _warn_if_alone(what: str) -> Iterator[None]:
-    """[Note: state_dict() on one rank] The commonest way to hang a ZeRO-3 run at the end is
-    `if accelerator.is_main_process: model.save_pretrained(...)`: the main process gathers, the others
-    never join, and after the process-group timeout (30 minutes by default) the error names a collective,
-    not the cause. A gather is not stopped early (a rank may only be late), but once one unit's gather
-    has waited ALONE_AFTER_S (seconds at most when every rank takes part, whatever the model's size)
-    this rank prints what the usual cause is and the fix."""
-    def notice() -> None:
-        text = (f"zerofit: {what}.state_dict() has waited {ALONE_AFTER_S:.0f} s for the other ranks: under ZeRO-3 "
-                "it gathers the parameters from every rank, so every rank must call it. If only the main process "
-                "does (`if accelerator.is_main_process: model.save_pretrained(...)`), the run waits here until the "
-                "process-group timeout: call save_pretrained on every rank with is_main_process=accelerator."
-                "is_main_process, or use accelerator.save_model(model, directory)")
-        waiting_notices.append(text)
-        print(text, file=sys.stderr, flush=True)
-
-    timer = threading.Timer(ALONE_AFTER_S, notice)
-    timer.daemon = True
-    timer.start()
-    try:
-        yield
-    finally:
-        timer.cancel()
 
 
 def inside_walk(open_walk: tuple[nn.Module, str, Any] | None, prefix: str) -> bool:
@@ -116,12 +85,15 @@ class FullStateDict:
     def gather_copies(self, units: list[Unit] | None = None, *, caller: str = "model") -> dict[int, torch.Tensor]:
         """Collective: id(parameter) -> a full CPU copy, for every parameter of `units` (default: every
         sharded unit); the same units on every rank, in the engine's order. `caller` names the module
-        asked, for the notice of a rank left waiting ([Note: state_dict() on one rank])."""
+        asked, for the error of a rank left alone ([Note: checked places] in zerofit.dist.arrival)."""
+        units = self.units if units is None else units
+        if units:  # collective from here: every rank must be here too ([Note: checked places])
+            arrival.check_in(arrival.state_dict_place(caller))
         copies: dict[int, torch.Tensor] = {}
         with torch.no_grad():
-            for unit in self.units if units is None else units:
+            for unit in units:
                 released = unit.state is ParamState.RELEASED
-                with _warn_if_alone(caller):  # one unit's gather: seconds at most when every rank takes part
+                with arrival.notice_if_alone(caller):  # the check off: one unit's gather takes seconds at most
                     unit.wait_gathered()
                     for g in unit.groups:
                         for p in g.params:

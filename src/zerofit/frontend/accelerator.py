@@ -32,7 +32,7 @@ from torch import nn
 
 from zerofit.config import load_config
 from zerofit.config.schema import RunConfig, is_auto
-from zerofit.dist import runtime
+from zerofit.dist import arrival, runtime
 from zerofit.engine.loss_scale import LossScaler
 from zerofit.frontend import ops, plugins, tracking
 from zerofit.frontend.backoff import OomBackoff
@@ -357,7 +357,7 @@ class Accelerator(PrepareMixin, PersistenceMixin, ProcessMethods):
         for tracker in self.trackers:
             tracker.finish()
         self.trackers = []
-        self.wait_for_everyone()
+        self.process.barrier(arrival.END_TRAINING)
 
     # --- models and checkpoints -----------------------------------------------------------------
     def unwrap_model(self, model: nn.Module, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True) -> nn.Module:

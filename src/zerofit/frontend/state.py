@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from zerofit.config.schema import RunConfig, is_auto
-from zerofit.dist import process_group, runtime
+from zerofit.dist import arrival, process_group, runtime
 from zerofit.dist.collectives import Peers
 from zerofit.engine.window import AccumulationWindow, InWindow
 
@@ -83,6 +83,7 @@ class ProcessState:
             process_group.join(config, backend, device)
             created = True
         if dist.is_initialized():
+            arrival.open_board(created=created)  # every rank says where it is at checked places from now on
             backend = dist.get_backend()
             return cls(dist.get_rank(), dist.get_world_size(), runtime.local_rank(), device, backend,
                        dist.group.WORLD, created)
@@ -100,7 +101,8 @@ class ProcessState:
     def is_local_main_process(self) -> bool:
         return self.local_process_index == 0
 
-    def barrier(self) -> None:
+    def barrier(self, place: arrival.Place = arrival.WAIT_FOR_EVERYONE) -> None:
+        arrival.check_in(place)  # a rank elsewhere (in a save, exited) makes this raise now, not at the timeout
         Peers().barrier("barrier (wait_for_everyone)")
 
 
