@@ -1,7 +1,8 @@
 """Run a function on N processes joined by a gloo process group, for tests.
 
-`run_distributed(fn, world_size, *args)` spawns the ranks, rendezvous through a file (no ports to race
-for), returns every rank's result in rank order, and turns any rank's exception or a timeout into one
+`run_distributed(fn, world_size, *args)` spawns the ranks, which rendezvous as torchrun's workers do:
+through a store this process hosts (on a port the OS picks, on loopback only, so there is no port to
+race for), reached at MASTER_ADDR:MASTER_PORT. It returns every rank's result in rank order, and turns any rank's exception or a timeout into one
 error in the caller that shows each failing rank's traceback. Sibling ranks are killed on failure, so a
 crash never leaves a hung collective behind.
 
@@ -17,7 +18,7 @@ from __future__ import annotations
 import os
 import pickle
 import queue
-import tempfile
+import socket
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -27,6 +28,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from zerofit.dist import arrival
 
 
 class DistributedTestError(AssertionError):
@@ -58,24 +61,43 @@ def stop_forkserver() -> None:
         server._stop()
 
 
-def _worker(rank: int, world_size: int, init_file: str, backend: str, timeout_s: float,
+_LOOPBACK = "127.0.0.1"
+
+
+def _host_store(timeout_s: float) -> tuple[dist.TCPStore, int]:
+    """The ranks' rendezvous store and its port, hosted here as torchrun's agent hosts its own: the server
+    listens on a socket bound to loopback (torch's TCPStore alone would listen on every interface)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((_LOOPBACK, 0))
+        sock.listen(128)
+        port = sock.getsockname()[1]
+        store = dist.TCPStore(_LOOPBACK, port, None, True, timedelta(seconds=timeout_s),
+                              wait_for_workers=False, master_listen_fd=sock.fileno())
+        sock.detach()  # the server owns the socket now and closes it when it stops
+    return store, port
+
+
+def _worker(rank: int, world_size: int, port: int, backend: str, timeout_s: float,
             threads: int, fn: Callable, args: tuple, results: Any, environ: dict[str, str]) -> None:
     # The caller's environment as it is now: a forked rank would otherwise see the fork server's, as it
     # was when the server started (a test's monkeypatch.setenv must reach its ranks).
     os.environ.clear()
     os.environ.update(environ)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_WORLD_SIZE=str(world_size))
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR=_LOOPBACK, MASTER_PORT=str(port))
     torch.set_num_threads(threads)
     try:
-        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
-                                world_size=world_size, timeout=timedelta(seconds=timeout_s))
+        timeout = timedelta(seconds=timeout_s)
+        store = dist.TCPStore(_LOOPBACK, port, None, False, timeout, wait_for_workers=False)
+        dist.init_process_group(backend, store=dist.PrefixStore("run_distributed", store), rank=rank,
+                                world_size=world_size, timeout=timeout)
         out = fn(rank, world_size, *args)
         # Plain pickle bytes: tensors travel by value, not as shared-memory handles that die with us.
         results.put((rank, True, pickle.dumps(out)))
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
         results.put((rank, False, traceback.format_exc()))
     finally:
+        arrival.leave()  # what atexit does in a script; multiprocessing ends its children without atexit
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -90,46 +112,53 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
     ctx = mp.get_context(_START_METHOD)
     results = ctx.Queue()
     threads = threads or max(1, (os.cpu_count() or 1) // world_size)
-    with tempfile.TemporaryDirectory(prefix="zerofit-rdzv-") as tmp:
-        init_file = os.path.join(tmp, "rendezvous")
-        procs = [ctx.Process(target=_worker, daemon=True,
-                             args=(r, world_size, init_file, backend, timeout, threads, fn, args, results,
-                                   dict(os.environ)))
-                 for r in range(world_size)]
+    store, port = _host_store(timeout)  # serves the ranks until this call returns
+    procs = [ctx.Process(target=_worker, daemon=True,
+                         args=(r, world_size, port, backend, timeout, threads, fn, args, results, dict(os.environ)))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    try:
+        return _collect(procs, results, timeout)
+    finally:
+        del store
+
+
+def _collect(procs: list[Any], results: Any, timeout: float) -> list[Any]:
+    """Every rank's result in rank order; the first failure (or the timeout) stops every rank."""
+    world_size = len(procs)
+    outputs: dict[int, Any] = {}
+    failures: dict[int, str] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(outputs) + len(failures) < world_size:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = sorted(set(range(world_size)) - set(outputs) - set(failures))
+                failures.update({r: f"rank {r} did not finish within {timeout:.0f}s" for r in missing})
+                break
+            try:
+                rank, ok, payload = results.get(timeout=min(left, 1.0))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs)
+                        if not p.is_alive() and p.exitcode not in (0, None)
+                        and r not in outputs and r not in failures]
+                for r in dead:
+                    failures[r] = f"rank {r} died with exit code {procs[r].exitcode}"
+                continue
+            if ok:
+                outputs[rank] = pickle.loads(payload)
+            else:
+                failures[rank] = payload
+            if failures:
+                break  # a failed rank can leave its peers blocked in a collective: stop them all now
+    finally:
         for p in procs:
-            p.start()
-        outputs: dict[int, Any] = {}
-        failures: dict[int, str] = {}
-        deadline = time.monotonic() + timeout
-        try:
-            while len(outputs) + len(failures) < world_size:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    missing = sorted(set(range(world_size)) - set(outputs) - set(failures))
-                    failures.update({r: f"rank {r} did not finish within {timeout:.0f}s" for r in missing})
-                    break
-                try:
-                    rank, ok, payload = results.get(timeout=min(left, 1.0))
-                except queue.Empty:
-                    dead = [r for r, p in enumerate(procs)
-                            if not p.is_alive() and p.exitcode not in (0, None)
-                            and r not in outputs and r not in failures]
-                    for r in dead:
-                        failures[r] = f"rank {r} died with exit code {procs[r].exitcode}"
-                    continue
-                if ok:
-                    outputs[rank] = pickle.loads(payload)
-                else:
-                    failures[rank] = payload
-                if failures:
-                    break  # a failed rank can leave its peers blocked in a collective: stop them all now
-        finally:
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
-            for p in procs:
-                p.join(timeout=10)
-        if failures:
-            text = "\n".join(f"--- rank {r} ---\n{failures[r]}" for r in sorted(failures))
-            raise DistributedTestError(f"{len(failures)} of {world_size} ranks failed:\n{text}")
-        return [outputs[r] for r in range(world_size)]
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            p.join(timeout=10)
+    if failures:
+        text = "\n".join(f"--- rank {r} ---\n{failures[r]}" for r in sorted(failures))
+        raise DistributedTestError(f"{len(failures)} of {world_size} ranks failed:\n{text}")
+    return [outputs[r] for r in range(world_size)]
