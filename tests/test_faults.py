@@ -63,7 +63,8 @@ class Run:
 RUNS = {
     "uninterrupted": ((), ("--sockets", "{out}/sockets.json")),
     "hung": (("--process_group_timeout", "5"), ("--hang_step", "3")),
-    "uneven": (("--process_group_timeout", "5"), ("--uneven",)),
+    "uneven": ((), ("--uneven",)),
+    "main_only_save": ((), ("--main_only_save",)),
     **{f"kill{i}": (("--max_restarts", "3"), ("--kill_step", "6")) for i in range(KILL_RUNS)},
     "own_init": (("--max_restarts", "3"), ("--kill_step", "6", "--own_init")),
 }
@@ -72,6 +73,7 @@ READS = {  # test name (without parameters) -> the runs it reads
     "test_a_script_that_creates_the_process_group_itself_also_survives_the_kill": lambda p: ["own_init"],
     "test_hung_rank_times_out_naming_the_collective_and_every_rank_is_stopped": lambda p: ["hung"],
     "test_a_rank_with_more_batches_raises_a_clear_error_instead_of_hanging": lambda p: ["uneven"],
+    "test_a_save_on_the_main_process_alone_stops_every_rank_within_seconds": lambda p: ["main_only_save"],
     "test_a_one_machine_launch_listens_on_loopback_only": lambda p: [],
 }
 
@@ -80,7 +82,8 @@ READS = {  # test name (without parameters) -> the runs it reads
 def runs(request, tmp_path_factory):
     """Each launch in RUNS at most once. Those the selected tests read start together on first use, two at
     a time: a launch alone leaves a core idle much of the time (the launcher's start-up, a restart, the
-    5 s a hung or uneven run waits for its timeout), two keep both busy. Each waits for itself only."""
+    5 s a hung run waits for its timeout, the seconds an uneven one takes to find its ranks apart), two keep
+    both busy. Each waits for itself only."""
     root = tmp_path_factory.mktemp("faults")
     done: dict[str, Run] = {}
 
@@ -165,13 +168,28 @@ def test_hung_rank_times_out_naming_the_collective_and_every_rank_is_stopped(run
 def test_a_rank_with_more_batches_raises_a_clear_error_instead_of_hanging(runs):
     proc, out = runs("uneven").proc, runs("uneven").out
     assert proc.returncode != 0
-    # Rank 1 finishes its 4 batches and waits at the final barrier while rank 0 runs a 5th step: they
-    # run different collectives, so both give up within the timeout, each naming what it waited in.
-    assert "CollectiveError: rank 0: collective reduce_scatter:" in proc.stderr
-    assert "CollectiveError: rank 1: collective barrier (wait_for_everyone) did not complete" in proc.stderr
+    # Rank 1 finishes its 4 batches and waits at the final barrier while rank 0 runs a 5th step: rank 0's
+    # gradient reduction stalls, it finds rank 1 waiting at the barrier ([Note: a rank that went on training]
+    # in zerofit.dist.arrival), and both stop within seconds, long before the 30 s timeout, each saying why.
+    assert "RanksApartError: rank 1 is in accelerator.wait_for_everyone(), while rank 0 went on" in proc.stderr
+    assert "CollectiveError: rank 0: collective reduce_scatter:<root> failed: rank 0 went on" in proc.stderr
     assert "a DataLoader not passed to prepare()" in proc.stderr
-    assert "did not complete within 5 s (launch.process_group_timeout)" in proc.stderr  # the timeout ended it
+    assert "did not complete within" not in proc.stderr  # the timeout did not end it
     assert not (out / "losses.json").exists()
+    assert_all_gone(worker_pids(out))
+
+
+def test_a_save_on_the_main_process_alone_stops_every_rank_within_seconds(runs):
+    """#29 item 4 under the real launcher (the check goes through the agent's store that zerofit joined):
+    rank 0 gathers alone while rank 1 waits at the barrier; before, both waited out the 30 s timeout."""
+    proc, out = runs("main_only_save").proc, runs("main_only_save").out
+    assert proc.returncode != 0
+    assert ("RanksApartError: rank 0 is in accelerator.get_state_dict(model), while rank 1 is in "
+            "accelerator.wait_for_everyone()") in proc.stderr
+    assert ("RanksApartError: rank 1 is in accelerator.wait_for_everyone(), while rank 0 is in "
+            "accelerator.get_state_dict(model)") in proc.stderr
+    assert "is_main_process=accelerator.is_main_process" in proc.stderr
+    assert "did not complete within" not in proc.stderr
     assert_all_gone(worker_pids(out))
 
 

@@ -13,6 +13,8 @@ Faults, each on rank 1 only, on the first attempt only:
   --sockets FILE  (no fault) rank 0 writes the listening sockets of the launcher and every worker, after
                   prepare() and before the first step; the run then trains as without it
   --own_init      the script creates the process group itself (torch's env:// rendezvous), before zerofit
+  --main_only_save  after training, rank 0 alone calls accelerator.get_state_dict(model) (the others go on to
+                  the final wait_for_everyone), as `if accelerator.is_main_process:` around a save does
 """
 
 from __future__ import annotations
@@ -78,6 +80,7 @@ def main() -> None:
     p.add_argument("--uneven", action="store_true")
     p.add_argument("--sockets", default=None)
     p.add_argument("--own_init", action="store_true")
+    p.add_argument("--main_only_save", action="store_true")
     args = p.parse_args()
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
@@ -139,6 +142,8 @@ def main() -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
         if args.uneven:
             break
+    if args.main_only_save and accelerator.is_main_process:
+        accelerator.get_state_dict(model)  # it gathers from every rank: the others never join
     accelerator.wait_for_everyone()
     if rank == 0:
         with open(os.path.join(args.out, "losses.json"), "w") as f:
