@@ -147,6 +147,23 @@ def test_a_save_on_every_rank_costs_a_few_store_round_trips(tmp_path):
     assert loaded.transformer.wte.weight.shape == (50, 16)
 
 
+def _fork_a_child_that_runs_atexit(rank, world):
+    import os
+
+    acc = Accelerator(config=RunConfig(zero=ZeroConfig(stage=3)), cpu=True)
+    child = os.fork()
+    if child == 0:  # e.g. a helper process forked from the script that ends through sys.exit (atexit runs)
+        arrival.leave()
+        os._exit(0)
+    os.waitpid(child, 0)
+    acc.wait_for_everyone()  # the child did not speak for this rank: nobody "has left the script"
+    return arrival.current().seq
+
+
+def test_a_forked_child_exiting_does_not_speak_for_its_rank():
+    assert run_distributed(_fork_a_child_that_runs_atexit, 2, timeout=60) == [1, 1]
+
+
 def test_one_process_has_no_board():
     Accelerator(config=RunConfig(zero=ZeroConfig(stage=3)), cpu=True)
     assert arrival.current() is None

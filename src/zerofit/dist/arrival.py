@@ -148,6 +148,8 @@ class _Record:
 
 _collectives = 0
 """Collectives this process entered (counted by `zerofit.dist.failures.named`, on every rank alike)."""
+_collectives_lock = threading.Lock()
+"""A lost count would make the ranks' counts differ: worker threads may enter collectives too."""
 _generation = 0
 """Process groups this process opened a board for: the same count on every rank, so the same keys."""
 _board: Board | None = None
@@ -158,7 +160,8 @@ _apart: str | None = None
 def note_collective() -> None:
     """Count one collective entered (cheap: `failures.named` calls it on the hot path)."""
     global _collectives
-    _collectives += 1
+    with _collectives_lock:
+        _collectives += 1
 
 
 def known_apart() -> str | None:
@@ -184,6 +187,8 @@ class Board:
         """The main thread is at a checked place (the watcher then leaves the store alone)."""
         self._kinds: dict[int, str] = {}
         self._base = _collectives
+        self.pid = os.getpid()
+        """The process the board speaks for: a child forked from it (that runs atexit) must not say it exited."""
         self._watch = _Watch(self)
 
     def collectives(self) -> int:
@@ -394,7 +399,7 @@ def leave() -> None:
     whose ranks end without atexit, like `zerofit.testing.distributed`, calls it). Idempotent."""
     global _board
     board, _board = _board, None
-    if board is None:
+    if board is None or board.pid != os.getpid():
         return
     board.close()
     if _apart is not None:  # its record stays the place where it stood apart: the others name that one
