@@ -2,9 +2,9 @@
 
 `run_distributed(fn, world_size, *args)` spawns the ranks, which rendezvous as torchrun's workers do:
 through a store this process hosts (on a port the OS picks, on loopback only, so there is no port to
-race for), reached at MASTER_ADDR:MASTER_PORT. It returns every rank's result in rank order, and turns any rank's exception or a timeout into one
-error in the caller that shows each failing rank's traceback. Sibling ranks are killed on failure, so a
-crash never leaves a hung collective behind.
+race for), reached at MASTER_ADDR:MASTER_PORT. It returns every rank's result in rank order, and turns
+any rank's exception or a timeout into one error in the caller that shows each failing rank's
+traceback. Sibling ranks are killed on failure, so a crash never leaves a hung collective behind.
 
 Ranks are spawned by default: each one starts Python and imports torch (a few seconds of CPU per rank).
 A test suite that launches many times can call `use_forkserver(preload)` once (zerofit's own tests do, in
