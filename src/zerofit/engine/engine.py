@@ -144,7 +144,7 @@ class ZeroEngine:
         hosted_swapper = self.stepper.swap if self.stepper is not None else None
         self.swapper = hosted_swapper or (self.streamer.swapper if self.streamer is not None else None)
         self.stage3 = Stage3Hooks(self.units[0], self.units, lambda: self._in_backward)
-        self.full_state = FullStateDict(model, self.units)  # model.state_dict() gathers (see its note)
+        self.full_state = FullStateDict(model, self.units, is_main=self.comm.rank == 0)  # model.state_dict() gathers (see its note)
         if self.shards_parameters:
             self.stage3.install()
             self.full_state.install()
