@@ -43,6 +43,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--save", default=None, help="save_pretrained here after training, then check what was written")
     p.add_argument("--result", default=None, help="where rank 0 writes its JSON record")
     p.add_argument("--fp32", action="store_true", help="load in fp32 (the CPU check)")
+    p.add_argument("--mode", choices=("train", "none", "eval"), default="train",
+                   help="after prepare(): model.train() (default), nothing (the model stays as from_pretrained "
+                        "returned it, in eval mode), or model.eval() (training forwards in eval mode)")
     return p.parse_args(argv)
 
 
@@ -117,7 +120,9 @@ def main(argv: list[str] | None = None) -> None:
         phases.enter("prepare")
         model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
         phases.leave()
-        model.train()
+        if args.mode != "none":
+            getattr(model, args.mode)()
+        record["mode"] = {"asked": args.mode, "training": model.training}
         batch = next(iter(loader))
         phases.enter("train")
         marks, losses = [time.perf_counter()], []

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from typing import Any
 
 import torch
@@ -100,6 +101,37 @@ def apply_checkpointing(config: RunConfig, model: nn.Module) -> None:
                           "that supports it): remove the key, or checkpoint the model's blocks in the script",
                           config.source)
     checkpointing_switch(model)[0]()  # non-reentrant, as the planner traced it
+
+
+def keep_checkpointing_effective(config: RunConfig, model: nn.Module, *, training: bool, is_main: bool) -> None:
+    """[Note: checkpointing needs training mode] transformers applies activation checkpointing only while
+    the model is in training mode, and `from_pretrained` returns a model in eval mode. A script that never
+    calls `model.train()` keeps every layer's activations where the plan counted on checkpointing: a
+    pretrained 13 B Llama at 8x512 on one H200 ran out of GPU memory in its first forward that way (#29;
+    the model built in the script, in training mode, trained). So when the run checkpoints and prepare()
+    is given an optimizer (`training`) while the model is in eval mode, the model is put in training
+    mode, and the main process says so. A later forward with gradients on in eval mode (a `model.eval()`
+    left on, or evaluation without `torch.no_grad()`) warns once: it is not stopped, since an evaluation
+    that forgot `no_grad` is still an evaluation."""
+    if config.zero.gradient_checkpointing is not True:
+        return
+    if training and not model.training:
+        model.train()
+        if is_main:
+            print("zerofit: the model was in eval mode (from_pretrained returns it so) and activation checkpointing, "
+                  "which this run uses, acts only in training mode: prepare() called model.train(). Call "
+                  "model.eval() for evaluation and model.train() before training again, as usual", flush=True)
+    warned = []
+
+    def check(module: nn.Module, _args: Any) -> None:
+        if not warned and not module.training and torch.is_grad_enabled():
+            warned.append(True)
+            warnings.warn("zerofit: a forward with gradients on while the model is in eval mode: activation "
+                          "checkpointing, which this run's memory plan counts on, is off in eval mode, so every "
+                          "layer's activations are kept (a large model runs out of memory). Call model.train() "
+                          "before training, and run evaluation under torch.no_grad()", stacklevel=2)
+
+    model.register_forward_pre_hook(check)
 
 
 def _env_gib(name: str) -> float | None:

@@ -26,6 +26,7 @@ from zerofit.errors import ConfigError
 from zerofit.frontend import engine_surface, ops
 from zerofit.frontend.auto_plan import (
     apply_checkpointing,
+    keep_checkpointing_effective,
     machine_host_share,
     machine_rates,
     plan_for,
@@ -202,6 +203,8 @@ class PrepareMixin:
                                              host_share=share, rates=machine_rates(self.device, self.num_processes))
             self.config = planned_config.replace(batch=batch)
         apply_checkpointing(self.config, model)
+        keep_checkpointing_effective(self.config, model, training=optimizer is not None,
+                                     is_main=self.is_main_process)
         cfg = self.config
         engine = ZeroEngine(model, optimizer, zero=cfg.zero, precision=cfg.precision,
                             gradient_accumulation_steps=self.gradient_state.window,
