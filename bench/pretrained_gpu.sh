@@ -10,6 +10,7 @@
 #   SAVE=1       save_pretrained after training and check every tensor (needs the model's bf16 size free on disk)
 #   HISTORY=1    record CUDA allocations; an OOM writes the largest live ones with their frames
 #   MODES        bench/pretrained.py --mode values to run per size, in order (default "train")
+#   NO_LOADER=1  prepare(model, optimizer) only: the batch is fed by hand (the planner sees no batch shape)
 #   BUDGET_S     seconds for everything (default 540)
 # Each run's JSON record and log land in OUT_DIR; OUT_DIR/log has everything printed.
 set -uo pipefail
@@ -55,7 +56,8 @@ for size in "${SIZES[@]}"; do
     echo "== $size --mode $mode: train ($(date -u +%T), timeout ${left}s)"
     ZEROFIT_BENCH_MEMORY_HISTORY="$HISTORY" timeout -k 10 "$left" python3 -m zerofit.cli.main launch \
       --config_file "$CONFIG" --num_processes 1 bench/pretrained.py --model "$ckpt" --steps "$STEPS" \
-      --batch "$BATCH" --seq "$SEQ" --mode "$mode" --result "$OUT/$size-$mode.json" "${save[@]}" 2>&1 \
+      --batch "$BATCH" --seq "$SEQ" --mode "$mode" --result "$OUT/$size-$mode${NO_LOADER:+-noloader}.json" \
+      "${save[@]}" ${NO_LOADER:+--no-loader} 2>&1 \
       | grep --line-buffered -v -e 'Loading weights' -e 'Writing model shards'
     echo "== $size --mode $mode: exit ${PIPESTATUS[0]} ($(date -u +%T))"
     rm -rf "/tmp/pretrained_${size}_saved"

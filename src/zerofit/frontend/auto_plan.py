@@ -20,6 +20,7 @@ from torch import nn
 from zerofit.config.naming import key_name
 from zerofit.config.schema import RunConfig, is_auto
 from zerofit.errors import ConfigError
+from zerofit.frontend.first_batch import FirstBatchCheck
 from zerofit.frontend.probe import StepProbe
 from zerofit.plan import bandwidth
 from zerofit.plan.activations import checkpointing_switch, has_checkpointing
@@ -165,9 +166,11 @@ def first_batch_shape(loader: Any, micro_batch: int | None) -> tuple[int, int] |
 
 def plan_for(config: RunConfig, model: nn.Module, *, loaders: list[Any], micro_batch: int | None,
              process: Any, host_share: float | None = None,
-             rates: bandwidth.Rates | None = None) -> tuple[RunConfig, StepProbe]:
+             rates: bandwidth.Rates | None = None) -> tuple[RunConfig, StepProbe, FirstBatchCheck | None]:
     """`config` with its "auto" stage / offload resolved for `model` (the choice is printed on the local
-    main process), and the probe that checks the choice on the first optimizer step (`zerofit.frontend.probe`).
+    main process), the probe that checks the choice on the first optimizer step (`zerofit.frontend.probe`),
+    and, when no DataLoader gave the batch shape, the check of the first training forward
+    ([Note: planned without the batch]) for the caller to install (None when the shape was known).
 
     `loaders` are the DataLoaders prepared so far (the first gives the batch shape), `micro_batch` the
     script's micro-batch if known, `process` this process's place in the run (`ProcessState`),
@@ -179,8 +182,13 @@ def plan_for(config: RunConfig, model: nn.Module, *, loaders: list[Any], micro_b
     config_out, result = choose(config, model, world=world, shape=shape, budget=budget, host_share=host_share,
                                 rates=rates)
     if process.is_local_main_process:
-        print(describe(config, result))
+        print(describe(config, result), flush=True)
     fmt = config.source_format
     probe = StepProbe(result, budget, device=device, world=world, is_main=process.is_main_process,
                       spell=lambda key: key_name(fmt, key))
-    return config_out, probe
+    check = None
+    if shape is None:
+        check = FirstBatchCheck(config, result, budget, world=world, device=device,
+                                is_main=process.is_main_process, spell=lambda key: key_name(fmt, key),
+                                on_checkpointing=lambda: None)
+    return config_out, probe, check
