@@ -31,6 +31,7 @@ shape() {  # hidden layers heads intermediate of a Llama-2-shaped model
     1b) echo "2048 16 16 5504" ;;
     6.7b) echo "4096 32 32 11008" ;;
     13b) echo "5120 40 40 13824" ;;
+    14b) echo "5120 44 40 13824" ;;
     16b) echo "5120 50 40 13824" ;;
     20b) echo "6144 44 48 16384" ;;
     *) echo "" ;;
