@@ -43,6 +43,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--save", default=None, help="save_pretrained here after training, then check what was written")
     p.add_argument("--result", default=None, help="where rank 0 writes its JSON record")
     p.add_argument("--fp32", action="store_true", help="load in fp32 (the CPU check)")
+    p.add_argument("--no-loader", dest="loader", action="store_false",
+                   help="prepare(model, optimizer) only and feed the batch by hand (the planner sees no batch shape)")
+    p.add_argument("--mode", choices=("train", "none", "eval"), default="train",
+                   help="after prepare(): model.train() (default), nothing (the model stays as from_pretrained "
+                        "returned it, in eval mode), or model.eval() (training forwards in eval mode)")
     return p.parse_args(argv)
 
 
@@ -115,9 +120,15 @@ def main(argv: list[str] | None = None) -> None:
         rows = [{"input_ids": r, "labels": r} for r in ids]
         loader = torch.utils.data.DataLoader(rows, batch_size=args.batch)
         phases.enter("prepare")
-        model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+        if args.loader:
+            model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+        else:  # the batch goes to the model's device by hand, as scripts without a prepared loader do
+            model, optimizer = accelerator.prepare(model, optimizer)
+            loader = [{k: v.to(accelerator.device) for k, v in b.items()} for b in loader]
         phases.leave()
-        model.train()
+        if args.mode != "none":
+            getattr(model, args.mode)()
+        record["mode"] = {"asked": args.mode, "training": model.training, "loader_prepared": args.loader}
         batch = next(iter(loader))
         phases.enter("train")
         marks, losses = [time.perf_counter()], []

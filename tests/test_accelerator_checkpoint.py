@@ -104,6 +104,7 @@ def test_resume_is_exact_and_the_stage3_export_loads_with_from_pretrained(tmp_pa
             lrs, position, count = r["lr"]
             assert position == 6 and count == 6  # 3 steps x 2 micro-batches consumed before the save
             assert lrs == pytest.approx([1e-2 / (1 + 2 * 6)])  # 2 scheduler steps per optimizer step
-    assert "transformer.wte.weight" in results[0]["full_keys"] and results[1]["full_keys"] == []
+    # stage 3: rank 1 gets the same keys, as placeholders (tests/test_get_state_dict.py checks their kind)
+    assert "transformer.wte.weight" in results[0]["full_keys"] and results[1]["full_keys"] == results[0]["full_keys"]
     loaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "export")
     torch.testing.assert_close(loaded.transformer.wte.weight, results[0]["full_wte"])

@@ -120,7 +120,7 @@ def test_a_late_rank_is_waited_for():
     assert waited0 > 2.0  # it did wait for rank 1
     for name, value in ref.items():
         torch.testing.assert_close(state0[name], value, rtol=0, atol=0)
-        torch.testing.assert_close(state1[name], value, rtol=0, atol=0)
+        assert state1[name].is_meta and state1[name].shape == value.shape  # the main process holds the values
     assert len(notices0) == 1 and notices1 == []
     assert "rank 0 is in GPT2LMHeadModel.state_dict()" in notices0[0] and "rank(s) 1" in notices0[0]
     assert "this is fine" in notices0[0] and "is_main_process=accelerator.is_main_process" in notices0[0]
@@ -145,6 +145,22 @@ def test_a_save_on_every_rank_costs_a_few_store_round_trips(tmp_path):
     assert calls0 <= 2 * 3 + 2 * 2 + 2 * 6 and calls1 <= 2 * 3 + 2 * 6, (calls0, calls1)
     loaded = transformers.GPT2LMHeadModel.from_pretrained(out)
     assert loaded.transformer.wte.weight.shape == (50, 16)
+
+
+def _main_only_where_nothing_is_gathered(rank, world):
+    """Stage 2 in fp32: every rank holds the whole parameters, so get_state_dict gathers nothing and the main
+    process may call it alone (as under DDP); it is then no checked place, and the barrier after it works."""
+    acc = Accelerator(config=RunConfig(zero=ZeroConfig(stage=2)), cpu=True)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+    model, _ = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    keys = sorted(acc.get_state_dict(model)) if acc.is_main_process else None
+    acc.wait_for_everyone()
+    return keys, arrival.current().seq
+
+
+def test_a_main_only_get_state_dict_that_gathers_nothing_is_not_checked():
+    (keys, places0), (_, places1) = run_distributed(_main_only_where_nothing_is_gathered, 2, timeout=60)
+    assert keys == ["0.bias", "0.weight", "1.bias", "1.weight"] and places0 == places1 == 1
 
 
 def _fork_a_child_that_runs_atexit(rank, world):

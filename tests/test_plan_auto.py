@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import warnings
 
 import pytest
 import torch
@@ -238,6 +239,33 @@ def test_written_checkpointing_is_turned_on_and_refused_for_a_plain_module(tmp_p
     with pytest.raises(ConfigError, match=r"zero_optimization\.gradient_checkpointing is true, but Linear has no "
                                           r"gradient_checkpointing_enable\(\).*remove the key"):
         acc.prepare(plain, torch.optim.SGD(plain.parameters(), lr=0.1))
+
+
+def test_a_model_in_eval_mode_is_trained_with_checkpointing_in_effect(capsys):
+    """[Note: checkpointing needs training mode] from_pretrained returns an eval-mode model; transformers
+    checkpoints only in training mode, so a script that never calls model.train() ran a pretrained 13 B
+    out of GPU memory where the plan counted on checkpointing (#29). prepare() with an optimizer puts
+    the model in training mode; a later grad-enabled forward in eval mode warns once."""
+    acc = Accelerator(config=RunConfig(zero=ZeroConfig(stage=2, gradient_checkpointing=True)), cpu=True)
+    model = _tiny_gpt2().eval()
+    model, _ = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert model.training and _checkpoints(model)
+    assert "prepare() called model.train()" in capsys.readouterr().out
+    ids = torch.arange(8)[None]
+    model.eval()
+    with pytest.warns(UserWarning, match=r"gradients on while the model is in eval mode.*model\.train\(\)"):
+        model(input_ids=ids, labels=ids)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(input_ids=ids, labels=ids)  # once
+        model.train()
+        with torch.no_grad():
+            model.eval()(input_ids=ids)  # evaluation under no_grad: silent
+    # without checkpointing, or prepared for evaluation only, the mode is the script's
+    acc = Accelerator(config=RunConfig(zero=ZeroConfig(stage=2)), cpu=True)
+    model = _tiny_gpt2().eval()
+    model, _ = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert not model.training
 
 
 def _train_checkpointed(rank: int, world: int):

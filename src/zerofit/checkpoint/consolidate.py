@@ -1,12 +1,21 @@
-"""Consolidated weights from a live engine: the full state dict on rank 0, or HF files written by it.
+"""Consolidated weights from a live engine: the full state dict, or HF files written by rank 0.
 
-Both walk the engine's flat groups in order and gather one group (one unit's trainable or frozen
-parameters) at a time to rank 0, which cuts it into parameters and drops it. Rank 0 therefore never
-holds more than one unit's gathered buffer beyond what it is about to return or write:
-`full_state_dict` keeps everything by nature; `save_consolidated` keeps at most the shard file being
-filled. Trainable parameters come from the fp32 masters, frozen ones in the compute dtype, buffers
-as they are; a tied weight appears once, under its first name (safetensors refuses shared tensors,
-and `from_pretrained` ties them again), except in the state dict `Accelerator.get_state_dict` returns.
+Both walk the engine's flat groups in order and take one group (one unit's trainable or frozen
+parameters) at a time, cutting it into parameters. Where a group is split over the ranks it is
+gathered: to rank 0 alone for the files `save_consolidated` writes and for the state dict of a
+stage-3 model, to every rank for the state dict of a stage 0-2 model (see `full_state_dict`). A tied
+weight appears once, under its first name (safetensors refuses shared tensors, and `from_pretrained`
+ties them again), except in the state dict `Accelerator.get_state_dict` returns.
+
+[Note: saved dtype]
+Weights are saved in the dtype each parameter had when `prepare()` received it (`FlatGroup.arrived`):
+a model loaded with `from_pretrained(..., dtype=torch.bfloat16)` is saved in bf16, as it was loaded
+and as DDP or DeepSpeed save it; a model built in fp32 is saved in fp32 even when it trained under bf16
+mixed precision. The values are read where the engine holds them exactly: from the fp32 master when
+a parameter's own dtype is wider than (or differs from) a low-precision compute dtype, else from the
+compute copy, which equals the master rounded to that dtype (and is half the bytes to gather). A
+frozen parameter has no master: it is saved from its compute copy, in its own dtype. A resumable
+run keeps its fp32 masters in `save_state`, whatever this writes.
 """
 
 from __future__ import annotations
@@ -20,54 +29,96 @@ import torch.distributed as dist
 from torch import nn
 
 from zerofit.checkpoint.export import ShardWriter, parse_size, plan_shards, save_hf_configs
-from zerofit.checkpoint.inventory import buffer_entries, param_entries, persistent_buffers
+from zerofit.checkpoint.inventory import buffer_entries, dtype_of, persistent_buffers, saved_entries
 from zerofit.checkpoint.ranks import Ranks
 from zerofit.dist import arrival
 
 
-def _gather_group(g, ranks: Ranks, device: torch.device) -> torch.Tensor | None:
-    """The group's whole padded flat buffer (fp32 master or frozen param) on rank 0, None elsewhere."""
-    local = g.master if g.trainable else g.param_shard
-    if g.placement.shard_world == 1:
-        return local if ranks.is_main else None  # replicated: rank 0 already holds all of it
+def reads_master(g) -> bool:
+    """The group's saved values come from its fp32 master (see [Note: saved dtype])."""
+    return (g.trainable and g.master is not None and g.compute_dtype != torch.float32
+            and any(d != g.compute_dtype for d in g.arrived))
+
+
+def _split(g) -> bool:
+    """The group's saved values are split over the ranks: `_whole_group` gathers them (a collective)."""
+    return g.placement.shard_world > 1 and (reads_master(g) or g.placement.shard_params)
+
+
+def _whole_group(g, ranks: Ranks, device: torch.device, *, everywhere: bool) -> torch.Tensor | None:
+    """The group's whole padded flat buffer in its source dtype, on every rank where `everywhere`, else on
+    rank 0 alone (None on the others); the live `param_flat` itself where it is whole (stages 0-2)."""
+    wanted = everywhere or ranks.is_main
+    if reads_master(g):
+        local, split = g.master, g.placement.shard_world > 1
+    elif g.placement.shard_params:
+        local, split = g.param_shard, g.placement.shard_world > 1
+    else:
+        local, split = g.param_flat, False
+    if not split:
+        return local if wanted else None
     send = local.to(device).contiguous()
+    if everywhere:
+        full = torch.empty(g.layout.padded_numel, dtype=send.dtype, device=device)
+        dist.all_gather_into_tensor(full, send, group=ranks.group)
+        return full
     full = torch.empty(g.layout.padded_numel, dtype=send.dtype, device=device) if ranks.is_main else None
     parts = list(full.chunk(ranks.world)) if full is not None else None
     dist.gather(send, parts, dst=ranks.dst0(), group=ranks.group)
     return full
 
 
-def iter_full_tensors(engine, model: nn.Module | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Collective generator: yields (name, full CPU tensor) on rank 0, nothing elsewhere; every rank
-    must exhaust it (it gathers as it goes)."""
+def iter_full_tensors(engine, model: nn.Module | None = None, *, everywhere: bool = False
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Collective generator: (name, full CPU copy in its saved dtype) for every parameter and persistent
+    buffer, on rank 0 (every rank where `everywhere`); nothing on the others. Every rank must exhaust it
+    (it gathers as it goes). Copies, never views of the live tensors: what a caller keeps is a snapshot
+    that later steps do not change (a "best weights so far" dict stays the best)."""
     model = model if model is not None else engine.model
     ranks = Ranks(engine.comm.group)
     engine.settle()  # offloaded masters readable: host steps finished, NVMe groups materialised
     for g in engine.groups:
-        full = _gather_group(g, ranks, engine.device)
+        full = _whole_group(g, ranks, engine.device, everywhere=everywhere)
         if full is None:
             continue
-        for name, off, n, shape in zip(g.names, g.layout.offsets, g.layout.numels, g.shapes):
-            yield name, full[off:off + n].view(shape).to("cpu", copy=True)
+        for name, off, n, shape, dtype in zip(g.names, g.layout.offsets, g.layout.numels, g.shapes, g.arrived):
+            yield name, full[off:off + n].view(shape).to("cpu", dtype=dtype, copy=True)
         del full
-    if ranks.is_main:
+    if everywhere or ranks.is_main:
         for name, buf in persistent_buffers(model):
             yield name, buf.detach().to("cpu", copy=True)
 
 
 def full_state_dict(engine, model: nn.Module | None = None, *, every_tied_key: bool = False
                     ) -> dict[str, torch.Tensor]:
-    """Collective: the consolidated state dict on rank 0 (keys in the model's state-dict order), {} on
-    the other ranks. A tied weight appears once, under its first name, unless `every_tied_key`: then
-    under each name `model.state_dict()` gives it, one tensor for all (what a strict
-    `load_state_dict` into a plain model of the same class needs)."""
+    """Collective: the consolidated state dict (keys in the model's state-dict order), in the saved
+    dtypes of [Note: saved dtype].
+    - Stages 0-2 (parameters whole on every rank): the full dict on every rank, as Accelerate gives it
+      (a CPU snapshot per rank, as Accelerate under DeepSpeed ZeRO-1/2 makes; fp32 masters split over the
+      ranks are gathered to each).
+    - Stage 3: full CPU tensors on rank 0 only, gathered unit by unit; on the other ranks every key maps
+      to a tensor on the meta device of the right shape and dtype, so key filters (PEFT's) and
+      `save_pretrained(..., is_main_process=False)` work there without a private full copy (writing
+      those tensors fails: they hold no values).
+    A tied weight appears once, under its first name, unless `every_tied_key`: then under each name
+    `model.state_dict()` gives it, one tensor for all (what a strict `load_state_dict` into a plain
+    model of the same class needs)."""
     model = model if model is not None else engine.model
-    if any(g.placement.shard_world > 1 for g in engine.groups):  # it gathers: every rank must be here too
+    if any(_split(g) for g in engine.groups):  # it gathers: every rank must be here too
         arrival.check_in(arrival.GET_STATE_DICT)
-    out = dict(iter_full_tensors(engine, model))
-    if not out:
-        return out
+    everywhere = not engine.shards_parameters
+    out = dict(iter_full_tensors(engine, model, everywhere=everywhere))
     live = model.state_dict(keep_vars=True)  # the parameters and buffers themselves: no gather
+    if not out:  # stage 3, off rank 0: placeholders without storage
+        saved = {e.name: e for e in saved_entries(engine)}
+        made: dict[int, torch.Tensor] = {}
+        for k, t in live.items():
+            if id(t) in made and not every_tied_key:
+                continue  # a tied weight once, under its first name, as on rank 0
+            if id(t) not in made:
+                dtype = dtype_of(saved[k].dtype) if k in saved else t.dtype
+                made[id(t)] = torch.empty(t.shape, dtype=dtype, device="meta")
+            out[k] = made[id(t)]
     if every_tied_key:
         first: dict[int, str] = {}
         for k, t in live.items():
@@ -88,7 +139,7 @@ def save_consolidated(engine, model: nn.Module | None, directory: str | os.PathL
     arrival.check_in(arrival.SAVE_MODEL)  # collective from here: every rank must be here too
     ranks = Ranks(engine.comm.group)
     out = Path(directory)
-    plan = plan_shards(param_entries(engine) + buffer_entries(model), parse_size(max_shard_size))
+    plan = plan_shards(saved_entries(engine) + buffer_entries(model), parse_size(max_shard_size))
     writer, error = None, None
     if ranks.is_main:
         try:

@@ -75,6 +75,17 @@ def param_entries(engine) -> list[Entry]:
     return out
 
 
+def saved_entries(engine) -> list[Entry]:
+    """`param_entries` with the dtype the weights are saved in: each parameter's own, as the model held it
+    when prepared (see [Note: saved dtype] in zerofit.checkpoint.consolidate)."""
+    out = []
+    for g in engine.groups:
+        for name, shape, dtype in zip(g.names, g.shapes, g.arrived):
+            out.append(Entry(name=name, shape=tuple(shape), dtype=dtype_name(dtype),
+                             kind="master" if g.trainable else "param"))
+    return out
+
+
 def persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     """(name, buffer) for the buffers that belong in the state dict, each shared buffer once."""
     out, seen = [], set()

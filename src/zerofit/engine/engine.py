@@ -27,7 +27,7 @@ from torch import nn
 
 from zerofit.config.schema import PrecisionConfig, ZeroConfig, is_auto
 from zerofit.dist import runtime
-from zerofit.engine import replicas
+from zerofit.engine import replicas, weight_source
 from zerofit.engine.comm import Collectives, InFlight
 from zerofit.engine.flat_group import FlatGroup
 from zerofit.engine.full_state import FullStateDict
@@ -144,7 +144,7 @@ class ZeroEngine:
         hosted_swapper = self.stepper.swap if self.stepper is not None else None
         self.swapper = hosted_swapper or (self.streamer.swapper if self.streamer is not None else None)
         self.stage3 = Stage3Hooks(self.units[0], self.units, lambda: self._in_backward)
-        self.full_state = FullStateDict(model, self.units)  # model.state_dict() gathers (see its note)
+        self.full_state = FullStateDict(model, self.units, is_main=self.comm.rank == 0)  # model.state_dict() gathers (see its note)
         if self.shards_parameters:
             self.stage3.install()
             self.full_state.install()
@@ -193,7 +193,9 @@ class ZeroEngine:
 
     def _build_units(self, init_fn) -> list[Unit]:
         group_of = param_group_index(self.optimizer)
-        meta = Materializer(self.model, self.device, init_fn) if has_meta_tensors(self.model) else None
+        has_meta = has_meta_tensors(self.model)
+        weights = weight_source.source_for(self.model, has_meta=has_meta)  # pretrained values: load_at_prepare
+        meta = Materializer(self.model, self.device, init_fn, weights) if has_meta else None
         model_params = {id(p) for p in self.model.parameters()}
         missing = [i for i in group_of if i not in model_params]
         if missing:
@@ -234,7 +236,7 @@ class ZeroEngine:
                         low_precision=self.compute_dtype != torch.float32)))
             units.append(Unit(spec.name, spec.module, groups, self.comm))
         if meta is not None:
-            meta.finish()
+            meta.finish(announce=self.comm.rank == 0)
         return units
 
     def _offloaded_units(self, specs) -> tuple[set[int], set[int]]:

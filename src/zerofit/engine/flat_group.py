@@ -44,6 +44,9 @@ class FlatGroup:
         self.names = names
         self.params = params
         self.shapes = [p.shape for p in params]
+        self.arrived = [p.dtype for p in params]
+        """Each parameter's dtype as the model held it when the engine took it over: what saved weights are
+        written in (see [Note: saved dtype] in zerofit.checkpoint.consolidate)."""
         self.trainable = trainable
         self.placement = placement
         self.compute_dtype = compute_dtype

@@ -9,19 +9,21 @@ fails on them). So the engine puts two documented state-dict hooks on every modu
 shards, the root and each submodule alike:
 - before the walk (`register_state_dict_pre_hook`), each sharded unit holding a parameter of the
   module asked is gathered in turn, its parameters copied to the CPU in their own dtype (the values
-  `forward` uses), and released again if it was released before: the GPU holds one gathered unit
-  beyond its usual state at a time;
-- after the walk (`register_state_dict_post_hook`), each parameter's entry is replaced by its copy.
+  `forward` uses) on the main process (rank 0), and released again if it was released before: the
+  GPU holds one gathered unit beyond its usual state at a time;
+- after the walk (`register_state_dict_post_hook`), each parameter's entry is replaced by its copy on
+  the main process, and by a tensor on the meta device of the same shape and dtype on the others.
 Only the outermost call of a walk gathers: `state_dict()` recurses into the children, whose hooks
 see an open walk whose prefix theirs extends and leave the entries to it.
-Every rank gets the full tensors, so the call is collective: every rank must call `state_dict()` on
-the same module (as `save_pretrained(..., is_main_process=...)` is called on every rank in
-Accelerate scripts). Before the first gather each rank says so in the run's store and waits for the
-others: a call on one rank alone (`if accelerator.is_main_process: model.save_pretrained(...)`)
-raises `RanksApartError` within seconds, there and on the ranks that went elsewhere, naming the
-cause and the fix; a rank that is only late is waited for ([Note: checked places] in
-zerofit.dist.arrival). Each rank holds one full copy of the module in host memory until the caller
-drops the dict.
+Only the main process keeps full tensors, so saving a model needs one host copy of it, not one per
+rank (8 ranks x a 13 B model in bf16 would be 208 GB); the others get placeholders that key filters
+(PEFT's) and `save_pretrained(..., is_main_process=False)` pass through, and that fail loudly if
+written. Every rank takes part in the gathers, so the call is collective: every rank must call
+`state_dict()` on the same module (as `save_pretrained(..., is_main_process=...)` is called on every
+rank in Accelerate scripts). Before the first gather each rank says so in the run's store and waits
+for the others: a call on one rank alone (`if accelerator.is_main_process: model.save_pretrained(...)`)
+raises `RanksApartError` within seconds, there and on the ranks that went elsewhere, naming the cause
+and the fix; a rank that is only late is waited for ([Note: checked places] in zerofit.dist.arrival).
 `state_dict(keep_vars=True)` asks for the parameters themselves and gets them, sharded, with no
 gather: the engine's own checkpoint code reads names that way.
 """
@@ -46,8 +48,10 @@ def inside_walk(open_walk: tuple[nn.Module, str, Any] | None, prefix: str) -> bo
 class FullStateDict:
     """The two state-dict hooks of every module of a stage-3 model (see the note above)."""
 
-    def __init__(self, model: nn.Module, units: list[Unit]):
+    def __init__(self, model: nn.Module, units: list[Unit], *, is_main: bool):
         self.model = model
+        self.is_main = is_main
+        """This rank keeps the full copies (the others get meta placeholders)."""
         self.units = [u for u in units if u.sharded]
         self._open: tuple[nn.Module, str, dict[int, torch.Tensor]] | None = None
         """The walk being served: (its outermost module, its prefix, id(parameter) -> full CPU copy)."""
@@ -83,9 +87,10 @@ class FullStateDict:
                 state_dict[name] = copies[id(p)]
 
     def gather_copies(self, units: list[Unit] | None = None, *, caller: str = "model") -> dict[int, torch.Tensor]:
-        """Collective: id(parameter) -> a full CPU copy, for every parameter of `units` (default: every
-        sharded unit); the same units on every rank, in the engine's order. `caller` names the module
-        asked, for the error of a rank left alone ([Note: checked places] in zerofit.dist.arrival)."""
+        """Collective: id(parameter) -> a full CPU copy on the main process, a meta tensor of the same shape
+        and dtype elsewhere, for every parameter of `units` (default: every sharded unit); the same units
+        on every rank, in the engine's order. `caller` names the module asked, for the error of a rank
+        left alone ([Note: checked places] in zerofit.dist.arrival)."""
         units = self.units if units is None else units
         if units:  # collective from here: every rank must be here too ([Note: checked places])
             arrival.check_in(arrival.state_dict_place(caller))
@@ -97,7 +102,9 @@ class FullStateDict:
                     unit.wait_gathered()
                     for g in unit.groups:
                         for p in g.params:
-                            copies.setdefault(id(p), p.detach().to("cpu", copy=True))
+                            if id(p) not in copies:
+                                copies[id(p)] = (p.detach().to("cpu", copy=True) if self.is_main
+                                                 else torch.empty(p.shape, dtype=p.dtype, device="meta"))
                 if released:
                     unit.release()
         return copies

@@ -10,6 +10,11 @@ Initialisation per module: Hugging Face models' own `_init_weights(module)` (whi
 buffers such as rotary frequencies), else the module's `reset_parameters()`. A module with meta
 tensors and neither is an error naming it.
 
+A model marked by `zerofit.utils.load_at_prepare` has a `WeightSource` (zerofit.engine.weight_source):
+the tensors its checkpoint holds are copied from there instead, and a module whose every meta tensor
+the checkpoint fills is not initialised at all. The others (a new head, non-persistent buffers) are
+initialised as above, in the same order on every rank.
+
 [Note: new parameter objects]
 A meta parameter cannot take real storage in place, so materialising creates a new `nn.Parameter`
 and sets it on every module that held the old one (tied weights stay tied). Callers that keyed
@@ -23,6 +28,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from zerofit.engine.weight_source import WeightSource
 from zerofit.errors import EngineError
 
 
@@ -49,10 +55,12 @@ class Materializer:
     """Allocates and initialises meta parameters module by module, on request, tracking what is done."""
 
     def __init__(self, model: nn.Module, device: torch.device,
-                 init_fn: Callable[[nn.Module], None] | None = None):
+                 init_fn: Callable[[nn.Module], None] | None = None, weights: WeightSource | None = None):
         self.model = model
         self.device = device
         self.init_fn = init_fn or default_init_fn(model)
+        self.weights = weights
+        """Where pretrained values come from (None: everything is initialised)."""
         self.replaced: dict[int, nn.Parameter] = {}
         """id(old meta parameter) -> its real replacement."""
         self._places: dict[int, list[tuple[nn.Module, str]]] = {}
@@ -76,8 +84,9 @@ class Materializer:
                         self._init_module(module)
         return [self.real(p) for p in params]
 
-    def finish(self) -> None:
-        """Initialise modules that hold only buffers (rotary embeddings, running statistics)."""
+    def finish(self, *, announce: bool = True) -> None:
+        """Initialise modules that hold only buffers (rotary embeddings, running statistics); with a checkpoint,
+        close it and (with `announce`: one rank) warn of what it lacked or held besides."""
         with torch.no_grad():
             for module in self.model.modules():
                 if any(b.is_meta for b in module.buffers(recurse=False)):
@@ -86,6 +95,8 @@ class Materializer:
         if left:
             raise EngineError(f"buffers {left[:3]} are still on the meta device after initialisation: "
                               "create them on a real device or initialise them in reset_parameters()")
+        if self.weights is not None:
+            self.weights.finish(announce=announce)
 
     def _init_module(self, module: nn.Module) -> None:
         if id(module) in self._done:
@@ -95,6 +106,7 @@ class Materializer:
         # as it does when the model is built normally (the tie replaces the later module's weight).
         earlier = {name: p.detach().clone() for name, p in module.named_parameters(recurse=False)
                    if not p.is_meta}
+        loaded: list[tuple[torch.Tensor, torch.Tensor]] = []  # (meta original, real replacement)
         for p in list(module.parameters(recurse=False)):
             if p.is_meta:
                 new = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=self.device),
@@ -102,9 +114,19 @@ class Materializer:
                 for owner, attr in self._places[id(p)]:
                     setattr(owner, attr, new)
                 self.replaced[id(p)] = new
+                loaded.append((p, new))
         for name, b in list(module.named_buffers(recurse=False)):
             if b.is_meta:
-                setattr(module, name, torch.empty(b.shape, dtype=b.dtype, device=self.device))
-        self.init_fn(module)
+                new_buffer = torch.empty(b.shape, dtype=b.dtype, device=self.device)
+                setattr(module, name, new_buffer)
+                loaded.append((b, new_buffer))
+        if self.weights is not None:
+            pretrained = [(old, new) for old, new in loaded if self.weights.has(old)]
+            if len(pretrained) < len(loaded):  # something the checkpoint lacks: the module's own init
+                self.init_fn(module)
+            for old, new in pretrained:
+                self.weights.fill(old, new)
+        else:
+            self.init_fn(module)
         for name, value in earlier.items():
             getattr(module, name).copy_(value)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from typing import Any
 
 import torch
@@ -19,6 +20,7 @@ from torch import nn
 from zerofit.config.naming import key_name
 from zerofit.config.schema import RunConfig, is_auto
 from zerofit.errors import ConfigError
+from zerofit.frontend.first_batch import FirstBatchCheck
 from zerofit.frontend.probe import StepProbe
 from zerofit.plan import bandwidth
 from zerofit.plan.activations import checkpointing_switch, has_checkpointing
@@ -102,6 +104,37 @@ def apply_checkpointing(config: RunConfig, model: nn.Module) -> None:
     checkpointing_switch(model)[0]()  # non-reentrant, as the planner traced it
 
 
+def keep_checkpointing_effective(config: RunConfig, model: nn.Module, *, training: bool, is_main: bool) -> None:
+    """[Note: checkpointing needs training mode] transformers applies activation checkpointing only while
+    the model is in training mode, and `from_pretrained` returns a model in eval mode. A script that never
+    calls `model.train()` keeps every layer's activations where the plan counted on checkpointing: a
+    pretrained 13 B Llama at 8x512 on one H200 ran out of GPU memory in its first forward that way (#29;
+    the model built in the script, in training mode, trained). So when the run checkpoints and prepare()
+    is given an optimizer (`training`) while the model is in eval mode, the model is put in training
+    mode, and the main process says so. A later forward with gradients on in eval mode (a `model.eval()`
+    left on, or evaluation without `torch.no_grad()`) warns once: it is not stopped, since an evaluation
+    that forgot `no_grad` is still an evaluation."""
+    if config.zero.gradient_checkpointing is not True:
+        return
+    if training and not model.training:
+        model.train()
+        if is_main:
+            print("zerofit: the model was in eval mode (from_pretrained returns it so) and activation checkpointing, "
+                  "which this run uses, acts only in training mode: prepare() called model.train(). Call "
+                  "model.eval() for evaluation and model.train() before training again, as usual", flush=True)
+    warned = []
+
+    def check(module: nn.Module, _args: Any) -> None:
+        if not warned and not module.training and torch.is_grad_enabled():
+            warned.append(True)
+            warnings.warn("zerofit: a forward with gradients on while the model is in eval mode: activation "
+                          "checkpointing, which this run's memory plan counts on, is off in eval mode, so every "
+                          "layer's activations are kept (a large model runs out of memory). Call model.train() "
+                          "before training, and run evaluation under torch.no_grad()", stacklevel=2)
+
+    model.register_forward_pre_hook(check)
+
+
 def _env_gib(name: str) -> float | None:
     value = os.environ.get(name)
     if not value:
@@ -133,9 +166,11 @@ def first_batch_shape(loader: Any, micro_batch: int | None) -> tuple[int, int] |
 
 def plan_for(config: RunConfig, model: nn.Module, *, loaders: list[Any], micro_batch: int | None,
              process: Any, host_share: float | None = None,
-             rates: bandwidth.Rates | None = None) -> tuple[RunConfig, StepProbe]:
+             rates: bandwidth.Rates | None = None) -> tuple[RunConfig, StepProbe, FirstBatchCheck | None]:
     """`config` with its "auto" stage / offload resolved for `model` (the choice is printed on the local
-    main process), and the probe that checks the choice on the first optimizer step (`zerofit.frontend.probe`).
+    main process), the probe that checks the choice on the first optimizer step (`zerofit.frontend.probe`),
+    and, when no DataLoader gave the batch shape, the check of the first training forward
+    ([Note: planned without the batch]) for the caller to install (None when the shape was known).
 
     `loaders` are the DataLoaders prepared so far (the first gives the batch shape), `micro_batch` the
     script's micro-batch if known, `process` this process's place in the run (`ProcessState`),
@@ -147,8 +182,13 @@ def plan_for(config: RunConfig, model: nn.Module, *, loaders: list[Any], micro_b
     config_out, result = choose(config, model, world=world, shape=shape, budget=budget, host_share=host_share,
                                 rates=rates)
     if process.is_local_main_process:
-        print(describe(config, result))
+        print(describe(config, result), flush=True)
     fmt = config.source_format
     probe = StepProbe(result, budget, device=device, world=world, is_main=process.is_main_process,
                       spell=lambda key: key_name(fmt, key))
-    return config_out, probe
+    check = None
+    if shape is None:
+        check = FirstBatchCheck(config, result, budget, world=world, device=device,
+                                is_main=process.is_main_process, spell=lambda key: key_name(fmt, key),
+                                on_checkpointing=lambda: None)
+    return config_out, probe, check

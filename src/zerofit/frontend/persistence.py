@@ -52,10 +52,15 @@ class PersistenceMixin:
         return engine
 
     def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
-        """Full tensors of `model` on the main process ({} elsewhere); every process must call it.
+        """The full weights of `model`; every process must call it (it may gather).
 
         Every key of `model.state_dict()`, a tied weight under each of its names (one tensor), so a
         strict `load_state_dict` into a plain model works, as with Accelerate under DDP or DeepSpeed.
+        Each parameter comes in the dtype it had when prepared (a bf16 `from_pretrained` model gives
+        bf16). Stages 0-2: the full dict on every process. Stage 3: full CPU tensors on the main process,
+        tensors on the meta device (shapes and dtypes, no values) on the others, so only one process
+        holds a full copy; write from the main process (`is_main_process=accelerator.is_main_process`).
+        See `zerofit.checkpoint.consolidate.full_state_dict`.
         """
         from zerofit.checkpoint import full_state_dict
 

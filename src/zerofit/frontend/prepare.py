@@ -26,6 +26,7 @@ from zerofit.errors import ConfigError
 from zerofit.frontend import engine_surface, ops
 from zerofit.frontend.auto_plan import (
     apply_checkpointing,
+    keep_checkpointing_effective,
     machine_host_share,
     machine_rates,
     plan_for,
@@ -197,11 +198,17 @@ class PrepareMixin:
             if self.planning_accumulation is not None:  # the loop accumulates itself (Trainer)
                 planning = planning.replace(batch=dataclasses.replace(
                     batch, gradient_accumulation_steps=self.planning_accumulation))
-            planned_config, probe = plan_for(planning, model, loaders=self._prepared.dataloaders,
-                                             micro_batch=self._facts.micro_batch_size, process=self.process,
-                                             host_share=share, rates=machine_rates(self.device, self.num_processes))
+            planned_config, probe, check = plan_for(planning, model, loaders=self._prepared.dataloaders,
+                                                    micro_batch=self._facts.micro_batch_size, process=self.process,
+                                                    host_share=share,
+                                                    rates=machine_rates(self.device, self.num_processes))
             self.config = planned_config.replace(batch=batch)
+            if check is not None:  # [Note: planned without the batch]
+                check.on_checkpointing = self._checkpointing_turned_on
+                check.install(model)
         apply_checkpointing(self.config, model)
+        keep_checkpointing_effective(self.config, model, training=optimizer is not None,
+                                     is_main=self.is_main_process)
         cfg = self.config
         engine = ZeroEngine(model, optimizer, zero=cfg.zero, precision=cfg.precision,
                             gradient_accumulation_steps=self.gradient_state.window,
@@ -226,6 +233,10 @@ class PrepareMixin:
             for module in model.modules():
                 if hasattr(module, "generate") or module is model:
                     module._is_fsdp_managed_module = True
+
+    def _checkpointing_turned_on(self) -> None:
+        """The first training forward turned activation checkpointing on (see first_batch.py): the config says so."""
+        self.config = self.config.replace(zero=dataclasses.replace(self.config.zero, gradient_checkpointing=True))
 
     def is_prepared(self, model: nn.Module) -> bool:
         """True once `model` went through `prepare()` (its weights are then the engine's: save through it)."""

@@ -190,9 +190,10 @@ def _main_dtype(state_dict: dict[str, torch.Tensor]) -> torch.dtype | None:
 
 def _record_saved_dtype(output_dir: str, written: torch.dtype | None) -> None:
     """Make `config.json` name `written`, the dtype of the weights written. `save_pretrained` records the
-    model's own parameter dtype, but trained parameters are saved from zerofit's fp32 masters: a bf16 run's
-    file holds fp32 (as Trainer under DDP writes it, autocast over fp32 weights), and `from_pretrained`
-    must load fp32."""
+    dtype the prepared parameters have now (the compute dtype), but weights are saved in the dtype the
+    model arrived in ([Note: saved dtype] in zerofit.checkpoint.consolidate): a model built in fp32 and
+    trained with --bf16 writes fp32 (as Trainer under DDP does, autocast over fp32 weights), and
+    `from_pretrained` must load fp32."""
     path = os.path.join(output_dir, "config.json")
     if written is None or not os.path.isfile(path):
         return

@@ -110,14 +110,8 @@ def choose(config: RunConfig, model: nn.Module, *, world: int, shape: tuple[int,
     (`zerofit.frontend.auto_plan.apply_checkpointing` turns it on)."""
     precision = config.precision.mixed_precision
     choices = checkpointing_choices(config, model)
-    threshold = config.zero.param_persistence_threshold
-    work = Workload(world=world, mixed_precision=precision if precision in DTYPE_BYTES else "no",
-                    micro_batch=shape[0] if shape else 1, seq=shape[1] if shape else 1,
-                    gradient_accumulation_steps=_int(config.batch.gradient_accumulation_steps, 1),
-                    persistence_threshold=_int(threshold, 100_000),
-                    unit_size_threshold=config.zero.unit_size_threshold,
-                    nvme_buffer_count=config.zero.offload_optimizer.buffer_count)
-    traces = _traces(model, shape, choices, precision, work)
+    work = workload_for(config, world=world, shape=shape)
+    traces = activation_traces(model, shape, choices, precision, work)
     if len(choices) > 1 and traces.get(True) is None:
         traces.pop(True, None)  # what checkpointing saves is unknown: it would only add recomputation
     counts = ModelCounts.of(model, unit_size_threshold=work.unit_size_threshold)
@@ -136,8 +130,20 @@ def choose(config: RunConfig, model: nn.Module, *, world: int, shape: tuple[int,
     return config.replace(zero=zero), result
 
 
-def _traces(model: nn.Module, shape: tuple[int, int] | None, choices: tuple[bool, ...], precision: str,
-            work: Workload) -> dict[bool, ActivationTrace | None]:
+def workload_for(config: RunConfig, *, world: int, shape: tuple[int, int] | None) -> Workload:
+    """What one rank runs, as the memory model takes it: the config's precision, accumulation and
+    thresholds, and the micro-batch `shape` (samples, tokens; None: unknown, 1 x 1)."""
+    precision = config.precision.mixed_precision
+    return Workload(world=world, mixed_precision=precision if precision in DTYPE_BYTES else "no",
+                    micro_batch=shape[0] if shape else 1, seq=shape[1] if shape else 1,
+                    gradient_accumulation_steps=_int(config.batch.gradient_accumulation_steps, 1),
+                    persistence_threshold=_int(config.zero.param_persistence_threshold, 100_000),
+                    unit_size_threshold=config.zero.unit_size_threshold,
+                    nvme_buffer_count=config.zero.offload_optimizer.buffer_count)
+
+
+def activation_traces(model: nn.Module, shape: tuple[int, int] | None, choices: tuple[bool, ...], precision: str,
+                      work: Workload) -> dict[bool, ActivationTrace | None]:
     """The activation trace of `model` at the batch `shape` (the workload's) for each checkpointing choice,
     from one data-free replica; None for a choice without one (no shape, not a model the replica knows,
     or the trace failed: the states are still planned, and the reason says so)."""
