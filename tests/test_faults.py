@@ -184,10 +184,10 @@ def test_a_save_on_the_main_process_alone_stops_every_rank_within_seconds(runs):
     rank 0 gathers alone while rank 1 waits at the barrier; before, both waited out the 30 s timeout."""
     proc, out = runs("main_only_save").proc, runs("main_only_save").out
     assert proc.returncode != 0
-    assert ("RanksApartError: rank 0 is in accelerator.get_state_dict(model), while rank 1 is in "
+    assert ("RanksApartError: rank 0 is in accelerator.save_model(model, ...), while rank 1 is in "
             "accelerator.wait_for_everyone()") in proc.stderr
     assert ("RanksApartError: rank 1 is in accelerator.wait_for_everyone(), while rank 0 is in "
-            "accelerator.get_state_dict(model)") in proc.stderr
+            "accelerator.save_model(model, ...)") in proc.stderr
     assert "is_main_process=accelerator.is_main_process" in proc.stderr
     assert "did not complete within" not in proc.stderr
     assert_all_gone(worker_pids(out))

@@ -13,8 +13,8 @@ Faults, each on rank 1 only, on the first attempt only:
   --sockets FILE  (no fault) rank 0 writes the listening sockets of the launcher and every worker, after
                   prepare() and before the first step; the run then trains as without it
   --own_init      the script creates the process group itself (torch's env:// rendezvous), before zerofit
-  --main_only_save  after training, rank 0 alone calls accelerator.get_state_dict(model) (the others go on to
-                  the final wait_for_everyone), as `if accelerator.is_main_process:` around a save does
+  --main_only_save  after training, rank 0 alone calls accelerator.save_model (the others go on to the final
+                  wait_for_everyone), as `if accelerator.is_main_process:` around a save does
 """
 
 from __future__ import annotations
@@ -143,7 +143,7 @@ def main() -> None:
         if args.uneven:
             break
     if args.main_only_save and accelerator.is_main_process:
-        accelerator.get_state_dict(model)  # it gathers from every rank: the others never join
+        accelerator.save_model(model, os.path.join(args.out, "model"))  # collective: the others never join
     accelerator.wait_for_everyone()
     if rank == 0:
         with open(os.path.join(args.out, "losses.json"), "w") as f:
