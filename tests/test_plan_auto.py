@@ -243,8 +243,8 @@ def test_written_checkpointing_is_turned_on_and_refused_for_a_plain_module(tmp_p
 
 def test_a_model_in_eval_mode_is_trained_with_checkpointing_in_effect(capsys):
     """[Note: checkpointing needs training mode] from_pretrained returns an eval-mode model; transformers
-    checkpoints only in training mode, so a script that never calls model.train() ran a pretrained 13 B
-    out of GPU memory where the plan counted on checkpointing (#29). prepare() with an optimizer puts
+    checkpoints only in training mode, so a script that never calls model.train() keeps every layer's
+    activations where the plan counted on checkpointing (#29). prepare() with an optimizer puts
     the model in training mode; a later grad-enabled forward in eval mode warns once."""
     acc = Accelerator(config=RunConfig(zero=ZeroConfig(stage=2, gradient_checkpointing=True)), cpu=True)
     model = _tiny_gpt2().eval()

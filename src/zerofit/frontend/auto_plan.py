@@ -107,9 +107,9 @@ def apply_checkpointing(config: RunConfig, model: nn.Module) -> None:
 def keep_checkpointing_effective(config: RunConfig, model: nn.Module, *, training: bool, is_main: bool) -> None:
     """[Note: checkpointing needs training mode] transformers applies activation checkpointing only while
     the model is in training mode, and `from_pretrained` returns a model in eval mode. A script that never
-    calls `model.train()` keeps every layer's activations where the plan counted on checkpointing: a
-    pretrained 13 B Llama at 8x512 on one H200 ran out of GPU memory in its first forward that way (#29;
-    the model built in the script, in training mode, trained). So when the run checkpoints and prepare()
+    calls `model.train()` keeps every layer's activations where the plan counted on checkpointing (a
+    pretrained 13 B Llama at 8x512 on one H200: about 30 GiB more by its trace, which fit there only
+    because that plan peaks in the optimizer step, not in the forward). So when the run checkpoints and prepare()
     is given an optimizer (`training`) while the model is in eval mode, the model is put in training
     mode, and the main process says so. A later forward with gradients on in eval mode (a `model.eval()`
     left on, or evaluation without `torch.no_grad()`) warns once: it is not stopped, since an evaluation
