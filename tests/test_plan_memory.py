@@ -182,6 +182,12 @@ def test_plan_picks_the_fastest_that_fits(tiny_gpt2):
     assert "faster ones do not fit" in chosen.reason
     none = plan(c, work, Budget(gpu_bytes=1, host_bytes=None), traces, settings=settings)
     assert none.choice is None and "nothing fits" in none.reason
+    # the GPU holds the offloading settings, the host does not: the reason names host memory and NVMe
+    # (a 15.6 B model on one H200 box said "the smallest GPU need is 34 GiB of 139.8 GiB GPU")
+    host_short = plan(c, work, Budget(gpu_bytes=64 << 30, host_bytes=1 << 20), traces,
+                      settings=[s for s in settings if s.offload_optimizer != "none"])
+    assert host_short.choice is None
+    assert "least host memory" in host_short.reason and "nvme" in host_short.reason
 
 
 def test_spec_errors_name_the_fix(tmp_path):

@@ -180,6 +180,13 @@ def plan(counts: ModelCounts, work: Workload, budget: Budget, traces: dict[bool,
         fitting.sort(key=lambda e: (round(seconds[e.setting], 4), speed_rank(e.setting)))
     if not fitting:
         smallest = min(estimates, key=budget.need)
+        if not budget.unified and budget.gpu_fits(smallest) and budget.host_fits(smallest) is False:
+            host = min(estimates, key=lambda e: e.host_total if budget.gpu_fits(e) else float("inf"))
+            why = (f"nothing fits: the GPU holds some settings, but the least host memory any of them needs is "
+                   f"{host.setting.label} at {host.host_total / GIB:.2f} GiB pinned per rank{_of(budget)}; "
+                   "add host memory or GPUs, or offload the optimizer state to NVMe "
+                   "(offload_optimizer.device: nvme with an nvme_path)")
+            return Plan(estimates, None, why, smallest, seconds)
         what = "memory" if budget.unified else "GPU need"
         why = (f"nothing fits: the smallest {what} is {smallest.setting.label} at {budget.need(smallest) / GIB:.2f} GiB"
                f"{_of(budget)}; lower the micro-batch, add GPUs or turn on checkpointing")
