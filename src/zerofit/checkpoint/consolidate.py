@@ -32,6 +32,7 @@ from zerofit.checkpoint.export import ShardWriter, parse_size, plan_shards, save
 from zerofit.checkpoint.inventory import buffer_entries, dtype_of, persistent_buffers, saved_entries
 from zerofit.checkpoint.ranks import Ranks
 from zerofit.dist import arrival
+from zerofit.engine.full_state import adapter_sized
 
 
 def reads_master(g) -> bool:
@@ -68,17 +69,18 @@ def _whole_group(g, ranks: Ranks, device: torch.device, *, everywhere: bool) -> 
     return full
 
 
-def iter_full_tensors(engine, model: nn.Module | None = None, *, everywhere: bool = False
-                      ) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_full_tensors(engine, model: nn.Module | None = None, *, everywhere: bool = False,
+                      trainable_everywhere: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Collective generator: (name, full CPU copy in its saved dtype) for every parameter and persistent
-    buffer, on rank 0 (every rank where `everywhere`); nothing on the others. Every rank must exhaust it
-    (it gathers as it goes). Copies, never views of the live tensors: what a caller keeps is a snapshot
-    that later steps do not change (a "best weights so far" dict stays the best)."""
+    buffer, on rank 0 (every rank where `everywhere`; the trainable parameters on every rank where
+    `trainable_everywhere`); nothing else on the others. Every rank must exhaust it (it gathers as it
+    goes). Copies, never views of the live tensors: what a caller keeps is a snapshot that later steps
+    do not change (a "best weights so far" dict stays the best)."""
     model = model if model is not None else engine.model
     ranks = Ranks(engine.comm.group)
     engine.settle()  # offloaded masters readable: host steps finished, NVMe groups materialised
     for g in engine.groups:
-        full = _whole_group(g, ranks, engine.device, everywhere=everywhere)
+        full = _whole_group(g, ranks, engine.device, everywhere=everywhere or (trainable_everywhere and g.trainable))
         if full is None:
             continue
         for name, off, n, shape, dtype in zip(g.names, g.layout.offsets, g.layout.numels, g.shapes, g.arrived):
@@ -99,7 +101,8 @@ def full_state_dict(engine, model: nn.Module | None = None, *, every_tied_key: b
     - Stage 3: full CPU tensors on rank 0 only, gathered unit by unit; on the other ranks every key maps
       to a tensor on the meta device of the right shape and dtype, so key filters (PEFT's) and
       `save_pretrained(..., is_main_process=False)` work there without a private full copy (writing
-      those tensors fails: they hold no values).
+      those tensors fails: they hold no values). An adapter's trainable parameters come in full on every
+      rank ([Note: adapters everywhere] in zerofit.engine.full_state).
     A tied weight appears once, under its first name, unless `every_tied_key`: then under each name
     `model.state_dict()` gives it, one tensor for all (what a strict `load_state_dict` into a plain
     model of the same class needs)."""
@@ -107,18 +110,17 @@ def full_state_dict(engine, model: nn.Module | None = None, *, every_tied_key: b
     if any(_split(g) for g in engine.groups):  # it gathers: every rank must be here too
         arrival.check_in(arrival.GET_STATE_DICT)
     everywhere = not engine.shards_parameters
-    out = dict(iter_full_tensors(engine, model, everywhere=everywhere))
+    adapter = engine.shards_parameters and adapter_sized(engine.groups)
+    out = dict(iter_full_tensors(engine, model, everywhere=everywhere, trainable_everywhere=adapter))
     live = model.state_dict(keep_vars=True)  # the parameters and buffers themselves: no gather
-    if not out:  # stage 3, off rank 0: placeholders without storage
+    if not everywhere and engine.comm.rank != 0:  # stage 3, off rank 0: placeholders without storage
         saved = {e.name: e for e in saved_entries(engine)}
-        made: dict[int, torch.Tensor] = {}
+        have = {id(live[k]) for k in out if k in live}
         for k, t in live.items():
-            if id(t) in made and not every_tied_key:
-                continue  # a tied weight once, under its first name, as on rank 0
-            if id(t) not in made:
-                dtype = dtype_of(saved[k].dtype) if k in saved else t.dtype
-                made[id(t)] = torch.empty(t.shape, dtype=dtype, device="meta")
-            out[k] = made[id(t)]
+            if id(t) not in have:  # a tied weight once, under its first name, as on rank 0
+                have.add(id(t))
+                out[k] = torch.empty(t.shape, dtype=dtype_of(saved[k].dtype) if k in saved else t.dtype,
+                                     device="meta")
     if every_tied_key:
         first: dict[int, str] = {}
         for k, t in live.items():

@@ -18,7 +18,12 @@ see an open walk whose prefix theirs extends and leave the entries to it.
 Only the main process keeps full tensors, so saving a model needs one host copy of it, not one per
 rank (8 ranks x a 13 B model in bf16 would be 208 GB); the others get placeholders that key filters
 (PEFT's) and `save_pretrained(..., is_main_process=False)` pass through, and that fail loudly if
-written. Every rank takes part in the gathers, so the call is collective: every rank must call
+written. One exception, [Note: adapters everywhere]: when the trainable parameters are a small part
+of the model (at most ADAPTER_SHARE of its elements: a LoRA or other adapter on a frozen base), every
+rank gets full copies of the trainable ones. PEFT's `model.save_pretrained(dir)` writes the adapter
+from every rank by default (`is_main_process=True`), as PEFT's own example scripts call it (CorDA's
+`corda_finetuning.py` under Trainer did, and crashed on the placeholders); the adapter is small, so a
+copy per rank costs little, and every rank writes the same values. Every rank takes part in the gathers, so the call is collective: every rank must call
 `state_dict()` on the same module (as `save_pretrained(..., is_main_process=...)` is called on every
 rank in Accelerate scripts). Before the first gather each rank says so in the run's store and waits
 for the others: a call on one rank alone (`if accelerator.is_main_process: model.save_pretrained(...)`)
@@ -38,6 +43,17 @@ from torch import nn
 from zerofit.dist import arrival
 from zerofit.engine.unit import ParamState, Unit
 
+ADAPTER_SHARE = 0.10
+"""Trainable elements at most this share of the model's: the trainable part is an adapter, copied to every
+rank in a saved state dict ([Note: adapters everywhere])."""
+
+
+def adapter_sized(groups) -> bool:
+    """The trainable parameters of these flat groups are an adapter's ([Note: adapters everywhere])."""
+    trainable = sum(g.layout.padded_numel for g in groups if g.trainable)
+    total = sum(g.layout.padded_numel for g in groups)
+    return 0 < trainable <= ADAPTER_SHARE * total
+
 
 def inside_walk(open_walk: tuple[nn.Module, str, Any] | None, prefix: str) -> bool:
     """True for a child module's hook inside the walk `open_walk` serves (its prefix extends the walk's);
@@ -52,6 +68,8 @@ class FullStateDict:
         self.model = model
         self.is_main = is_main
         """This rank keeps the full copies (the others get meta placeholders)."""
+        self.adapter = adapter_sized([g for u in units for g in u.groups])
+        """Every rank keeps full copies of the trainable parameters ([Note: adapters everywhere])."""
         self.units = [u for u in units if u.sharded]
         self._open: tuple[nn.Module, str, dict[int, torch.Tensor]] | None = None
         """The walk being served: (its outermost module, its prefix, id(parameter) -> full CPU copy)."""
@@ -88,7 +106,8 @@ class FullStateDict:
 
     def gather_copies(self, units: list[Unit] | None = None, *, caller: str = "model") -> dict[int, torch.Tensor]:
         """Collective: id(parameter) -> a full CPU copy on the main process, a meta tensor of the same shape
-        and dtype elsewhere, for every parameter of `units` (default: every sharded unit); the same units
+        and dtype elsewhere (an adapter's trainable parameters: a copy everywhere, [Note: adapters
+        everywhere]), for every parameter of `units` (default: every sharded unit); the same units
         on every rank, in the engine's order. `caller` names the module asked, for the error of a rank
         left alone ([Note: checked places] in zerofit.dist.arrival)."""
         units = self.units if units is None else units
@@ -103,7 +122,8 @@ class FullStateDict:
                     for g in unit.groups:
                         for p in g.params:
                             if id(p) not in copies:
-                                copies[id(p)] = (p.detach().to("cpu", copy=True) if self.is_main
+                                keep = self.is_main or (self.adapter and g.trainable)
+                                copies[id(p)] = (p.detach().to("cpu", copy=True) if keep
                                                  else torch.empty(p.shape, dtype=p.dtype, device="meta"))
                 if released:
                     unit.release()
