@@ -33,9 +33,14 @@ class Ranks(Peers):
 
     def agree(self, error: str | None) -> None:
         """Raise the same CheckpointError on every rank if any rank reports an error."""
-        errors = [e for e in self.all_gather(error) if e]
-        if errors:
-            raise CheckpointError("\n".join(dict.fromkeys(errors)))
+        self.raise_any(self.all_gather(error))
+
+    @staticmethod
+    def raise_any(errors: list[str | None]) -> None:
+        """`agree` for error texts already gathered (each rank's, in rank order): the same verdict everywhere."""
+        found = [e for e in errors if e]
+        if found:
+            raise CheckpointError("\n".join(dict.fromkeys(found)))
 
     def dst0(self) -> int:
         """Rank 0 of the group as a global rank (what `dist.gather` takes)."""

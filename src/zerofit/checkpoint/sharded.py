@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from zerofit.checkpoint import commit as files
+from zerofit.checkpoint import visibility
 from zerofit.checkpoint.chunks import Chunk, missing_ranges, read_chunks, read_index, write_chunks
 from zerofit.checkpoint.export import save_hf_configs
 from zerofit.checkpoint.inventory import Entry, aliases, buffer_entries, param_entries, persistent_buffers
@@ -37,7 +38,6 @@ from zerofit.checkpoint.manifest import (
     check_hashes,
     check_sizes,
     describe,
-    list_files,
     missing_required,
     read_manifest,
     unlisted,
@@ -128,6 +128,8 @@ def save_state(directory: str | os.PathLike[str], engine, *, extra_state: dict |
         if ranks.is_main:
             shutil.rmtree(tmp, ignore_errors=True)  # free what a full disk needs back
         ranks.barrier()
+        if tmp.exists():  # a folder of its own on this rank's machine (a directory not every machine sees)
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
     return str(final)
 
@@ -165,12 +167,13 @@ def _write_common(tmp: Path, engine, ranks: Ranks, optim_parts: list, config: Ru
 
 
 def _seal(tmp: Path, final: Path, token: str, ranks: Ranks, update_latest: bool) -> None:
-    """Hash the files (shared between ranks), write the manifest last, then commit and move `latest`."""
+    """Confirm rank 0 sees every rank's files (see [Note: one directory every rank sees]), hash them (shared
+    between ranks), write the manifest last, then commit and move `latest`."""
+    names = visibility.confirm(tmp, final, ranks)
     error = None
     described: dict[str, dict] = {}
     try:
-        names = list_files(tmp)
-        described = describe(tmp, names[ranks.rank::ranks.world])
+        described = describe(tmp, names)
     except Exception as e:
         error = f"rank {ranks.rank}: hashing {tmp} failed: {e}"
     parts = ranks.all_gather((error, described))

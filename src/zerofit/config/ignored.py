@@ -125,8 +125,9 @@ TABLE: tuple[Ignored, ...] = (
     Ignored("communication_data_type", None, "zerofit reduces gradients in fp32 (they accumulate in fp32 "
             "buffers); 16-bit gradient reduction is not implemented", _comm_type, quiet=("fp32",),
             zerofit="precision.communication_data_type"),
-    Ignored("checkpoint.use_node_local_storage", False, "every rank writes its shards into the one directory "
-            "given to save_state; on several machines put it on storage all of them see",
+    Ignored("checkpoint.use_node_local_storage", False, "zerofit writes no node-local checkpoints: every rank "
+            "writes its shards into the one directory given to save_state, and on several machines a save fails "
+            "unless that directory is on storage all of them mount (NFS, Lustre, ...)",
             to_bool, zerofit="checkpoint.use_node_local_storage"),
     Ignored("wall_clock_breakdown", False, "zerofit does not time its phases itself: use torch.profiler, "
             "where every zerofit collective is labelled zerofit::<kind>:<unit>", to_bool,
