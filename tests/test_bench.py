@@ -122,7 +122,8 @@ def test_bench_two_processes_relaunch_around_out_of_memory(tmp_path):
 def test_equal_only_on_two_processes_is_a_parity_check_against_ddp(tmp_path):
     """#9's parity table on gloo: stage 3 and DDP from the same weights on the same data, fp32, no warm-up."""
     proc, record, out = _bench(tmp_path, "--tables", "llama7b", "--methods", "ddp", "zerofit-s3",
-                               "--num_processes", "2", "--equal-only", "--warmup", "0", "--steps", "4", "--clip", "0")
+                               "--num_processes", "2", "--equal-only", "--warmup", "0", "--steps", "4", "--clip", "0",
+                               "--process_group_timeout", "60")
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = _rows(record, "llama7b")
     table = record["tables"][0]
@@ -184,3 +185,41 @@ def test_report_merges_runs_and_marks_failures():
                                                                                "ddp": 2}
     with pytest.raises(ValueError, match="processes per row"):
         report.merge([a, b | {"options": opts | {"nproc": 2}}])
+
+
+def test_a_row_with_no_budget_left_is_skipped_without_a_launch():
+    import time
+
+    from zerofit.bench.run import run_row
+    from zerofit.bench.workloads import WORKLOADS
+
+    opts = {"device": "cpu", "precision": "no", "equal_only": True}  # no launch reads them
+    state = run_row(WORKLOADS["clm"], "ddp", opts, nproc=2, timeout=600, deadline=time.monotonic() + 20, echo=False)
+    assert state.launches == 0 and state.skipped.startswith("--budget spent")
+    assert report.status(state.as_record()).startswith("skipped: --budget spent")
+
+
+def test_an_equal_only_row_is_done_after_its_out_of_memory_and_a_timeout_ends_a_row():
+    from zerofit.bench.run import RowState, _after_early_end, _row_events
+
+    events = [{"event": "config", "config": {}, "rank": 0}, {"event": "config", "config": {}, "rank": 1},
+              {"event": "equal", "batch": 4, "fits": False, "rank": 1}]  # rank 1 ran out, rank 0 was stopped
+    state = RowState(method="zerofit-s1", table="llama7b")
+    for e in _row_events(events):
+        state.record(e)
+    _after_early_end(state, {"rc": 3, "stdout": "", "stderr": "out of memory", "events": events}, equal_only=True)
+    assert state.error is None and state.done == {"event": "done", "equal_only": True}  # no relaunch
+    assert report.status(state.as_record()) == "out of memory at batch 4"
+    late = RowState(method="deepspeed-s3", table="llama7b")
+    _after_early_end(late, {"rc": -15, "stdout": "", "stderr": "x\ntimed out after 5 s", "events": [],
+                            "timed_out": 5.0}, equal_only=True)
+    assert late.error.startswith("timed out after 5 s") and report.status(late.as_record()) == "timed out"
+
+
+def test_a_process_past_its_timeout_is_stopped_and_says_so():
+    from zerofit.bench.run import run_bounded
+
+    out = run_bounded([sys.executable, "-c", "import time; print('started', flush=True); time.sleep(60)"],
+                      dict(os.environ), timeout=2)
+    assert out["timed_out"] == 2 and out["rc"] != 0 and "started" in out["stdout"]
+    assert out["stderr"].endswith("timed out after 2 s")

@@ -42,7 +42,7 @@ FROZEN = {
         "--tables": (), "--methods": (), "--num_processes": ("--nproc",), "--gpu_memory_gib": (), "--steps": (),
         "--eval_steps": (), "--warmup": (), "--max_batch": (), "--equal_batch": (), "--equal_only": (),
         "--mixed_precision": ("--precision",), "--clip": (), "--tiny": (), "--cpu": (), "--timeout": (),
-        "--out": (), "--report": (), "--merge": (), "--simulate_oom_above": (),
+        "--budget": (), "--process_group_timeout": (), "--out": (), "--report": (), "--merge": (), "--simulate_oom_above": (),
     },
 }
 SHORT = {"launch": {"-m"}, "config": {"-o"}}

@@ -20,6 +20,7 @@ import gc
 import json
 import os
 import tempfile
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -135,16 +136,19 @@ class PlainRunner(TorchLoopRunner):
 
 
 class ZerofitRunner(Runner):
-    def __init__(self, model: nn.Module, ds_config: dict[str, Any]):
+    def __init__(self, model: nn.Module, ds_config: dict[str, Any], *, process_group_timeout: float | None = None):
         from zerofit import Accelerator
-        from zerofit.frontend.utils import DummyOptim
+        from zerofit.frontend.utils import DummyOptim, InitProcessGroupKwargs
 
+        # as an Accelerate script sets it: zerofit's engine creates the group
+        handlers = [InitProcessGroupKwargs(timeout=timedelta(seconds=process_group_timeout))] \
+            if process_group_timeout else None
         self.ds_config = ds_config
         fd, self.path = tempfile.mkstemp(prefix="zerofit-bench-", suffix=".json")
         with os.fdopen(fd, "w") as f:
             json.dump(ds_config, f)
         try:
-            self.accelerator = Accelerator(config=self.path)
+            self.accelerator = Accelerator(config=self.path, kwargs_handlers=handlers)
             self.model, self.optimizer = self.accelerator.prepare(model, DummyOptim(model.parameters()))
         finally:
             os.unlink(self.path)
@@ -218,22 +222,26 @@ def repeated_blocks(model: nn.Module) -> list[nn.Module]:
 
 
 def build_runner(method: str, workload: Workload, *, tiny: bool, device: torch.device, bf16: bool, clip: float,
-                 world: int, micro_batch: int) -> Runner:
+                 world: int, micro_batch: int, process_group_timeout: float | None = None) -> Runner:
+    """`process_group_timeout`: seconds a collective waits for a peer before it raises (None: torch's
+    default for the torch and DeepSpeed rows, `launch.process_group_timeout`'s for zerofit's)."""
     family, stage, offload = parse(method)
     if family in ("deepspeed", "fsdp2"):
-        init_process_group(device)
+        init_process_group(device, process_group_timeout)
     model = workload.build_model(tiny, device)
     if family == "ddp":
         if world > 1:
-            init_process_group(device)
+            init_process_group(device, process_group_timeout)
         return PlainRunner(model, device, bf16=bf16, clip=clip, world=world)
     if family == "fsdp2":
         return Fsdp2Runner(model, bf16=bf16, offload=offload, clip=clip)
     ds = deepspeed_json(stage, offload, bf16=bf16, clip=clip, micro_batch=micro_batch)
-    return ZerofitRunner(model, ds) if family == "zerofit" else DeepSpeedRunner(model, ds)
+    if family == "zerofit":
+        return ZerofitRunner(model, ds, process_group_timeout=process_group_timeout)
+    return DeepSpeedRunner(model, ds)  # DeepSpeed joins the group created above
 
 
-def init_process_group(device: torch.device) -> None:
+def init_process_group(device: torch.device, timeout_s: float | None = None) -> None:
     """The job's process group (torchrun's environment, or a one-process group on this host)."""
     if dist.is_initialized():
         return
@@ -241,7 +249,8 @@ def init_process_group(device: torch.device) -> None:
     os.environ.setdefault("MASTER_PORT", "29511")
     for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
         os.environ.setdefault(key, value)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    timeout = timedelta(seconds=timeout_s) if timeout_s else None
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout)
 
 
 def _free() -> None:

@@ -46,7 +46,7 @@ def status(row: dict[str, Any]) -> str:
     if row.get("skipped"):
         return f"skipped: {row['skipped']}"
     if row.get("error"):
-        return "failed"
+        return "timed out" if row["error"].startswith("timed out") else "failed"
     if row.get("done") and row["done"].get("train_batch") == 0:
         return "out of memory at batch 1"
     if row.get("done") and row["done"].get("equal_only") and row.get("equal"):

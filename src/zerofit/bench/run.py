@@ -5,7 +5,13 @@ reports every result as it happens, so when a process ends early - an out-of-mem
 cannot recover from, any out-of-memory with several processes, a crash inside a peer's engine after
 recovering - the next worker starts from the bounds already known instead of from scratch. A try
 that never reported back counts as out of memory only when the process said so (stderr names the
-out-of-memory error); anything else ends the row with its error.
+out-of-memory error); anything else ends the row with its error. An `--equal-only` row is done once its
+one measurement is in, out of memory or not: it is never relaunched.
+
+Time is bounded twice: each launch by `--timeout`, and, with `--budget`, the whole command by a deadline
+that no launch may run past (a row with no time left for a launch is skipped, and says so). A launch
+that runs out of time is stopped with SIGTERM first: torchrun then stops its workers, which run in
+sessions of their own and would outlive a SIGKILL of torchrun, holding their GPUs.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from typing import Any
 
 from zerofit.bench.methods import parse
@@ -26,6 +33,11 @@ from zerofit.bench.search import BatchSearch
 from zerofit.bench.workloads import Workload
 
 MAX_LAUNCHES = 6
+MIN_LAUNCH_S = 30.0
+"""A launch starts only with this much of `--budget` left (starting the processes alone takes ~10 s)."""
+STOP_GRACE_S = 30.0
+"""After SIGTERM, how long a launch that ran out of time has to stop before SIGKILL (torchrun's own
+grace for its workers is 30 s); kept back from `--budget` so that stopping fits too."""
 _UNBOUNDED = 2**31  # the parent only records what the workers tried; the workers apply --max-batch
 _OOM_MARKERS = ("OutOfMemoryError", "out of memory", "SimulatedOutOfMemory")
 
@@ -84,8 +96,9 @@ def deepspeed_missing() -> bool:
 
 
 def run_row(workload: Workload, method: str, opts: dict[str, Any], *, nproc: int, timeout: float,
-            echo: bool = True) -> RowState:
-    """All processes of one row until it is done, failed, or out of launches."""
+            deadline: float | None = None, echo: bool = True) -> RowState:
+    """All processes of one row until it is done, failed, or out of launches or time (`deadline`, in
+    `time.monotonic()` seconds: no launch runs past it)."""
     state = RowState(method=method, table=workload.key)
     family, _, _ = parse(method)
     if family == "deepspeed" and deepspeed_missing():
@@ -95,8 +108,19 @@ def run_row(workload: Workload, method: str, opts: dict[str, Any], *, nproc: int
         if state.launches >= MAX_LAUNCHES:
             state.error = f"gave up after {MAX_LAUNCHES} launches"
             break
+        limit = timeout
+        if deadline is not None:
+            left = deadline - time.monotonic() - STOP_GRACE_S
+            if left < MIN_LAUNCH_S:
+                spent = f"--budget spent: {max(left, 0):.0f} s left, a launch needs {MIN_LAUNCH_S:.0f}"
+                if state.launches == 0:
+                    state.skipped = spent
+                else:
+                    state.error = f"{spent} (after {state.launches} launch(es))"
+                break
+            limit = min(timeout, left)
         state.launches += 1
-        proc = _launch(workload, method, opts, state, nproc=nproc, timeout=timeout)
+        proc = _launch(workload, method, opts, state, nproc=nproc, timeout=limit)
         for event in _row_events(proc["events"]):
             state.record(event)
         state.log += [ln for ln in (proc["stdout"] + proc["stderr"]).splitlines() if ln.strip()][-200:]
@@ -104,24 +128,34 @@ def run_row(workload: Workload, method: str, opts: dict[str, Any], *, nproc: int
             print(f"  {method}: launch {state.launches} ended (rc {proc['rc']}); bounds {state.bounds}",
                   file=sys.stderr, flush=True)
         if state.done is None:
-            _after_early_end(state, proc)
+            _after_early_end(state, proc, equal_only=bool(opts.get("equal_only")))
     return state
 
 
 def _row_events(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Rank 0's events, where a try fits only if it fitted on every rank (any rank's failure counts)."""
+    """Rank 0's events, where a try (or the equal batch) fits only if it fitted on every rank (any rank's
+    failure counts)."""
     failed = {(e["phase"], e["batch"]) for e in events if e["event"] == "tried" and not e["fits"]}
+    equal_failed = any(e["event"] == "equal" and not e["fits"] for e in events)
     out = []
     for e in events:
         if e["event"] == "tried" and e["fits"] and (e["phase"], e["batch"]) in failed:
             continue
-        if e["rank"] == 0 or e["event"] == "tried" and not e["fits"]:
+        if e["event"] == "equal" and e["fits"] and equal_failed:
+            continue
+        if e["rank"] == 0 or e["event"] in ("tried", "equal") and not e["fits"]:
             out.append(e)
     return out
 
 
-def _after_early_end(state: RowState, proc: dict[str, Any]) -> None:
+def _after_early_end(state: RowState, proc: dict[str, Any], *, equal_only: bool = False) -> None:
     """A launch ended before its row was done: learn what its end says, or give the row its error."""
+    if proc.get("timed_out"):  # a relaunch would take as long: the row ends here
+        state.error = f"timed out after {proc['timed_out']:.0f} s\n" + (proc["stderr"] or proc["stdout"])[-3000:]
+        return
+    if equal_only and state.equal is not None:  # the row's one measurement is in (fitted or out of memory)
+        state.done = {"event": "done", "equal_only": True}
+        return
     events = proc["events"]
     last = events[-1] if events else {"event": None}
     oom = proc["rc"] == 3 or any(m in proc["stderr"] for m in _OOM_MARKERS)
@@ -145,7 +179,7 @@ def _launch(workload: Workload, method: str, opts: dict[str, Any], state: RowSta
     args = ["--table", workload.key, "--method", method, "--device", opts["device"], "--precision", opts["precision"],
             "--clip", str(opts["clip"]), "--steps", str(opts["steps"]), "--eval-steps", str(opts["eval_steps"]),
             "--warmup", str(opts["warmup"]), "--max-batch", str(opts["max_batch"])]
-    for flag in ("gpu_memory_gib", "equal_batch", "simulate_oom_above"):
+    for flag in ("gpu_memory_gib", "equal_batch", "simulate_oom_above", "process_group_timeout"):
         if opts.get(flag) is not None:
             args += [f"--{flag.replace('_', '-')}", str(opts[flag])]
     for flag in ("tiny", "equal_only"):
@@ -166,15 +200,28 @@ def _launch(workload: Workload, method: str, opts: dict[str, Any], state: RowSta
     else:
         cmd = [sys.executable, "-m", "zerofit.bench.worker", *args]
         env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-        out = {"rc": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr}
-    except subprocess.TimeoutExpired as e:
-        text = [x.decode() if isinstance(x, bytes) else (x or "") for x in (e.stdout, e.stderr)]
-        out = {"rc": -9, "stdout": text[0], "stderr": text[1] + f"\ntimed out after {timeout:.0f} s"}
+    out = run_bounded(cmd, env, timeout)
     out["events"] = read_events(events)
     shutil.rmtree(events, ignore_errors=True)
     return out
+
+
+def run_bounded(cmd: list[str], env: dict[str, str], timeout: float) -> dict[str, Any]:
+    """`cmd`'s exit code and output; past `timeout` seconds it is stopped (SIGTERM, then SIGKILL after
+    STOP_GRACE_S) and the result carries `timed_out` (the timeout, in seconds)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+        return {"rc": proc.returncode, "stdout": stdout, "stderr": stderr}
+    except subprocess.TimeoutExpired:
+        proc.terminate()  # torchrun stops its workers on SIGTERM (see the module doc)
+        try:
+            stdout, stderr = proc.communicate(timeout=STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            stdout, stderr = proc.communicate()
+        return {"rc": proc.returncode, "stdout": stdout, "stderr": stderr + f"\ntimed out after {timeout:.0f} s",
+                "timed_out": timeout}
 
 
 def read_events(directory: str) -> list[dict[str, Any]]:

@@ -66,7 +66,8 @@ class Row:
         self.index = 0
         self.runner: Runner = build_runner(args.method, workload, tiny=args.tiny, device=self.device,
                                            bf16=args.precision == "bf16", clip=args.clip, world=self.world,
-                                           micro_batch=args.equal_batch or workload.equal_batch)
+                                           micro_batch=args.equal_batch or workload.equal_batch,
+                                           process_group_timeout=args.process_group_timeout)
         if args.simulate_oom_above:
             block = repeated_blocks(self.runner.model)[-1]
             block.register_forward_pre_hook(self._simulated_oom)
@@ -195,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     for phase in ("train", "eval"):
         p.add_argument(f"--{phase}-fits", type=int, default=0)
         p.add_argument(f"--{phase}-fails", type=int, default=None)
+    p.add_argument("--process-group-timeout", type=float, default=None)
     p.add_argument("--simulate-oom-above", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     _EVENTS.append(open(os.path.join(args.events, f"rank{os.environ.get('RANK', '0')}.jsonl"), "a"))

@@ -27,7 +27,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                "  zerofit bench --tiny --cpu --out /tmp/bench        # the harness on toy models, on CPU\n"
                "  zerofit bench --num_processes 8 --tables clm llama7b --equal_only --equal_batch 8   # step rate\n"
                "  zerofit bench --report bench/results/seed_tables   # tables and plots again from results.json\n"
-               "  zerofit bench --merge run1 run2 --out joined       # tables run in pieces, as one",
+               "  zerofit bench --merge run1 run2 --out joined       # tables run in pieces, as one\n"
+               "  zerofit bench --tables clm --equal_only --budget 450 --timeout 240   # within one 8-minute call",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     add_flag(p, "--tables", nargs="+", default=list(_TABLES),
              help="which tables: cls (1, DeBERTa-v2-xlarge), seq2seq (2, BlenderBot-400M), clm (3, GPT-2 XL); "
@@ -55,6 +56,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_flag(p, "--tiny", action="store_true", help="toy sizes of the same architectures (tests the harness)")
     add_flag(p, "--cpu", action="store_true", help="run on CPU (gloo) even where CUDA is present")
     add_flag(p, "--timeout", type=float, default=900, help="seconds per process before it is stopped")
+    add_flag(p, "--budget", type=float, metavar="SECONDS", default=None,
+             help="seconds for the whole command: no process runs past them (each one's --timeout is cut to what "
+                  "is left) and rows with no time left are recorded as skipped (default: no limit)")
+    add_flag(p, "--process_group_timeout", type=float, metavar="SECONDS", default=None,
+             help="seconds a collective waits for a hung peer before it raises, in every row (default: torch's "
+                  "for DDP, DeepSpeed and FSDP2; launch.process_group_timeout's for zerofit)")
     add_flag(p, "--out", default=None, help="directory for tables.md, results.json and the plots")
     add_flag(p, "--report", metavar="DIR", default=None,
              help="only render tables.md and plots again from DIR/results.json")
@@ -110,17 +117,20 @@ def run(args: argparse.Namespace) -> int:
             "clip": args.clip, "steps": args.steps, "eval_steps": args.eval_steps, "warmup": args.warmup,
             "max_batch": args.max_batch or (16 if args.tiny else 1024), "gpu_memory_gib": args.gpu_memory_gib,
             "equal_batch": args.equal_batch or (2 if args.tiny else None), "tiny": args.tiny,
-            "simulate_oom_above": args.simulate_oom_above, "nproc": nproc, "equal_only": args.equal_only}
+            "simulate_oom_above": args.simulate_oom_above, "nproc": nproc, "equal_only": args.equal_only,
+            "process_group_timeout": args.process_group_timeout}
     record = {"command": "zerofit bench " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else None,
               "options": opts, "environment": report.environment(), "tables": []}
     started = time.time()
+    deadline = None if args.budget is None else time.monotonic() + args.budget
     for w in tables:
         methods = args.methods or (TINY_METHODS if args.tiny else w.methods)
         print(f"table {w.table} ({w.key}): {', '.join(methods)}", file=sys.stderr, flush=True)
         table = table_record(w, args.tiny, opts["equal_batch"]) | {"rows": []}
         record["tables"].append(table)
         for m in methods:
-            table["rows"].append(run_row(w, m, opts, nproc=nproc, timeout=args.timeout).as_record())
+            table["rows"].append(run_row(w, m, opts, nproc=nproc, timeout=args.timeout,
+                                         deadline=deadline).as_record())
             record["seconds"] = round(time.time() - started, 1)
             if args.out:  # after every row: a run stopped half-way keeps what it measured
                 written = report.write(record, args.out)
