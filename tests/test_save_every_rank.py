@@ -63,7 +63,7 @@ def _save_like_the_script(rank, world, root):
 
 def test_every_rank_saves_the_peft_adapter_as_the_accelerate_example_does(tmp_path):
     ranks = run_distributed(_save_like_the_script, 2, str(tmp_path), timeout=120)
-    for name, stage in CASES.items():
+    for name in CASES:
         first = ranks[0][name]
         assert first is not None and any("score" in k for k in first), name  # the classifier head (modules_to_save)
         assert any(("lora" if "lora" in name else "prompt") in k for k in first), name
