@@ -8,7 +8,6 @@ import time
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, TensorDataset
 
 from zerofit import Accelerator
 from zerofit.config.schema import RunConfig, ZeroConfig
@@ -17,6 +16,7 @@ from zerofit.errors import CollectiveError, RanksApartError
 from zerofit.testing.distributed import run_distributed
 
 transformers = pytest.importorskip("transformers")
+from test_stage3_state_dict import _trained as trained_gpt2  # noqa: E402 - needs transformers, skipped above
 
 FAST_S = 15.0
 """What "fails in seconds" means here (the check itself answers in well under one; a rank that went on
@@ -24,18 +24,7 @@ training is found after arrival.STALL_S of silence)."""
 
 
 def _trained():
-    torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=50, n_positions=16, n_embd=16,
-                                                                   n_layer=2, n_head=2))
-    acc = Accelerator(config=RunConfig(zero=ZeroConfig(stage=3, param_persistence_threshold=0)), cpu=True)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    ids = torch.randint(0, 50, (4, 8), generator=torch.Generator().manual_seed(3))
-    model, opt, dl = acc.prepare(model, opt, DataLoader(TensorDataset(ids), batch_size=1))
-    for (batch,) in dl:
-        acc.backward(model(input_ids=batch, labels=batch).loss)
-        opt.step()
-        opt.zero_grad()
-    return acc, model
+    return trained_gpt2(rows=4, batch_size=1)
 
 
 def _step(acc, model) -> None:

@@ -17,7 +17,8 @@ from zerofit.testing.distributed import run_distributed
 transformers = pytest.importorskip("transformers")
 
 
-def _trained(freeze_base: bool):
+def _trained(freeze_base: bool = False, rows: int = 8, batch_size: int = 2):
+    """A tiny GPT-2 trained at stage 3 over `rows` rows (also tests/test_one_rank_alone.py's model)."""
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=50, n_positions=16, n_embd=16,
                                                                    n_layer=2, n_head=2))
@@ -26,8 +27,8 @@ def _trained(freeze_base: bool):
             p.requires_grad = name.startswith(("transformer.h.1.", "transformer.ln_f."))
     acc = Accelerator(config=RunConfig(zero=ZeroConfig(stage=3, param_persistence_threshold=0)), cpu=True)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    ids = torch.randint(0, 50, (8, 8), generator=torch.Generator().manual_seed(3))
-    model, opt, dl = acc.prepare(model, opt, DataLoader(TensorDataset(ids), batch_size=2))
+    ids = torch.randint(0, 50, (rows, 8), generator=torch.Generator().manual_seed(3))
+    model, opt, dl = acc.prepare(model, opt, DataLoader(TensorDataset(ids), batch_size=batch_size))
     for (batch,) in dl:
         acc.backward(model(input_ids=batch, labels=batch).loss)
         opt.step()
