@@ -41,9 +41,13 @@ def describe(label: str, rank: int, error: BaseException) -> str:
 
 
 @contextlib.contextmanager
-def named(label: str, rank: int) -> Iterator[None]:
-    """Run a collective's issue or wait; a communication failure becomes a CollectiveError naming `label`."""
-    arrival.note_collective()  # how far this rank got, for [Note: a rank that went on training]
+def named(label: str, rank: int, *, wait: bool = False) -> Iterator[None]:
+    """Run a collective's issue, or with `wait` the wait on an issued one; a communication failure becomes a
+    CollectiveError naming `label`. Issues are counted for [Note: a rank that went on training]; waits
+    are not, since a rank may leave a handle unread that another rank waits on (the engine reads the
+    unused-parameter flags only where a parameter went unused), and the counts must agree across ranks."""
+    if not wait:
+        arrival.note_collective()
     try:
         yield
     except CollectiveError:

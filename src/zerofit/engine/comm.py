@@ -51,7 +51,7 @@ class Pending:
             torch.cuda.current_stream(self._device).wait_event(self._event)
         else:
             if self._work is not None:
-                with failures.named(self.label, self.rank):
+                with failures.named(self.label, self.rank, wait=True):
                     self._work.wait()
             if self._then is not None:
                 self._then()
