@@ -9,7 +9,8 @@ have exited, or are in the next step's forward. Every rank then waits until the 
 tell that apart from a rank that is only late, so ranks say where they are instead.
 
 At a few *checked places* - the gather walks of a full state dict (`model.state_dict()` at stage 3,
-`get_state_dict`, `save_model`), the Accelerator's barrier (`wait_for_everyone`, `end_training`) and
+`get_state_dict`, `save_model`), the sharded checkpoint (`save_state`, `load_state`, and what calls
+them: the Trainer's checkpoints, `model.save_checkpoint`), the Accelerator's barrier (`wait_for_everyone`, `end_training`) and
 the process's exit - a rank first writes where it is to the run's key-value store, then waits until
 every rank has written the same kind of place, and only then enters the collective (so no rank ever
 enters an NCCL collective alone). Each rank numbers the places it reaches 1, 2, 3, ...; in a correct
@@ -98,6 +99,10 @@ def state_dict_place(module: str) -> Place:
 
 GET_STATE_DICT = Place("get_state_dict", "is in accelerator.get_state_dict(model)", gathers=True)
 SAVE_MODEL = Place("save_model", "is in accelerator.save_model(model, ...)", gathers=True)
+SAVE_STATE = Place("save_state", "is in accelerator.save_state(...) (every rank writes its own shard of the "
+                                 "checkpoint, so every rank must call it)")
+LOAD_STATE = Place("load_state", "is in accelerator.load_state(...) (every rank reads its own shard of the "
+                                 "checkpoint, so every rank must call it)")
 WAIT_FOR_EVERYONE = Place("barrier", "is in accelerator.wait_for_everyone()")
 END_TRAINING = Place("barrier", "is in accelerator.end_training() (which waits for every rank)")
 EXITED = Place("exit", "has left the script (its process is exiting)")

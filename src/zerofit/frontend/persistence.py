@@ -18,7 +18,7 @@ from torch import nn
 
 from zerofit.checkpoint import loop_state as checkpointing
 from zerofit.checkpoint import resume
-from zerofit.dist import process_group
+from zerofit.dist import arrival, process_group
 from zerofit.engine import ZeroEngine
 from zerofit.errors import CheckpointError, ConfigError
 from zerofit.frontend import ops
@@ -131,6 +131,7 @@ class PersistenceMixin:
         engine = self._prepared.any_engine()
         if engine is None:
             raise ValueError("save_state() needs a prepared model: call prepare(model, optimizer, ...) first")
+        arrival.check_in(arrival.SAVE_STATE)  # collective from here: every rank must be here too
         extra = checkpointing.collect(schedulers=self._prepared.schedulers, optimizers=self._prepared.optimizers,
                                       dataloaders=self._loop_loaders(), custom=self._prepared.custom,
                                       iteration=self.project_configuration.iteration)
@@ -157,6 +158,7 @@ class PersistenceMixin:
         engine = self._prepared.any_engine()
         if engine is None:
             raise ValueError("load_state() needs the prepared model: call prepare(model, optimizer, ...) first")
+        arrival.check_in(arrival.LOAD_STATE)  # collective from here: every rank must be here too
         if input_dir is None and self.project_configuration.automatic_checkpoint_naming:
             input_dir = _latest_checkpoint(os.path.join(self.project_dir or ".", "checkpoints"))
         where = self._checkpoint_dir(input_dir)
