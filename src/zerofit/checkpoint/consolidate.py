@@ -29,10 +29,9 @@ import torch.distributed as dist
 from torch import nn
 
 from zerofit.checkpoint.export import ShardWriter, parse_size, plan_shards, save_hf_configs
-from zerofit.checkpoint.inventory import buffer_entries, dtype_of, persistent_buffers, saved_entries
+from zerofit.checkpoint.inventory import buffer_entries, param_entries, persistent_buffers
 from zerofit.checkpoint.ranks import Ranks
 from zerofit.dist import arrival
-from zerofit.engine.full_state import adapter_sized
 
 
 def reads_master(g) -> bool:
@@ -41,31 +40,30 @@ def reads_master(g) -> bool:
             and any(d != g.compute_dtype for d in g.arrived))
 
 
-def _split(g) -> bool:
-    """The group's saved values are split over the ranks: `_whole_group` gathers them (a collective)."""
-    return g.placement.shard_world > 1 and (reads_master(g) or g.placement.shard_params)
+def _source(g) -> tuple[torch.Tensor, bool]:
+    """Where the group's saved values are read ([Note: saved dtype]), and whether that tensor is split over
+    the ranks (then `_whole_group` gathers it: a collective)."""
+    if reads_master(g):
+        return g.master, g.placement.shard_world > 1
+    if g.placement.shard_params:
+        return g.param_shard, g.placement.shard_world > 1
+    return g.param_flat, False  # whole on every rank (stages 0-2)
 
 
 def _whole_group(g, ranks: Ranks, device: torch.device, *, everywhere: bool) -> torch.Tensor | None:
     """The group's whole padded flat buffer in its source dtype, on every rank where `everywhere`, else on
     rank 0 alone (None on the others); the live `param_flat` itself where it is whole (stages 0-2)."""
-    wanted = everywhere or ranks.is_main
-    if reads_master(g):
-        local, split = g.master, g.placement.shard_world > 1
-    elif g.placement.shard_params:
-        local, split = g.param_shard, g.placement.shard_world > 1
-    else:
-        local, split = g.param_flat, False
+    local, split = _source(g)
     if not split:
-        return local if wanted else None
+        return local if everywhere or ranks.is_main else None
     send = local.to(device).contiguous()
+    full = torch.empty(g.layout.padded_numel, dtype=send.dtype, device=device) if everywhere or ranks.is_main \
+        else None
     if everywhere:
-        full = torch.empty(g.layout.padded_numel, dtype=send.dtype, device=device)
         dist.all_gather_into_tensor(full, send, group=ranks.group)
-        return full
-    full = torch.empty(g.layout.padded_numel, dtype=send.dtype, device=device) if ranks.is_main else None
-    parts = list(full.chunk(ranks.world)) if full is not None else None
-    dist.gather(send, parts, dst=ranks.dst0(), group=ranks.group)
+    else:
+        dist.gather(send, list(full.chunk(ranks.world)) if full is not None else None, dst=ranks.dst0(),
+                    group=ranks.group)
     return full
 
 
@@ -107,20 +105,19 @@ def full_state_dict(engine, model: nn.Module | None = None, *, every_tied_key: b
     `model.state_dict()` gives it, one tensor for all (what a strict `load_state_dict` into a plain
     model of the same class needs)."""
     model = model if model is not None else engine.model
-    if any(_split(g) for g in engine.groups):  # it gathers: every rank must be here too
+    if any(_source(g)[1] for g in engine.groups):  # it gathers: every rank must be here too
         arrival.check_in(arrival.GET_STATE_DICT)
     everywhere = not engine.shards_parameters
-    adapter = engine.shards_parameters and adapter_sized(engine.groups)
+    adapter = engine.shards_parameters and engine.full_state.adapter
     out = dict(iter_full_tensors(engine, model, everywhere=everywhere, trainable_everywhere=adapter))
     live = model.state_dict(keep_vars=True)  # the parameters and buffers themselves: no gather
     if not everywhere and engine.comm.rank != 0:  # stage 3, off rank 0: placeholders without storage
-        saved = {e.name: e for e in saved_entries(engine)}
+        saved = {name: dtype for g in engine.groups for name, dtype in zip(g.names, g.arrived)}
         have = {id(live[k]) for k in out if k in live}
         for k, t in live.items():
             if id(t) not in have:  # a tied weight once, under its first name, as on rank 0
                 have.add(id(t))
-                out[k] = torch.empty(t.shape, dtype=dtype_of(saved[k].dtype) if k in saved else t.dtype,
-                                     device="meta")
+                out[k] = torch.empty(t.shape, dtype=saved.get(k, t.dtype), device="meta")
     if every_tied_key:
         first: dict[int, str] = {}
         for k, t in live.items():
@@ -141,7 +138,7 @@ def save_consolidated(engine, model: nn.Module | None, directory: str | os.PathL
     arrival.check_in(arrival.SAVE_MODEL)  # collective from here: every rank must be here too
     ranks = Ranks(engine.comm.group)
     out = Path(directory)
-    plan = plan_shards(saved_entries(engine) + buffer_entries(model), parse_size(max_shard_size))
+    plan = plan_shards(param_entries(engine, saved=True) + buffer_entries(model), parse_size(max_shard_size))
     writer, error = None, None
     if ranks.is_main:
         try:

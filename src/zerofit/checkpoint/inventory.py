@@ -64,24 +64,16 @@ def dtype_of(name: str, source: str = "checkpoint") -> torch.dtype:
     return dtype
 
 
-def param_entries(engine) -> list[Entry]:
-    """Every parameter the engine manages, unit by unit, in flat-buffer order."""
+def param_entries(engine, *, saved: bool = False) -> list[Entry]:
+    """Every parameter the engine manages, unit by unit, in flat-buffer order, in the dtype the sharded
+    checkpoint stores (fp32 masters, frozen ones in the compute dtype) or, with `saved`, the dtype the
+    weights are saved in: each parameter's own when prepared ([Note: saved dtype] in
+    zerofit.checkpoint.consolidate)."""
     out = []
     for g in engine.groups:
-        for name, shape in zip(g.names, g.shapes):
-            out.append(Entry(name=name, shape=tuple(shape),
-                             dtype="float32" if g.trainable else dtype_name(g.compute_dtype),
-                             kind="master" if g.trainable else "param"))
-    return out
-
-
-def saved_entries(engine) -> list[Entry]:
-    """`param_entries` with the dtype the weights are saved in: each parameter's own, as the model held it
-    when prepared (see [Note: saved dtype] in zerofit.checkpoint.consolidate)."""
-    out = []
-    for g in engine.groups:
-        for name, shape, dtype in zip(g.names, g.shapes, g.arrived):
-            out.append(Entry(name=name, shape=tuple(shape), dtype=dtype_name(dtype),
+        stored = torch.float32 if g.trainable else g.compute_dtype
+        for name, shape, arrived in zip(g.names, g.shapes, g.arrived):
+            out.append(Entry(name=name, shape=tuple(shape), dtype=dtype_name(arrived if saved else stored),
                              kind="master" if g.trainable else "param"))
     return out
 

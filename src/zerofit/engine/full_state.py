@@ -23,8 +23,9 @@ of the model (at most ADAPTER_SHARE of its elements: a LoRA or other adapter on 
 rank gets full copies of the trainable ones. PEFT's `model.save_pretrained(dir)` writes the adapter
 from every rank by default (`is_main_process=True`), as PEFT's own example scripts call it (CorDA's
 `corda_finetuning.py` under Trainer did, and crashed on the placeholders); the adapter is small, so a
-copy per rank costs little, and every rank writes the same values. Every rank takes part in the gathers, so the call is collective: every rank must call
-`state_dict()` on the same module (as `save_pretrained(..., is_main_process=...)` is called on every
+copy per rank costs little, and every rank writes the same values.
+Every rank takes part in the gathers, so the call is collective: every rank must call `state_dict()`
+on the same module (as `save_pretrained(..., is_main_process=...)` is called on every
 rank in Accelerate scripts). Before the first gather each rank says so in the run's store and waits
 for the others: a call on one rank alone (`if accelerator.is_main_process: model.save_pretrained(...)`)
 raises `RanksApartError` within seconds, there and on the ranks that went elsewhere, naming the cause

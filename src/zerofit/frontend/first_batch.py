@@ -32,7 +32,7 @@ from torch import nn
 from zerofit.config.schema import RunConfig
 from zerofit.errors import ConfigError
 from zerofit.plan.activations import checkpointing_switch, has_checkpointing
-from zerofit.plan.auto import activation_traces, can_checkpoint, choose, workload_for
+from zerofit.plan.auto import activation_traces, checkpointing_choices, choose, workload_for
 from zerofit.plan.choose import Budget, Plan
 from zerofit.plan.memory import GIB, Estimate, ModelCounts, estimate
 
@@ -93,8 +93,7 @@ class FirstBatchCheck:
         work = workload_for(self.config, world=self.world, shape=shape)
         counts = ModelCounts.of(model, unit_size_threshold=work.unit_size_threshold)
         on = has_checkpointing(model)
-        choices = (on,) if on or self.config.zero.gradient_checkpointing is False or not can_checkpoint(model) \
-            else (False, True)
+        choices = (True,) if on else checkpointing_choices(self.config, model)  # the planner's own rule
         traces = activation_traces(model, shape, choices, precision, work)
         if traces.get(on) is None:
             return  # no trace (a model the planner cannot replicate): nothing to hold the batch against
