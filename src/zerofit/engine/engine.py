@@ -143,7 +143,7 @@ class ZeroEngine:
         self.stepper = self.mode.stepper if isinstance(self.mode, HostStep) else None
         hosted_swapper = self.stepper.swap if self.stepper is not None else None
         self.swapper = hosted_swapper or (self.streamer.swapper if self.streamer is not None else None)
-        self.stage3 = Stage3Hooks(self.units[0], self.units, lambda: self._in_backward)
+        self.stage3 = Stage3Hooks(self.units[0], self.units, lambda: self._in_backward, self._pass_over)
         self.full_state = FullStateDict(model, self.units, is_main=self.comm.rank == 0)  # model.state_dict() gathers (see its note)
         if self.shards_parameters:
             self.stage3.install()
@@ -286,6 +286,8 @@ class ZeroEngine:
         self.mode.begin_backward(sync)
         for unit in self.units:
             unit.begin_backward()
+        if self.shards_parameters:
+            self.stage3.order.begin_backward()
         self._next_reduction = 0
         self._in_backward = True
         self._backward_in_window = True
@@ -293,6 +295,8 @@ class ZeroEngine:
             (loss * (self.scaler.scale / self.window.steps)).backward()
         finally:
             self._in_backward = False
+        if self.shards_parameters:
+            self.stage3.order.end_backward()
         self._finish_reductions(sync)
         for unit in self.units:
             unit.release()
@@ -307,6 +311,14 @@ class ZeroEngine:
 
     def _on_grad(self, unit: Unit, group: int, index: int, param: nn.Parameter) -> None:
         grad, param.grad = param.grad, None
+        if unit.passed:
+            raise EngineError(
+                f"stage 3 with {self.comm.world} ranks: a gradient of unit {unit.name!r} arrived after backward had "
+                f"gone past it (its reduction had gone out, see [Note: one gather order] in "
+                f"zerofit.engine.gather_order). A unit's gradients must be computed before the backward of the units "
+                f"that ran before it in forward: a custom autograd function that defers them breaks that, as do "
+                f"units run in a different order on different ranks. Run the modules in one order on every rank, "
+                f"or use zero_optimization.stage 2.")
         if unit.on_grad(group, index, grad):
             if self.comm.world == 1:
                 self._reduce(unit)
@@ -314,6 +326,14 @@ class ZeroEngine:
                 self._launch_in_order()
             if unit is not self.units[0] and unit.backward_done:  # else stage 3 releases it when done
                 unit.release()
+
+    def _pass_over(self, unit: Unit) -> None:
+        """Stage 3, several ranks: backward went past `unit` (see [Note: one gather order])."""
+        unit.pass_over()
+        if unit.trainable:
+            self._launch_in_order()
+        if unit.backward_done:
+            unit.release()
 
     def _launch_in_order(self, *, finishing: bool = False) -> None:
         """Launch the reductions of the units next in `_reduction_order` whose gradients are complete (all

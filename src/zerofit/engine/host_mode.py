@@ -126,7 +126,7 @@ class HostStep(StepMode):
         hosted = [g for g in unit.trainable if g.placement.offload_state]
         # Only a unit all of whose parameters got a gradient here starts early: none of them can be
         # left out of the step (see [Note: parameters without a gradient] in zerofit.engine.engine).
-        if self._early_now and hosted and unit.complete:
+        if self._early_now and hosted and unit.all_reported:
             self._to_submit.append((pendings, hosted))
         self._submit_ready()
 

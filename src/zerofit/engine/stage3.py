@@ -9,9 +9,11 @@ backward never ends that way (a trainable parameter without a gradient, an unuse
 when `ZeroEngine.backward` returns.
 
 [Note: prefetch order]
-Each forward records the order in which units ran. The next forward prefetches, on entering a unit,
-the unit that followed it last time; backward prefetches the one that preceded it. The first
-iteration has no record and simply gathers on demand. A changed order costs only a missed prefetch.
+Each forward records the order in which units ran (`GatherOrder.schedule`, which with several ranks
+also keeps every rank's gathers in one order: see [Note: one gather order]). The next forward
+prefetches, on entering a unit, the unit that followed it last time; backward prefetches the one that
+preceded it. The first forward has no record and gathers on demand. A changed order costs only a
+missed prefetch.
 
 [Note: a unit's backward is done]
 A unit's parameters are needed until its backward has computed both the gradients of its trainable
@@ -45,6 +47,7 @@ from typing import Any
 import torch
 from torch.autograd.graph import register_multi_grad_hook
 
+from zerofit.engine.gather_order import GatherOrder
 from zerofit.engine.unit import Unit
 
 
@@ -125,14 +128,17 @@ def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
 class Stage3Hooks:
     """Installs the gather/release hooks on every sharded unit and prefetches along the recorded order."""
 
-    def __init__(self, root: Unit, units: list[Unit], in_backward: Callable[[], bool]):
+    def __init__(self, root: Unit, units: list[Unit], in_backward: Callable[[], bool],
+                 pass_over: Callable[[Unit], None]):
         self.root = root
         self.units = units
         self._in_backward = in_backward
         self._open: dict[Unit, _Call | None] = {}
         """Per unit: its forward call under way (between the pre and the post forward hook)."""
-        self._order: list[Unit] = []
-        self._last_order: list[Unit] = []
+        self.hooked = [u for u in units if u is not root and (u.sharded or u.trainable)]
+        """Units with forward hooks: the sharded ones, and the trainable ones kept whole, whose reductions
+        the schedule places too (see [Note: one gather order])."""
+        self.order = GatherOrder(self.hooked, ordered=root.comm.world > 1, pass_over=pass_over)
         self._handles = []
 
     def install(self) -> None:
@@ -145,9 +151,7 @@ class Stage3Hooks:
             for m in self.root.module.modules():
                 if m is not self.root.module and any(id(p) in root_ids for p in m.parameters(recurse=False)):
                     self._handles.append(m.register_forward_pre_hook(lambda *_a: self.root.wait_gathered()))
-        for unit in self.units:
-            if unit is self.root or not unit.sharded:
-                continue
+        for unit in self.hooked:
             self._handles.append(unit.module.register_forward_pre_hook(
                 lambda _m, args, kwargs, u=unit: self._pre_forward(u, args, kwargs), with_kwargs=True))
             self._handles.append(unit.module.register_forward_hook(
@@ -158,25 +162,18 @@ class Stage3Hooks:
             h.remove()
         self._handles.clear()
 
-    @staticmethod
-    def _neighbour(order: list[Unit], unit: Unit, step: int) -> Unit | None:
-        try:
-            i = order.index(unit) + step
-        except ValueError:
-            return None
-        return order[i] if 0 <= i < len(order) else None
-
     def _root_pre(self, _module, _args) -> None:
         if self._in_backward():
             return  # recomputation inside backward: the record of the real forward stays
-        if self._order:
-            self._last_order = self._order
-        self._order = []
+        self.order.begin_forward()
         self.root.wait_gathered()
-        if self._last_order:
-            self._last_order[0].gather()
+        first = self.order.first()
+        if first is not None:
+            first.gather()
 
     def _root_post(self, _module, _args, out) -> None:
+        if not self._in_backward():
+            self.order.end_forward(with_grad=torch.is_grad_enabled())
         if not torch.is_grad_enabled():
             for unit in self.units:  # no backward will follow (evaluation, generation)
                 unit.release()
@@ -188,11 +185,9 @@ class Stage3Hooks:
             register_multi_grad_hook(needs_grad, lambda _grad: self.root.wait_gathered(), mode="any")
 
     def _pre_forward(self, unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        if not self._in_backward() and unit not in self._order:
-            self._order.append(unit)
+        nxt = None if self._in_backward() else self.order.enter(unit)
         unit.wait_gathered()
-        nxt = self._neighbour(self._last_order, unit, +1)
-        if nxt is not None and not self._in_backward():
+        if nxt is not None:
             nxt.gather()
         self._open[unit] = None
         if not torch.is_grad_enabled():
@@ -219,7 +214,7 @@ class Stage3Hooks:
         if call is not None:
             call.awaited_in = unit.backward_pass
             unit.awaiting_inputs += 1
+        prev = self.order.reach(unit)  # backward runs the last forward's order in reverse
         unit.wait_gathered()
-        prev = self._neighbour(self._order, unit, -1)  # backward runs this forward's order in reverse
         if prev is not None:
             prev.gather()

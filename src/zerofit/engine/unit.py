@@ -39,6 +39,8 @@ class Unit:
         """Per trainable group: parameters that got a gradient on this rank in this accumulation window."""
         self.reduced = False
         """Gradients of this backward have been handed to a reduction."""
+        self.passed = False
+        """This backward went past the unit: no gradient may arrive any more (see [Note: one gather order])."""
         self.backward_pass = 0
         """Counts `begin_backward` calls: a forward call's input-gradient signal from an earlier backward is stale."""
         self.awaiting_inputs = 0
@@ -87,6 +89,7 @@ class Unit:
         for s in self.reported:
             s.clear()
         self.reduced = False
+        self.passed = False
         self.backward_pass += 1
         self.awaiting_inputs = 0
 
@@ -95,11 +98,20 @@ class Unit:
         self.trainable[group].accumulate(index, grad)
         self.reported[group].add(index)
         self.used[group].add(index)
-        return self.complete
+        return self.all_reported
+
+    def pass_over(self) -> None:
+        """Backward went past this unit: its parameters without a gradient get none in this backward."""
+        self.passed = True
 
     @property
     def complete(self) -> bool:
-        """Every trainable parameter's gradient of this backward has arrived."""
+        """Every trainable parameter's gradient of this backward has arrived, or backward went past the unit."""
+        return self.passed or self.all_reported
+
+    @property
+    def all_reported(self) -> bool:
+        """Every trainable parameter got a gradient in this backward."""
         return all(len(s) == len(g.params) for s, g in zip(self.reported, self.trainable))
 
     @property
