@@ -174,3 +174,13 @@ def test_a_bad_value_is_an_error_naming_the_key(data, message):
     with pytest.raises(ConfigError) as caught:
         config_from_dict(data)
     assert message in str(caught.value)
+
+
+def test_zerofit_config_writes_the_deepspeed_key_only_when_not_fp32():
+    from zerofit.cli.configure import deepspeed_dict
+
+    bf16 = config_from_dict({"precision": {"communication_data_type": "bf16"}})
+    written = deepspeed_dict(bf16)
+    assert written["communication_data_type"] == "bf16"
+    assert config_from_dict(written).precision.communication_data_type == "bf16"
+    assert "communication_data_type" not in deepspeed_dict(config_from_dict({}))
