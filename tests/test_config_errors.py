@@ -209,7 +209,7 @@ BAD = [
     (
         "ds-communication-type",
         {"communication_data_type": "fp8"},
-        "communication_data_type must be one of 'fp32', 'fp16', 'bf16'",
+        "communication_data_type must be one of 'fp32', 'bf16', 'fp16' (got 'fp8')",
     ),
     (
         "ds-master-weights",

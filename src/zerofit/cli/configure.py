@@ -113,6 +113,8 @@ def deepspeed_dict(cfg: RunConfig) -> dict[str, Any]:
         out["fp16"] = {"enabled": True, "loss_scale": ls.loss_scale, "initial_scale_power": ls.initial_scale_power,
                        "loss_scale_window": ls.loss_scale_window, "hysteresis": ls.hysteresis,
                        "min_loss_scale": ls.min_loss_scale}
+    if cfg.precision.communication_data_type != "fp32":  # fp32 is what zerofit does without the key
+        out["communication_data_type"] = cfg.precision.communication_data_type
     out.update({"gradient_accumulation_steps": cfg.batch.gradient_accumulation_steps,
                 "gradient_clipping": cfg.gradient_clipping,
                 "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto"})

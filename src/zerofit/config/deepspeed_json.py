@@ -5,7 +5,8 @@ Every key DeepSpeed documents falls into one of four groups, and this module is 
 * `TABLE`: keys with a zerofit home, converted to the schema type (`"5e8"` and `1e9` are integers,
   `"true"` is a boolean, `"auto"` is AUTO where the schema allows it);
 * keys read by hand: `fp16.enabled` / `bf16.enabled` become `precision.mixed_precision`, deprecated
-  spellings map onto their successors with a warning, monitors become trackers;
+  spellings map onto their successors with a warning, monitors become trackers,
+  `communication_data_type` becomes `precision.communication_data_type` (null: zerofit's fp32);
 * knobs of mechanisms zerofit does not have, accepted and type-checked, with one warning when the value
   asks for something zerofit does not do (the table in `zerofit.config.ignored`; a key whose every value
   is what zerofit does anyway is only type-checked);
@@ -83,6 +84,7 @@ SECTION_NAMES = {
     "zero.offload_optimizer": _OPT,
     "zero.offload_param": _PARAM,
     "precision.mixed_precision": "fp16.enabled / bf16.enabled",
+    "precision.communication_data_type": "communication_data_type",
 }
 """Names of zerofit sections and derived keys, for messages (see `naming`)."""
 
@@ -186,6 +188,7 @@ _DEPRECATED = {
 }
 
 _HANDLED = (
+    "communication_data_type",
     "fp16.enabled",
     "bf16.enabled",
     "steps_per_print",
@@ -215,6 +218,7 @@ def read(data: Mapping[str, Any], source: str | None = None) -> Reading:
             if is_auto_text(dig(data, f"{path}.device")):
                 reading.set(f"zero.{kind}.device", AUTO)
     _read_precision(reading, data)
+    _read_communication(reading, data)
     _read_deprecated(reading, data)
     ignored.check(reading, data, "deepspeed")
     _read_features(reading, data)
@@ -257,6 +261,14 @@ def _read_precision(reading: Reading, data: Mapping[str, Any]) -> None:
         reading.set("precision.mixed_precision", AUTO)
     else:
         reading.set("precision.mixed_precision", "no")
+
+
+def _read_communication(reading: Reading, data: Mapping[str, Any]) -> None:
+    """`communication_data_type`: the dtype gradients are reduced in. DeepSpeed's null (its default, meaning
+    the compute dtype) keeps zerofit's default, fp32: 16-bit reduction is asked for by name only."""
+    value = data.get("communication_data_type")
+    if value is not None:
+        reading.put("precision.communication_data_type", "communication_data_type", value)
 
 
 def _read_deprecated(reading: Reading, data: Mapping[str, Any]) -> None:

@@ -122,9 +122,6 @@ TABLE: tuple[Ignored, ...] = (
             zerofit="zero.aio.single_submit"),
     Ignored("aio.overlap_events", True, "zerofit's NVMe I/O does not go through libaio: its requests always "
             "overlap on its own threads", to_bool, zerofit="zero.aio.overlap_events"),
-    Ignored("communication_data_type", None, "zerofit reduces gradients in fp32 (they accumulate in fp32 "
-            "buffers); 16-bit gradient reduction is not implemented", _comm_type, quiet=("fp32",),
-            zerofit="precision.communication_data_type"),
     Ignored("checkpoint.use_node_local_storage", False, "zerofit writes no node-local checkpoints: every rank "
             "writes its shards into the one directory given to save_state, and on several machines a save fails "
             "unless that directory is on storage all of them mount (NFS, Lustre, ...)",

@@ -46,6 +46,7 @@ def is_auto(value: Any) -> bool:
 OffloadDevice = Literal["none", "cpu", "nvme"]
 StepOn = Literal["auto", "host", "device"]
 MixedPrecision = Literal["no", "fp16", "bf16"]
+CommunicationDataType = Literal["fp32", "bf16", "fp16"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -130,6 +131,8 @@ class PrecisionConfig:
     """no: fp32 compute; bf16 or fp16: compute in that dtype."""
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
     """Used when mixed_precision is fp16."""
+    communication_data_type: CommunicationDataType = "fp32"
+    """The dtype gradients are reduced in between ranks: fp32 (default, exact sums); bf16 or fp16 send half the bytes, and each rank's share is added to its fp32 gradient after the reduction (see [Note: gradients on the wire] in zerofit.engine.unit). One rank: no reduction, no effect. DeepSpeed's unset value (the compute dtype) is not followed: unset is fp32."""
     skip_nonfinite_steps: bool = False
     """zerofit only: in fp32 / bf16, a step whose gradient norm is NaN or inf is skipped on every rank (as fp16's loss scaler skips overflows; costs one host sync per step when clipping is off); false: the step is applied and a warning names it."""
 

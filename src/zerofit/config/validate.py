@@ -255,6 +255,13 @@ def _precision(c: _Checker) -> None:
             f"{c.name('precision.mixed_precision')} must be no, fp16 or bf16 (got {mode!r})",
             "precision.mixed_precision",
         )
+    wire = c.values["precision.communication_data_type"]
+    if wire not in ("fp32", "bf16", "fp16"):
+        c.add(
+            f"{c.name('precision.communication_data_type')} must be fp32, bf16 or fp16 (got {wire!r}): fp32 reduces "
+            "gradients exactly; bf16 halves the bytes sent",
+            "precision.communication_data_type",
+        )
     scale, least = c.known("precision.loss_scale.loss_scale"), c.known("precision.loss_scale.min_loss_scale")
     if isinstance(scale, (int, float)) and scale < 0:
         c.add(

@@ -63,16 +63,20 @@ class Pending:
 class Collectives:
     """Collectives over one process group, run on a side stream on CUDA and asynchronously on CPU."""
 
-    def __init__(self, group: dist.ProcessGroup | None, device: torch.device):
+    def __init__(self, group: dist.ProcessGroup | None, device: torch.device,
+                 grad_dtype: torch.dtype = torch.float32):
         self.group = group
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
         self.device = device
+        self.grad_dtype = grad_dtype
+        """The dtype gradient reductions travel in (`precision.communication_data_type`); the units cast to it
+        (see [Note: gradients on the wire] in zerofit.engine.unit)."""
         self.calls = 0
         """Collectives issued so far (world > 1 only): lets tests prove a micro-step stayed silent."""
-        self.trace: list[tuple[str, tuple[int, ...]]] | None = None
-        """Set to a list to record every collective issued (world > 1): its label and the sizes of the
-        tensors it touches. Tests compare the ranks' traces (see [Note: one collective order])."""
+        self.trace: list[tuple[str, tuple[int, ...], tuple[torch.dtype, ...]]] | None = None
+        """Set to a list to record every collective issued (world > 1): its label, and the sizes and dtypes of
+        the tensors it touches. Tests compare the ranks' traces (see [Note: one collective order])."""
         # High priority so that gathers needed by the next layer are not queued behind compute.
         self.stream = torch.cuda.Stream(device=device, priority=-1) if device.type == "cuda" else None
 
@@ -105,7 +109,7 @@ class Collectives:
     def _count(self, label: str, tensors) -> None:
         self.calls += 1
         if self.trace is not None:
-            self.trace.append((label, tuple(t.numel() for t in tensors)))
+            self.trace.append((label, tuple(t.numel() for t in tensors), tuple(t.dtype for t in tensors)))
 
     def all_gather(self, out_full: torch.Tensor, in_shard: torch.Tensor, label: str,
                    then: Callable[[], None] | None = None) -> Pending:

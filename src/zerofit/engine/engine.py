@@ -45,6 +45,7 @@ from zerofit.engine.optim import (
 from zerofit.engine.policy import (
     COMPUTE_DTYPES,
     StagePolicy,
+    communication_dtype,
     host_share_for,
     host_stepped_units,
     keeps_compact_grads,
@@ -98,7 +99,7 @@ class ZeroEngine:
         self.host_share = host_share_for(off.step_on, None if is_auto(off.host_share) else off.host_share,  # None: unset
                                          cuda=self.device.type == "cuda", nvme=off.device == "nvme")
         """Share of the offloaded state stepped on the host when the rest is GPU-stepped (see `host_share_for`)."""
-        self.comm = Collectives(group, self.device)
+        self.comm = Collectives(group, self.device, grad_dtype=communication_dtype(self.precision))
         self.compute_dtype = COMPUTE_DTYPES[self.precision.mixed_precision]
         self.scaler = LossScaler(self.precision.loss_scale, enabled=self.precision.mixed_precision == "fp16")
         self.policy = StagePolicy(stage=self.zero.stage, world=self.comm.world, rank=self.comm.rank,

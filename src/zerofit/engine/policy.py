@@ -19,12 +19,32 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
+from typing import TYPE_CHECKING
 
 import torch
+
+from zerofit.errors import EngineError
+
+if TYPE_CHECKING:
+    from zerofit.config.schema import PrecisionConfig
 
 COMPUTE_DTYPES: Mapping[str, torch.dtype] = MappingProxyType(
     {"no": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16})
 """The compute dtype of each `precision.mixed_precision` value (the engine's and the planner's)."""
+
+COMMUNICATION_DTYPES: Mapping[str, torch.dtype] = MappingProxyType(
+    {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16})
+"""The dtype gradients are reduced in for each `precision.communication_data_type` value (see
+[Note: gradients on the wire] in zerofit.engine.unit)."""
+
+
+def communication_dtype(precision: PrecisionConfig) -> torch.dtype:
+    """The dtype gradients are reduced in under `precision` (a `PrecisionConfig`)."""
+    name = precision.communication_data_type
+    if name not in COMMUNICATION_DTYPES:
+        raise EngineError(f"precision.communication_data_type must be fp32, bf16 or fp16 (got {name!r}): fp32 "
+                         "reduces gradients exactly; bf16 halves the bytes sent")
+    return COMMUNICATION_DTYPES[name]
 
 
 @dataclass(frozen=True)
