@@ -81,11 +81,11 @@ def test_one_machine_with_a_network_address_warns_that_it_is_exposed():
 def test_a_non_loopback_gloo_interface_chosen_by_the_user_is_warned_about(monkeypatch):
     plan = plan_launch(config(num_processes=2), TARGET, gpu_count=0)
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth0")
-    assert network_env(plan) == {}  # the user's choice wins
+    assert network_env(plan) == {"NCCL_SOCKET_IFNAME": "=eth0"}  # the user's choice wins, for NCCL too
     assert re.search(r"GLOO_SOCKET_IFNAME=eth0 makes the workers' gloo sockets listen beyond loopback",
                      exposure_warning(plan))
     monkeypatch.delenv("GLOO_SOCKET_IFNAME")
-    assert network_env(plan) == {"GLOO_SOCKET_IFNAME": "lo"}
+    assert network_env(plan) == {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "=lo"}
 
 
 def test_c10d_argv_uses_an_endpoint_and_no_node_rank():

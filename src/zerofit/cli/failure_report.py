@@ -10,14 +10,23 @@ Stopping the workers, torchrun's agent also logs a line for the signal it got an
 signals; the launcher's summary (`stopped by SIGINT`, or the failure summary) says that already, so
 `torchrun_stop_lines_hidden` leaves those lines out, and a worker stopped by Ctrl-C exits without a
 traceback (zerofit.cli.worker). Every other line torchrun logs still shows.
+
+A rank stopped by SIGABRT under NCCL, or one whose error has the NCCL watchdog's words, most likely met
+the watchdog's timeout: the summary says so, with what the flight recorder's dumps show ([Note: failures
+under NCCL] in zerofit.cli.flight_recorder).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import signal
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
+
+from zerofit.cli import flight_recorder
+from zerofit.dist.failures import TIMEOUT_FLAG, TIMEOUT_KEY
 
 TORCHRUN_STOP_LINES = {
     "torch.distributed.elastic.agent.server.api": "Received %s death signal, shutting down workers",
@@ -72,8 +81,49 @@ def _error_line(failure: Any) -> str:
     return text[:_MAX_LINE] + (" ..." if len(text) > _MAX_LINE else "") if text else f"exit code {failure.exitcode}"
 
 
-def summary(name: str, failures: dict[int, Any], first_rank: int) -> str:
-    """The lines printed after a failed run of `name` (`failures`: global rank -> torchelastic's ProcessFailure)."""
+@dataclass(frozen=True)
+class NcclRun:
+    """What the summary of an NCCL run needs to name a watchdog timeout."""
+
+    timeout_s: float
+    """launch.process_group_timeout as the launcher gave it (a script may set its own)."""
+    dump_prefix: str | None
+    """Where the ranks' flight-recorder dumps go (`<prefix><rank>`), None when nowhere known."""
+    since: float = 0.0
+    """When the run started (time.time()): an older dump under the prefix is another run's."""
+
+
+def _watchdog_words(failure: Any) -> bool:
+    text = f"{_error_line(failure)} {getattr(failure, 'message', '') or ''}".lower()
+    return any(words in text for words in flight_recorder.WATCHDOG_WORDS)
+
+
+def watchdog_lines(failures: dict[int, Any], nccl: NcclRun | None) -> list[str]:
+    """The likely cause of an NCCL watchdog abort and what the dumps show, or nothing when no rank ended so."""
+    aborted = nccl is not None and any(f.exitcode == -signal.SIGABRT for f in failures.values())
+    if not aborted and not any(_watchdog_words(f) for f in failures.values()):
+        return []
+    dumps, timeout_s = ([], None) if nccl is None or nccl.dump_prefix is None else \
+        flight_recorder.report(nccl.dump_prefix, since=nccl.since)
+    timeout_s = timeout_s or (nccl.timeout_s if nccl is not None else None)
+    limit = f"{timeout_s:g} s, " if timeout_s else ""
+    lines = [f"  likely cause: NCCL's watchdog ended a collective that waited longer than the process-group timeout "
+             f"({limit}{TIMEOUT_KEY}, {TIMEOUT_FLAG} SECONDS) and aborted the process (SIGABRT): a rank is hung or "
+             "slow outside collectives, or the ranks issued different collectives"]
+    if dumps:
+        lines += dumps
+    else:
+        lines.append("  no NCCL flight-recorder dump was found (TORCH_NCCL_DUMP_ON_TIMEOUT and "
+                     "TORCH_NCCL_DEBUG_INFO_TEMP_FILE name where the ranks write them)")
+    lines.append("  for a first run, TORCH_DISTRIBUTED_DEBUG=DETAIL checks before every collective that all ranks "
+                 "issue the same one and names the first that differs (slower); a short "
+                 f"{TIMEOUT_FLAG} (e.g. 300) finds a hang sooner")
+    return lines
+
+
+def summary(name: str, failures: dict[int, Any], first_rank: int, nccl: NcclRun | None = None) -> str:
+    """The lines printed after a failed run of `name` (`failures`: global rank -> torchelastic's ProcessFailure;
+    `nccl`: set for an NCCL run, so a SIGABRT is read as the watchdog's)."""
     first = failures[first_rank]
     lines = [f"zerofit launch: {name} failed: rank {first_rank} first (local rank {first.local_rank}, exit code "
              f"{first.exitcode}): {_error_line(first)}"]
@@ -83,7 +133,7 @@ def summary(name: str, failures: dict[int, Any], first_rank: int) -> str:
         if rank != first_rank:
             f = failures[rank]
             lines.append(f"  then rank {rank} (exit code {f.exitcode}): {_error_line(f)}")
-    return "\n".join(lines)
+    return "\n".join(lines + watchdog_lines(failures, nccl))
 
 
 def engine_argument_hint(target: tuple[str, ...] | list[str]) -> str | None:

@@ -11,7 +11,12 @@ per restart), and gloo is told to use the loopback interface (GLOO_SOCKET_IFNAME
 reachable from the network and two runs on one machine never fight over 29500. Several machines (or
 one machine given a non-loopback main_process_ip) use `main_process_ip:main_process_port` (port 29500
 when unset) through torchrun's static or c10d rendezvous, whose store listens on every interface: the
-launcher warns about that, and the README tells users to firewall the port.
+launcher warns about that, and the README tells users to firewall the port. NCCL's bootstrap socket is
+told the same (NCCL_SOCKET_IFNAME), else it binds the first non-loopback interface; on several
+machines an interface the user named for one of gloo and NCCL is named for the other too.
+
+An NCCL run also gets torch's flight recorder, dumping to a folder of the launcher's, so a watchdog
+timeout is named in the failure summary ([Note: failures under NCCL] in zerofit.cli.flight_recorder).
 """
 
 from __future__ import annotations
@@ -22,17 +27,19 @@ import dataclasses
 import importlib.util
 import ipaddress
 import os
+import re
 import shutil
 import signal
 import socket
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from zerofit.cli import failure_report, rendezvous
+from zerofit.cli import failure_report, flight_recorder, rendezvous
 from zerofit.cli.flags import add_flag
 from zerofit.config import load_config, save_config, validate_config
 from zerofit.config.schema import RunConfig
@@ -193,12 +200,31 @@ def loopback_interface() -> str | None:
     return next((n for n in names if n in ("lo", "lo0")), None)
 
 
-def network_env(plan: LaunchPlan) -> dict[str, str]:
-    """Environment that keeps gloo's sockets on loopback for a one-machine run (the user's setting wins)."""
-    if not plan.loopback_only or "GLOO_SOCKET_IFNAME" in os.environ:
-        return {}
-    name = loopback_interface()
-    return {"GLOO_SOCKET_IFNAME": name} if name else {}
+_PLAIN_IFNAMES = re.compile(r"[\w.:-]+(,[\w.:-]+)*")
+"""A list of interface names as gloo takes it; NCCL's `^` (exclude) and `=` (exact) forms are not one."""
+
+
+def network_env(plan: LaunchPlan, environ: dict[str, str] | os._Environ[str] = os.environ) -> dict[str, str]:
+    """The socket interfaces the workers' gloo and NCCL use (a setting the user made is never replaced).
+
+    gloo: loopback on one machine, else what the user named for NCCL. NCCL: what gloo uses, so on one
+    machine loopback too (its data goes over NVLink or shared memory there; only its bootstrap uses the
+    socket, which would otherwise bind the first non-loopback interface). NCCL matches names as prefixes
+    unless the list starts with `=`, gloo exactly: names given to NCCL get the `=`, and an NCCL list
+    with `^`/`=` is not given to gloo.
+    """
+    gloo, nccl = environ.get("GLOO_SOCKET_IFNAME"), environ.get("NCCL_SOCKET_IFNAME")
+    out = {}
+    if gloo is None:
+        if plan.loopback_only:
+            gloo = loopback_interface()
+        elif nccl and _PLAIN_IFNAMES.fullmatch(nccl):
+            gloo = nccl
+        if gloo:
+            out["GLOO_SOCKET_IFNAME"] = gloo
+    if nccl is None and gloo:
+        out["NCCL_SOCKET_IFNAME"] = f"={gloo}"
+    return out
 
 
 def exposure_warning(plan: LaunchPlan) -> str | None:
@@ -341,21 +367,48 @@ def _environ(values: dict[str, str]) -> Iterator[None]:
 
 RUN_DIR_PREFIX = "zerofit-run-"
 """A launch's temporary directory (its resolved config, torchrun's logs) is `<tmp>/zerofit-run-<pid>-*`."""
+TRACE_DIR_PREFIX = "zerofit-nccl-trace-"
+"""An NCCL launch's flight-recorder dumps go to `<tmp>/zerofit-nccl-trace-<pid>-*`: removed after a run that
+left no dump, kept (and named in the summary) after one that did."""
 
 
 def remove_orphaned_run_dirs() -> None:
     """Delete the run directories of launchers that were killed (their pid no longer runs), so a SIGKILL
-    leaves nothing behind for long: the next launch on this machine clears it."""
-    for path in Path(tempfile.gettempdir()).glob(f"{RUN_DIR_PREFIX}*-*"):
-        pid = path.name[len(RUN_DIR_PREFIX):].split("-", 1)[0]
-        if not pid.isdigit() or not path.is_dir() or path.is_symlink() or path.stat().st_uid != os.getuid():
-            continue
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
-            shutil.rmtree(path, ignore_errors=True)
-        except PermissionError:  # a live process of another user
-            continue
+    leaves nothing behind for long: the next launch on this machine clears it. A killed launcher's trace
+    folder goes only when empty: dumps in it are the evidence of a failure."""
+    for prefix in (RUN_DIR_PREFIX, TRACE_DIR_PREFIX):
+        for path in Path(tempfile.gettempdir()).glob(f"{prefix}*-*"):
+            pid = path.name[len(prefix):].split("-", 1)[0]
+            if not pid.isdigit() or not path.is_dir() or path.is_symlink() or path.stat().st_uid != os.getuid():
+                continue
+            try:
+                os.kill(int(pid), 0)
+            except ProcessLookupError:
+                if prefix == RUN_DIR_PREFIX:
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    with contextlib.suppress(OSError):
+                        path.rmdir()
+            except PermissionError:  # a live process of another user
+                continue
+
+
+@contextlib.contextmanager
+def nccl_tracing(plan: LaunchPlan) -> Iterator[tuple[dict[str, str], failure_report.NcclRun | None]]:
+    """For an NCCL run: the flight-recorder variables for the workers and what the failure summary needs to
+    read their dumps; the launcher's dump folder is removed afterwards unless a rank dumped into it."""
+    if plan.backend != "nccl":
+        yield {}, None
+        return
+    folder = tempfile.mkdtemp(prefix=f"{TRACE_DIR_PREFIX}{os.getpid()}-")
+    env = flight_recorder.env(folder)
+    nccl = failure_report.NcclRun(timeout_s=plan.config.launch.process_group_timeout,
+                                  dump_prefix=flight_recorder.dump_prefix({**os.environ, **env}), since=time.time())
+    try:
+        yield env, nccl
+    finally:
+        if not any(Path(folder).iterdir()):
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def execute(plan: LaunchPlan) -> int:
@@ -380,14 +433,15 @@ def execute(plan: LaunchPlan) -> int:
         if warning:
             print(warning, file=sys.stderr, flush=True)
         rendezvous.register()
-        with _environ(env), failure_report.torchrun_stop_lines_hidden():
+        with nccl_tracing(plan) as (trace_env, nccl), _environ({**env, **trace_env}), \
+                failure_report.torchrun_stop_lines_hidden():
             try:
                 torchrun.run(plan.torchrun_args(torchrun, os.path.join(run_dir, "logs")))
             except ChildFailedError as e:
                 # Each rank printed its traceback as it failed; one summary names them (zerofit.cli.failure_report).
                 name = " ".join(plan.target[:2] if plan.target[0] == "-m" else plan.target[:1])
                 first_rank, first = e.get_first_failure()
-                print(failure_report.summary(name, e.failures, first_rank), file=sys.stderr, flush=True)
+                print(failure_report.summary(name, e.failures, first_rank, nccl), file=sys.stderr, flush=True)
                 hint = failure_report.engine_argument_hint(plan.target)
                 if hint:
                     print(hint, file=sys.stderr, flush=True)

@@ -174,6 +174,7 @@ def _exit_interrupted() -> None:
     says the run was stopped (zerofit.cli.failure_report), so no rank adds a KeyboardInterrupt traceback.
     atexit handlers still run; a second Ctrl-C while they do is ignored, not a traceback from inside them."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sys.last_value = KeyboardInterrupt()  # a failed exit, as in _exit_failed
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -186,6 +187,9 @@ def _exit_failed(error: BaseException) -> None:
     destructors there ("terminate called without an active exception", exit -6), which would replace
     the script's exit code. atexit handlers (NVMe swap files, trackers) still run."""
     sys.excepthook(type(error), error, error.__traceback__)  # torch's rank-prefixing hook wraps ours
+    # As the interpreter records an uncaught error, so exit handlers can tell a failed exit (they destroy
+    # no process group then: [Note: end of training] in zerofit.dist.process_group).
+    sys.last_type, sys.last_value, sys.last_traceback = type(error), error, error.__traceback__
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -7,12 +7,21 @@ issue and the wait of a collective (the engine's, the script-facing ones in `zer
 checkpoint's and `wait_for_everyone`) and turns torch's error into a `CollectiveError` that does (the
 original stays chained as its cause). The rank that raises exits, and the launcher then stops every
 other rank of the run.
+
+That needs an error raised in the call, which gloo gives (a collective waits on the CPU). Under NCCL
+the engine only queues its collectives; one that never completes is ended by torch's NCCL watchdog
+after the process-group timeout, which aborts the process (SIGABRT): the launcher's summary names it
+([Note: failures under NCCL] in zerofit.cli.flight_recorder). An out-of-memory error raised while a
+collective is issued (an offloaded shard's upload) is not a communication failure and passes through
+unchanged, so the out-of-memory back-off (zerofit.frontend.backoff) sees it.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+
+import torch
 
 from zerofit.dist import arrival, process_group
 from zerofit.errors import CollectiveError
@@ -33,8 +42,9 @@ def describe(label: str, rank: int, error: BaseException) -> str:
         return (f"rank {rank}: collective {label} did not complete within {limit} ({TIMEOUT_KEY}): another rank "
                 f"is hung or is running a different collective (ranks that run different numbers of steps, "
                 f"e.g. a DataLoader not passed to prepare() that gives ranks different numbers of batches). "
-                f"Check the other ranks' logs; if the step is only slow, raise {TIMEOUT_KEY} "
-                f"({TIMEOUT_FLAG} SECONDS). [{_first_line(text)}]")
+                f"Check the other ranks' logs (under NCCL a rank stuck this way is aborted by the watchdog, "
+                f"SIGABRT, and the launcher's summary says where it was); if the step is only slow, raise "
+                f"{TIMEOUT_KEY} ({TIMEOUT_FLAG} SECONDS). [{_first_line(text)}]")
     return (f"rank {rank}: collective {label} failed because another rank left the run (it crashed, was "
             f"killed, or finished early, e.g. it ran out of batches of a DataLoader not passed to prepare()): "
             f"check the other ranks' logs. [{_first_line(text)}]")
@@ -50,8 +60,8 @@ def named(label: str, rank: int, *, wait: bool = False) -> Iterator[None]:
         arrival.note_collective()
     try:
         yield
-    except CollectiveError:
-        raise
+    except (CollectiveError, torch.OutOfMemoryError):
+        raise  # already named; an OOM is this rank's own (module doc), for the back-off to see
     except RuntimeError as e:  # gloo raises RuntimeError, NCCL DistBackendError (a RuntimeError)
         raise CollectiveError(describe(label, rank, e), label=label, rank=rank) from e
 

@@ -11,12 +11,15 @@ attempt fresh keys; the launcher's own single-machine rendezvous also starts a n
 (`zerofit.cli.rendezvous`), so scripts that create the process group themselves are covered there.
 
 `launch.process_group_timeout` bounds joining and every collective, so a peer that hangs makes the
-others raise (see `zerofit.dist.failures`) instead of waiting torch's default 30 minutes.
+others fail within it: gloo's waiting call raises (see `zerofit.dist.failures`), NCCL's watchdog aborts
+the process (see [Note: failures under NCCL] in zerofit.cli.flight_recorder).
 """
 
 from __future__ import annotations
 
+import atexit
 import os
+import sys
 from datetime import timedelta
 
 import torch
@@ -81,3 +84,30 @@ def join(config: RunConfig, backend: str, device: torch.device) -> None:
     _joined_store = store
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout,
                             device_id=device_id)
+
+
+_end_registered = False
+
+
+def destroy_at_exit() -> None:
+    """[Note: end of training] Destroy the default process group when the script ends normally.
+
+    Accelerate's `end_training` destroys the group at once. Scripts written for it save after
+    `end_training` (Accelerate's and transformers' no_trainer examples: `wait_for_everyone`, then
+    `save_pretrained`, which gathers at stage 3), and those would fail on a group that is gone; so the
+    group is destroyed at the script's end instead, before the interpreter tears down (which is what the
+    destroy is for: NCCL's communicators end cleanly and torch does not warn). A script that destroys or
+    replaces the group itself is left to it; an exit by an uncaught error or Ctrl-C destroys nothing, since
+    a peer may still be inside a collective with this rank and a destroy could wait on it.
+    """
+    global _end_registered
+    if _end_registered or not dist.is_initialized():
+        return
+    _end_registered = True
+    atexit.register(_destroy_if_unchanged, dist.group.WORLD)
+
+
+def _destroy_if_unchanged(group: dist.ProcessGroup) -> None:
+    failed = getattr(sys, "last_value", None) is not None or getattr(sys, "last_exc", None) is not None
+    if dist.is_initialized() and dist.group.WORLD is group and not failed:
+        dist.destroy_process_group()

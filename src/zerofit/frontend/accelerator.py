@@ -32,7 +32,7 @@ from torch import nn
 
 from zerofit.config import load_config
 from zerofit.config.schema import RunConfig, is_auto
-from zerofit.dist import arrival, runtime
+from zerofit.dist import arrival, process_group, runtime
 from zerofit.engine.loss_scale import LossScaler
 from zerofit.frontend import ops, plugins, tracking
 from zerofit.frontend.backoff import OomBackoff
@@ -354,10 +354,13 @@ class Accelerator(PrepareMixin, PersistenceMixin, ProcessMethods):
             tracker.log(values, step)
 
     def end_training(self) -> None:
+        """Finish the trackers, wait for every rank, and have the process group destroyed when the script
+        ends ([Note: end of training] in zerofit.dist.process_group: a save after this still works)."""
         for tracker in self.trackers:
             tracker.finish()
         self.trackers = []
         self.process.barrier(arrival.END_TRAINING)
+        process_group.destroy_at_exit()
 
     # --- models and checkpoints -----------------------------------------------------------------
     def unwrap_model(self, model: nn.Module, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True) -> nn.Module:

@@ -36,8 +36,9 @@ The agreement costs one tiny all-reduce per micro-step, only with several ranks 
 and it is blocking: the host waits for forward to finish on the device before it launches backward.
 A run that would rather end on an out-of-memory error than pay that sets `batch.oom_backoff: false`
 (zerofit YAML): `guard` then only yields, no window is kept, and no micro-step agrees on anything.
-Nothing is less safe than a run without back-off: the failing rank raises the OOM and its peers stop
-at their next collective's timeout (`launch.process_group_timeout`), as under plain DDP.
+Nothing is less safe than a run without back-off: the failing rank raises the OOM and exits, and the
+launcher stops its peers (their next collective fails under gloo; under NCCL the launcher ends them, or at
+worst the watchdog does after `launch.process_group_timeout`), as under plain DDP.
 """
 
 from __future__ import annotations
