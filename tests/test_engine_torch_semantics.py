@@ -10,6 +10,8 @@ for bit, and every rank must issue the same collectives in the same order:
   parameter whose `.grad` is None; one used on some ranks only is stepped with the averaged gradient;
 - a block one rank skips (LayerDrop-like) changes no rank's sequence of collectives;
 - `step()` with no backward since the last one applies nothing.
+The data-dependent plan also runs under TORCH_DISTRIBUTED_DEBUG=DETAIL, where torch itself refuses a
+collective that differs between the ranks.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import warnings
 
 import pytest
 import torch
+import torch.distributed as dist
 from engine_cases import DIM, SEQ, VOCAB, Block, loss_fn
 from torch import nn
 
@@ -179,6 +182,30 @@ def test_every_rank_issues_the_same_collectives_in_the_same_order(world2):
     for key in r0:
         assert r0[key]["trace"] == r1[key]["trace"], key
         assert r0[key]["trace"], key
+
+
+def run_checked(rank: int, world: int) -> dict:
+    """The rank-dependent plan for 3 steps (rank 1 skips a block at step 1) at every configuration
+    `run_all` tries it at, then a control: sizes that differ by rank, which torch's checker must refuse."""
+    for config in CONFIGS:
+        if not _skips_blocks_per_rank("rank_dependent", config[0]):
+            train(rank, world, "rank_dependent", *config, steps=range(3))
+    try:
+        dist.all_reduce(torch.zeros(3 + rank))  # gloo alone pairs these without a word
+        control = None
+    except RuntimeError as e:
+        control = str(e)
+    return {"checked": dist.get_debug_level() == dist.DebugLevel.DETAIL, "control": control}
+
+
+def test_torch_s_collective_checker_finds_no_mismatch():
+    """TORCH_DISTRIBUTED_DEBUG=DETAIL: torch compares every collective (kind, sizes, dtypes) across the
+    ranks before issuing it and raises at the first that differs, where gloo alone may pair two different
+    calls (and NCCL would hang or corrupt memory). The data-dependent plan only: the check makes each
+    collective a blocking round trip, and the whole of `run_all` under it took 8 s more (4-6 s -> 13-14 s)."""
+    for got in run_distributed(run_checked, 2, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}, timeout=300):
+        assert got["checked"]
+        assert got["control"] is not None and "mismatch" in got["control"].lower(), got["control"]
 
 
 def _engine(stage=0, offload="none"):

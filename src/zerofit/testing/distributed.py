@@ -85,6 +85,9 @@ def _worker(rank: int, world_size: int, port: int, backend: str, timeout_s: floa
     os.environ.update(environ)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR=_LOOPBACK, MASTER_PORT=str(port))
+    # torch reads TORCH_DISTRIBUTED_DEBUG when torch.distributed is imported, which a forked rank did in the
+    # fork server, with the server's environment: read it again from this one.
+    dist.set_debug_level_from_env()
     torch.set_num_threads(threads)
     try:
         timeout = timedelta(seconds=timeout_s)
@@ -103,18 +106,21 @@ def _worker(rank: int, world_size: int, port: int, backend: str, timeout_s: floa
 
 
 def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 180.0,
-                    backend: str = "gloo", threads: int | None = None) -> list[Any]:
+                    backend: str = "gloo", threads: int | None = None,
+                    env: dict[str, str] | None = None) -> list[Any]:
     """Call `fn(rank, world_size, *args)` on `world_size` fresh processes; return their results by rank.
 
     `fn` must be importable (defined at module top level): ranks are spawned (or forked from the fork
-    server, see use_forkserver), never forked from the caller, and import it by name.
+    server, see use_forkserver), never forked from the caller, and import it by name. `env`: variables
+    set in the ranks only, on top of the caller's environment (e.g. TORCH_DISTRIBUTED_DEBUG=DETAIL, which
+    makes torch check that every rank issues the same collectives and raise where they differ).
     """
     ctx = mp.get_context(_START_METHOD)
     results = ctx.Queue()
     threads = threads or max(1, (os.cpu_count() or 1) // world_size)
     store, port = _host_store(timeout)  # serves the ranks until this call returns
     procs = [ctx.Process(target=_worker, daemon=True,
-                         args=(r, world_size, port, backend, timeout, threads, fn, args, results, dict(os.environ)))
+                         args=(r, world_size, port, backend, timeout, threads, fn, args, results, {**os.environ, **(env or {})}))
              for r in range(world_size)]
     for p in procs:
         p.start()
