@@ -27,6 +27,9 @@ H200 = Rates(h2d_gbs=55.0, d2h_gbs=55.0, both_gbs=49.0, cpu_adam_s=0.252, cpu_ad
              device_name=GPU, torch_version=torch.__version__, host=socket.gethostname(), cpus=16,
              measured_at="2026-12-03T10:00:00+00:00", gpu_tflops=650.0)
 
+H200_NOW = dataclasses.replace(H200, host_copy_gbs=180.0)
+"""What this zerofit measures: every rate there (`Rates.current`); an entry without one is measured again."""
+
 
 def _pcie(gbs: float) -> Rates:
     return dataclasses.replace(H200, h2d_gbs=gbs, d2h_gbs=gbs, both_gbs=gbs)
@@ -38,7 +41,7 @@ def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("ZEROFIT_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(bandwidth, "device_name", lambda device=None: GPU)
     calls = []
-    monkeypatch.setattr(bandwidth, "measure", lambda device=None: calls.append(device) or H200)
+    monkeypatch.setattr(bandwidth, "measure", lambda device=None: calls.append(device) or H200_NOW)
     return calls
 
 
@@ -57,13 +60,19 @@ def test_cache_path_follows_the_environment(tmp_path, monkeypatch):
 
 def test_probe_measures_once_then_reads_the_cache(cache):
     assert bandwidth.cached() is None
-    assert bandwidth.probe() == H200 and len(cache) == 1
-    assert bandwidth.cached() == H200
-    assert bandwidth.probe() == H200 and len(cache) == 1  # from the file
-    assert bandwidth.probe(refresh=True) == H200 and len(cache) == 2
+    assert bandwidth.probe() == H200_NOW and len(cache) == 1
+    assert bandwidth.cached() == H200_NOW
+    assert bandwidth.probe() == H200_NOW and len(cache) == 1  # from the file
+    assert bandwidth.probe(refresh=True) == H200_NOW and len(cache) == 2
     data = json.loads(bandwidth.cache_path().read_text())
-    assert data["format"] == 1 and data["entries"] == [H200.to_json()]  # refreshed in place, not appended
+    assert data["format"] == 1 and data["entries"] == [H200_NOW.to_json()]  # refreshed in place, not appended
     assert not [p for p in bandwidth.cache_path().parent.iterdir() if p.name != "bandwidth.json"]  # no temp left
+
+
+def test_an_older_entry_without_a_rate_is_measured_again(cache):
+    bandwidth.store(H200)  # an older zerofit's: no host memory copy rate
+    assert bandwidth.cached() == H200 and not H200.current
+    assert bandwidth.probe() == H200_NOW and len(cache) == 1 and bandwidth.cached() == H200_NOW
 
 
 def test_json_round_trip_is_exact():
@@ -132,15 +141,15 @@ def test_a_bad_cache_file_is_a_miss_not_an_error(cache, content):
     path.parent.mkdir(parents=True)
     path.write_bytes(content)
     assert bandwidth.cached() is None
-    assert bandwidth.probe() == H200 and len(cache) == 1  # measured, and the file replaced by a good one
-    assert bandwidth.cached() == H200
+    assert bandwidth.probe() == H200_NOW and len(cache) == 1  # measured, and the file replaced by a good one
+    assert bandwidth.cached() == H200_NOW
 
 
 def test_a_directory_or_a_fifo_in_place_of_the_file_is_a_miss(cache):
     path = bandwidth.cache_path()
     path.mkdir(parents=True)
     assert bandwidth.cached() is None
-    assert bandwidth.probe() == H200  # cannot replace a directory: the rates come back all the same
+    assert bandwidth.probe() == H200_NOW  # cannot replace a directory: the rates come back all the same
     path.rmdir()
     os.mkfifo(path)  # would block a plain open() for ever
     assert bandwidth.cached() is None
@@ -162,7 +171,7 @@ def test_a_cache_that_cannot_be_written_still_returns_the_rates(cache, tmp_path,
         if os.access(readonly, os.W_OK):  # root ignores the mode bits: a file in place of the directory then
             readonly.chmod(0o700)
             (readonly / "zerofit").write_text("a file, not a directory")
-        assert bandwidth.probe() == H200 and len(cache) == 1
+        assert bandwidth.probe() == H200_NOW and len(cache) == 1
         assert bandwidth.cached() is None
         assert "could not cache the offload rates" in caplog.text and "ZEROFIT_CACHE_DIR" in caplog.text
     finally:
@@ -193,6 +202,8 @@ def test_summary_is_one_short_line():
                               "GPU AdamW 0.006 s per 1e9 params; bf16 matmul 650 TFLOP/s (measured 2026-12-03)")
     assert "beside copies" not in dataclasses.replace(H200, cpu_adam_busy_s=None).summary()
     assert "matmul" not in dataclasses.replace(H200, gpu_tflops=None).summary()
+    assert dataclasses.replace(H200, host_copy_gbs=180.4).summary().endswith(
+        "; host memory copy 180 GB/s (measured 2026-12-03)")
 
 
 # -- measuring ---------------------------------------------------------------------------------------
@@ -217,12 +228,18 @@ def test_the_cpu_adamw_timer_runs_on_this_torch():
     assert 0 < step() < 10
 
 
+def test_the_host_memory_copy_runs_on_this_torch(monkeypatch):
+    monkeypatch.setattr(bandwidth, "HOST_COPY_BYTES", 1 << 20)
+    assert 0 < bandwidth._host_copy_gbs() < 1e5
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_measure_on_the_gpu_gives_plausible_rates():
     rates = bandwidth.measure()
     assert 1 < rates.h2d_gbs < 1000 and 1 < rates.d2h_gbs < 1000 and 1 < rates.both_gbs < 1000
     assert 0 < rates.gpu_adam_s < rates.cpu_adam_s
+    assert 1 < rates.host_copy_gbs < 10_000
     assert rates.device_name == torch.cuda.get_device_name()
 
 
@@ -339,8 +356,8 @@ def test_env_probe_measures_caches_and_shows(cache, capsys):
     bandwidth.store(dataclasses.replace(H200, h2d_gbs=1.0))  # an old measurement: --probe replaces it
     assert main(["env", "--probe"]) == 0
     captured = capsys.readouterr()
-    assert _row(captured.out) == f"offload rates: {H200.summary()}" and "measuring" in captured.err
-    assert len(cache) == 1 and bandwidth.cached() == H200
+    assert _row(captured.out) == f"offload rates: {H200_NOW.summary()}" and "measuring" in captured.err
+    assert len(cache) == 1 and bandwidth.cached() == H200_NOW
 
 
 def test_env_probe_says_when_it_could_not_cache(cache, capsys, monkeypatch):

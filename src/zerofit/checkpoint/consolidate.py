@@ -16,6 +16,14 @@ a parameter's own dtype is wider than (or differs from) a low-precision compute 
 compute copy, which equals the master rounded to that dtype (and is half the bytes to gather). A
 frozen parameter has no master: it is saved from its compute copy, in its own dtype. A resumable
 run keeps its fp32 masters in `save_state`, whatever this writes.
+
+[Note: export gathers in pieces]
+A group split over the ranks is gathered into host memory, never whole onto a GPU: one unit's fp32
+master can be gigabytes (a 128k x 4096 embedding: 2 GiB) on top of the training state the GPU still
+holds. NCCL gathers only device tensors, so the group is gathered in pieces of at most
+`GATHER_PIECE_BYTES` on the device (each rank's next slice of its shard, side by side), each piece
+copied into the host buffer before the next is gathered. Every rank takes the same pieces (their size
+follows from the group's layout and the world size alone), so the ranks issue the same collectives.
 """
 
 from __future__ import annotations
@@ -32,6 +40,12 @@ from zerofit.checkpoint.export import ShardWriter, parse_size, plan_shards, save
 from zerofit.checkpoint.inventory import buffer_entries, param_entries, persistent_buffers
 from zerofit.checkpoint.ranks import Ranks
 from zerofit.dist import arrival
+from zerofit.dist.failures import named
+
+GATHER_PIECE_BYTES = 64 * 2**20
+"""The most device memory one gather of a split group takes on a receiving rank ([Note: export gathers in
+pieces]): small beside a GPU's training state, large enough that a piece's collective is not dominated by
+its latency."""
 
 
 def reads_master(g) -> bool:
@@ -52,19 +66,42 @@ def _source(g) -> tuple[torch.Tensor, bool]:
 
 def _whole_group(g, ranks: Ranks, device: torch.device, *, everywhere: bool) -> torch.Tensor | None:
     """The group's whole padded flat buffer in its source dtype, on every rank where `everywhere`, else on
-    rank 0 alone (None on the others); the live `param_flat` itself where it is whole (stages 0-2)."""
+    rank 0 alone (None on the others): gathered into host memory where the source is split over the ranks
+    ([Note: export gathers in pieces]), else the live `param_flat` itself (stages 0-2)."""
     local, split = _source(g)
     if not split:
         return local if everywhere or ranks.is_main else None
-    send = local.to(device).contiguous()
-    full = torch.empty(g.layout.padded_numel, dtype=send.dtype, device=device) if everywhere or ranks.is_main \
-        else None
-    if everywhere:
-        dist.all_gather_into_tensor(full, send, group=ranks.group)
-    else:
-        dist.gather(send, list(full.chunk(ranks.world)) if full is not None else None, dst=ranks.dst0(),
-                    group=ranks.group)
-    return full
+    return _gather_to_host(local, ranks, device, everywhere=everywhere, label=f"export:{g.unit_name or 'root'}")
+
+
+def piece_numel(world: int, element_size: int) -> int:
+    """Elements of each rank's slice in one gathered piece: `world` slices together fit `GATHER_PIECE_BYTES`."""
+    return max(1, GATHER_PIECE_BYTES // (world * element_size))
+
+
+def _gather_to_host(shard: torch.Tensor, ranks: Ranks, device: torch.device, *, everywhere: bool,
+                    label: str) -> torch.Tensor | None:
+    """Every rank's `shard` (equal sizes) concatenated in rank order, a new CPU tensor on every rank where
+    `everywhere`, else on rank 0 alone (None on the others), gathered through `device` in pieces of at most
+    `GATHER_PIECE_BYTES` ([Note: export gathers in pieces])."""
+    world, per_rank = ranks.world, shard.numel()
+    receives = everywhere or ranks.is_main
+    step = min(piece_numel(world, shard.element_size()), per_rank)
+    full_cpu = torch.empty(world * per_rank, dtype=shard.dtype) if receives else None
+    piece_dev = torch.empty(world * step, dtype=shard.dtype, device=device) if receives else None
+    for start in range(0, per_rank, step):
+        n = min(step, per_rank - start)
+        send = shard[start:start + n].to(device)  # a copy up only where the shard lives on the host (offloaded)
+        recv = piece_dev[:world * n].view(world, n) if piece_dev is not None else None  # rank r's slice: row r
+        with named(ranks.prefix + label, ranks.rank):
+            if everywhere:
+                dist.all_gather_into_tensor(piece_dev[:world * n], send, group=ranks.group)
+            else:
+                dist.gather(send, list(recv.unbind(0)) if recv is not None else None, dst=ranks.dst0(),
+                            group=ranks.group)
+        if full_cpu is not None:
+            full_cpu.view(world, per_rank)[:, start:start + n].copy_(recv)
+    return full_cpu
 
 
 def iter_full_tensors(engine, model: nn.Module | None = None, *, everywhere: bool = False,

@@ -33,7 +33,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_flag(p, "--host_memory_gib", aliases=("--host_memory",), type=float, default=None,
              help="GiB of host memory (default: this machine's)")
     add_flag(p, "--gpus_per_host", type=int, default=None,
-             help="ranks sharing one host's memory (default: --num_processes, one machine)")
+             help="ranks sharing one host's memory, cores and offload rates (default: --num_processes, one machine)")
     add_flag(p, "--micro_batch", type=int, default=1, help="samples per GPU per micro-step (default 1)")
     add_flag(p, "--seq", type=int, default=512, help="tokens per sample (default 512)")
     add_flag(p, "--gradient_accumulation_steps", type=int, default=1, help="micro-steps per optimizer step")
@@ -103,6 +103,7 @@ def run(args: argparse.Namespace) -> int:
     from zerofit.plan import bandwidth
     from zerofit.plan.choose import machine_budget, plan, traces_for
     from zerofit.plan.memory import ModelCounts, Workload, all_settings
+    from zerofit.plan.sharing import shared_rates
     from zerofit.plan.sources import ModelSpecError, build_fake_model
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "no": torch.float32}[args.mixed_precision]
@@ -112,7 +113,8 @@ def run(args: argparse.Namespace) -> int:
                     gradient_accumulation_steps=args.gradient_accumulation_steps)
     ck = {"both": (False, True), "on": (True,), "off": (False,)}[args.checkpointing]
     budget = machine_budget(gpu_memory_gib=args.gpu_memory_gib, host_memory_gib=args.host_memory_gib,
-                            ranks_per_host=args.gpus_per_host or args.num_processes, headroom=args.headroom)
+                            ranks_per_host=args.gpus_per_host or args.num_processes, headroom=args.headroom,
+                            host_override="--host_memory_gib")
     counts = ModelCounts.of(fake.model)
     traces = traces_for(fake, work, ck)
     if not traces:
@@ -125,8 +127,9 @@ def run(args: argparse.Namespace) -> int:
     rates = bandwidth.cached() if torch.cuda.is_available() else None
     share = args.host_share
     if share == "auto":
-        share = 0.0 if rates is None else bandwidth.best_host_share(rates, 10**9, param_bytes=_BYTES[args.mixed_precision],
-                                                                      state_tensors=args.optimizer_states)
+        share = 0.0 if rates is None else bandwidth.best_host_share(
+            shared_rates(rates, budget.ranks_per_host), 10**9, param_bytes=_BYTES[args.mixed_precision],
+            state_tensors=args.optimizer_states)
     shares = [share, 0.0] if share and step_on == "device" else [share if step_on == "device" else 0.0]
     settings = [s for h in shares for s in all_settings(work.world, checkpointing=tuple(traces), nvme=args.nvme,
                                                          offload_ratio=ratio, step_on=step_on, host_share=h)]

@@ -26,13 +26,24 @@ from zerofit.plan import bandwidth
 from zerofit.plan.activations import checkpointing_switch, has_checkpointing
 from zerofit.plan.auto import can_checkpoint, choose, describe
 from zerofit.plan.choose import Budget, allowed_gpu_bytes, machine_budget
+from zerofit.plan.sharing import shared_rates
+
+
+def processes_per_host(world: int) -> int:
+    """The processes of this run on this host, which share its memory, cores and links: LOCAL_WORLD_SIZE
+    (set by the launcher and torchrun), else all `world` of them (one machine)."""
+    try:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE") or world)
+    except ValueError:
+        local = world
+    return max(1, min(local, world))
 
 
 def budget_for(device: torch.device, world: int) -> Budget:
     """This machine's memory, the minimum over ranks; env ZEROFIT_GPU_MEMORY_GIB / ZEROFIT_HOST_MEMORY_GIB override."""
     gpu = _env_gib("ZEROFIT_GPU_MEMORY_GIB")
     host = _env_gib("ZEROFIT_HOST_MEMORY_GIB")
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world) or world)
+    local = processes_per_host(world)
     if device.type == "cuda":
         b = machine_budget(gpu_memory_gib=gpu, host_memory_gib=host, ranks_per_host=local)
         if gpu is None:
@@ -59,9 +70,11 @@ def wants_host_share(config: RunConfig, device: torch.device) -> bool:
 def machine_host_share(device: torch.device, world: int, compute_bytes: int) -> float | None:
     """The share of GPU-stepped offload to step on the host at the same time that this machine's cached
     offload rates favour (`zerofit.plan.bandwidth.best_host_share`; `zerofit env --probe` measures them),
-    rank 0's for every rank (one broadcast); None: no rates cached, or no split pays."""
+    at one process's share of them ([Note: rates shared on one host]), rank 0's for every rank (one
+    broadcast); None: no rates cached, or no split pays."""
     rates = bandwidth.cached(device)
-    share = -1.0 if rates is None else bandwidth.best_host_share(rates, 10**9, param_bytes=compute_bytes)
+    share = -1.0 if rates is None else bandwidth.best_host_share(shared_rates(rates, processes_per_host(world)),
+                                                                 10**9, param_bytes=compute_bytes)
     if world > 1 and dist.is_initialized():
         value = torch.tensor([share], dtype=torch.float64, device=device)
         dist.broadcast(value, src=0)
@@ -76,7 +89,7 @@ def machine_rates(device: torch.device, world: int) -> bandwidth.Rates | None:
     rates = None
     if device.type == "cuda" and (not dist.is_initialized() or dist.get_rank() == 0):
         rates = bandwidth.cached(device)
-        if rates is None or rates.gpu_tflops is None:
+        if rates is None or not rates.current:
             print(f"zerofit: measuring this machine's offload and matmul rates once for the planner "
                   f"(cached in {bandwidth.cache_path()}; `zerofit env` shows them)", flush=True)
             try:

@@ -10,6 +10,8 @@
 - `bandwidth`: the machine's offload rates (measured once, cached) and the time model of host-stepped,
   GPU-stepped and split optimizer offload on them;
 - `step_time`: what a setting adds to a step on those rates, which ranks the settings that fit.
+- `sharing`: those rates as one of several processes on a host may count on them;
+- `host_memory`: the host memory a budget holds (`MemTotal`, a cgroup limit) and whether it may grow.
 
 The run-time halves live in the front end: `zerofit.frontend.auto_plan` (the budget over the ranks and
 the first batch, at `prepare()`), `zerofit.frontend.probe` (measuring the first step) and

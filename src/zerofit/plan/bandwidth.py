@@ -1,4 +1,4 @@
-"""The machine's offload rates (pinned copies each way, CPU and GPU AdamW) and the time model on them.
+"""The machine's offload rates (pinned copies each way, CPU and GPU AdamW, host memory) and the time model on them.
 
 Offloaded optimizer state is stepped one of two ways (`offload_optimizer.step_on`): on the host
 (CPU fused AdamW; the gradient goes down, the updated compute-dtype parameter comes up) or on the
@@ -76,6 +76,8 @@ GPU_STEPS_PER_TRIAL = 4
 GEMM_SHAPE = (4096, 4096, 4096)
 """(tokens, in features, out features) of the timed bf16 matrix product: a micro-batch of 8 x 512 tokens
 through a 4096-wide projection, the size of the layers fine-tuned on one GPU."""
+HOST_COPY_BYTES = 2**30
+"""One timed host memory copy: past the largest CPU caches (about 1 GiB of L3 on the largest server parts)."""
 MAX_BUSY_COPY_S = 3.0
 """The longest the copies behind the busy CPU measurement may run; past it that rate is not measured."""
 
@@ -107,7 +109,7 @@ class Rates:
     torch_version: str
     host: str
     cpus: int
-    """CPUs this process may run on when measured."""
+    """CPUs this process may run on when measured (its CPU AdamW ran on as many threads)."""
     measured_at: str
     """ISO 8601 time, UTC."""
     both_busy_gbs: float | None = None
@@ -116,12 +118,16 @@ class Rates:
     gpu_tflops: float | None = None
     """Tera-FLOP/s of a bf16 matrix product of a fine-tuning layer's shape (`GEMM_SHAPE`): what a recomputed
     forward runs at, for the planner's price of activation checkpointing (None: measured by an older zerofit)."""
+    host_copy_gbs: float | None = None
+    """GB/s of host memory traffic (bytes read plus bytes written) of a copy between two pageable CPU tensors
+    far past every cache, on every usable CPU: what the processes of a host share ([Note: rates shared on
+    one host]; None: measured by an older zerofit)."""
 
     def __post_init__(self):
         for name in ("h2d_gbs", "d2h_gbs", "both_gbs", "cpu_adam_s", "cpu_adam_busy_s", "gpu_adam_s",
-                     "both_busy_gbs", "gpu_tflops"):
+                     "both_busy_gbs", "gpu_tflops", "host_copy_gbs"):
             value = getattr(self, name)
-            if value is None and name in ("cpu_adam_busy_s", "both_busy_gbs", "gpu_tflops"):
+            if value is None and name in ("cpu_adam_busy_s", "both_busy_gbs", "gpu_tflops", "host_copy_gbs"):
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
                     or value <= 0:
@@ -132,6 +138,12 @@ class Rates:
                 raise ValueError(f"Rates.{name} must be a non-empty string (got {getattr(self, name)!r})")
         if isinstance(self.cpus, bool) or not isinstance(self.cpus, int) or self.cpus < 1:
             raise ValueError(f"Rates.cpus must be an integer >= 1 (got {self.cpus!r})")
+
+    @property
+    def current(self) -> bool:
+        """Every rate this zerofit measures is here (an older zerofit's entry lacks the matmul or the host
+        memory rate: `probe` measures it again)."""
+        return self.gpu_tflops is not None and self.host_copy_gbs is not None
 
     @property
     def key(self) -> tuple[str, str, str]:
@@ -160,9 +172,10 @@ class Rates:
         busy = "" if self.cpu_adam_busy_s is None else f" ({self.cpu_adam_busy_s:.2f} s beside copies)"
         link = "" if self.both_busy_gbs is None else f" ({self.both_busy_gbs:.1f} beside CPU AdamW)"
         gemm = "" if self.gpu_tflops is None else f"; bf16 matmul {self.gpu_tflops:.0f} TFLOP/s"
+        memory = "" if self.host_copy_gbs is None else f"; host memory copy {self.host_copy_gbs:.0f} GB/s"
         return (f"h2d {self.h2d_gbs:.1f} / d2h {self.d2h_gbs:.1f} / both {self.both_gbs:.1f}{link} GB/s; "
-                f"CPU AdamW {self.cpu_adam_s:.2f} s{busy}, GPU AdamW {self.gpu_adam_s:.3f} s per 1e9 params{gemm} "
-                f"(measured {self.measured_at[:10]})")
+                f"CPU AdamW {self.cpu_adam_s:.2f} s{busy}, GPU AdamW {self.gpu_adam_s:.3f} s per 1e9 params{gemm}"
+                f"{memory} (measured {self.measured_at[:10]})")
 
 
 # -- measuring -------------------------------------------------------------------------------------
@@ -200,8 +213,9 @@ def measure(device: torch.device | str | int | None = None) -> Rates:
 
     On an H200 box the measuring takes 0.8 s; in a fresh process the first `torch.optim` optimizer
     adds about 5 s of torch's own imports (`torch._dynamo`), which any training run pays anyway.
-    Uses 2 x 256 MiB of pinned host memory, about 1.5 GiB of GPU memory and `torch.get_num_threads()`
-    CPU threads, all freed on return (the GPU memory back to the driver, `torch.cuda.empty_cache`).
+    Uses 2 x 256 MiB of pinned host memory, 2 GiB of pageable host memory, about 1.5 GiB of GPU memory and a CPU thread per usable CPU
+    (whatever `torch.get_num_threads()` says; restored after), all freed on return (the GPU memory back
+    to the driver, `torch.cuda.empty_cache`).
     Run it from one process per machine: probes running side by side share the link and the CPUs.
     Raises ValueError on a device that is not CUDA.
     """
@@ -224,17 +238,48 @@ def _measure(dev: torch.device) -> Rates:
     both = _copy_gbs([upload, download])
     gpu_adam_s = _gpu_adam_seconds(dev)
     gpu_tflops = _gemm_tflops(dev)
-    cpu_step = _cpu_adam_stepper(CPU_ADAM_NUMEL)
-    cpu_alone = statistics.median(cpu_step() for _ in range(TRIALS))
-    cpu_busy = _busy_step_seconds(cpu_step, [upload, download], both_gbs=both, alone_s=cpu_alone)
-    both_busy = _copy_gbs_beside(cpu_step, [upload, download])
+    with _threads(_usable_cpus()):  # the machine's rate, whichever process measures it
+        cpu_step = _cpu_adam_stepper(CPU_ADAM_NUMEL)
+        cpu_alone = statistics.median(cpu_step() for _ in range(TRIALS))
+        cpu_busy = _busy_step_seconds(cpu_step, [upload, download], both_gbs=both, alone_s=cpu_alone)
+        both_busy = _copy_gbs_beside(cpu_step, [upload, download])
+        del cpu_step  # its 512 MiB of state, before the host copy takes 2 x HOST_COPY_BYTES
+        host_copy = _host_copy_gbs()
     per = GB / CPU_ADAM_NUMEL
     return Rates(h2d_gbs=h2d, d2h_gbs=d2h, both_gbs=both, cpu_adam_s=cpu_alone * per,
                  cpu_adam_busy_s=None if cpu_busy is None else cpu_busy * per, gpu_adam_s=gpu_adam_s,
                  device_name=torch.cuda.get_device_name(dev), torch_version=torch.__version__,
                  host=socket.gethostname(), cpus=_usable_cpus(),
                  measured_at=datetime.now(timezone.utc).isoformat(timespec="seconds"), both_busy_gbs=both_busy,
-                 gpu_tflops=gpu_tflops)
+                 gpu_tflops=gpu_tflops, host_copy_gbs=host_copy)
+
+
+@contextlib.contextmanager
+def _threads(count: int):
+    """torch's CPU threads set to `count` inside, as they were after: CPU AdamW is measured on every usable
+    CPU, so a rank the launcher gave cpus // N threads (`zerofit.cli.launch`) caches the machine's rate, the
+    one [Note: rates shared on one host] divides among the processes of a host."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _host_copy_gbs() -> float:
+    """GB/s of host memory traffic of one copy between two pageable CPU tensors of `HOST_COPY_BYTES`, on
+    torch's CPU threads, the median of TRIALS timings: read and written bytes both counted (a write may
+    cost a read for ownership too, not counted: the figure errs low)."""
+    src = torch.ones(HOST_COPY_BYTES, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # warm-up: every page of both touched
+    times = []
+    for _ in range(TRIALS):
+        start = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - start)
+    return 2 * HOST_COPY_BYTES / statistics.median(times) / GB
 
 
 def _copy_gbs_beside(step, copies) -> float:
@@ -405,7 +450,7 @@ def cached(device: torch.device | str | int | None = None) -> Rates | None:
 
 
 def probe(device: torch.device | str | int | None = None, *, refresh: bool = False) -> Rates:
-    """The cached rates, or (none cached, an older zerofit's entry without the matmul rate, or `refresh`)
+    """The cached rates, or (none cached, an older zerofit's entry that lacks a rate, or `refresh`)
     freshly measured ones, then cached.
 
     A cache that cannot be written (a read-only home, a full disk) costs only a warning: the rates are
@@ -413,7 +458,7 @@ def probe(device: torch.device | str | int | None = None, *, refresh: bool = Fal
     """
     if not refresh:
         hit = cached(device)
-        if hit is not None and hit.gpu_tflops is not None:
+        if hit is not None and hit.current:
             return hit
     rates = measure(device)
     store(rates)

@@ -29,7 +29,6 @@ CUDA loaded, 1.4-1.5 GiB in bench/results) stay below `(1 - headroom)` of the ho
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
 
 from torch import nn
@@ -37,7 +36,9 @@ from torch import nn
 from zerofit.engine.policy import offload_ratios
 from zerofit.plan.activations import ActivationTrace, trace_step
 from zerofit.plan.bandwidth import Rates
+from zerofit.plan.host_memory import read_host_memory
 from zerofit.plan.memory import GIB, Estimate, ModelCounts, Setting, Workload, all_settings, estimate
+from zerofit.plan.sharing import shared_rates, sharing_said
 from zerofit.plan.sources import FakeModel
 from zerofit.plan.step_time import added_seconds
 
@@ -57,6 +58,9 @@ class Budget:
     headroom: float = DEFAULT_HEADROOM
     unified: bool = False
     """No accelerator (CPU runs): the "GPU" bytes live in host memory too, so both must fit the host."""
+    host_note: str = ""
+    """Why `host_bytes` may be less than this machine will have (memory that grows as it is used, see
+    [Note: host memory that grows]), said in the plan's reason; empty: nothing to say."""
 
     def gpu_fits(self, e: Estimate) -> bool | None:
         if self.gpu_bytes is None:
@@ -104,16 +108,23 @@ class Plan:
 
 
 def machine_budget(*, gpu_memory_gib: float | None = None, host_memory_gib: float | None = None,
-                   ranks_per_host: int = 1, headroom: float = DEFAULT_HEADROOM) -> Budget:
-    """This machine's memory (first GPU's total; physical host memory) unless given in GiB."""
+                   ranks_per_host: int = 1, headroom: float = DEFAULT_HEADROOM,
+                   host_override: str = "ZEROFIT_HOST_MEMORY_GIB") -> Budget:
+    """This machine's memory (first GPU's total; host memory as `zerofit.plan.host_memory` reads it) unless
+    given in GiB; `host_override` names the setting that gives the host's, for the note on memory that may
+    grow."""
     gpu = int(gpu_memory_gib * GIB) if gpu_memory_gib is not None else None
     if gpu is None:
         import torch
 
         if torch.cuda.is_available():
             gpu = allowed_gpu_bytes(0)
-    host = int(host_memory_gib * GIB) if host_memory_gib is not None else _host_memory()
-    return Budget(gpu_bytes=gpu, host_bytes=host, ranks_per_host=ranks_per_host, headroom=headroom)
+    if host_memory_gib is not None:
+        return Budget(gpu_bytes=gpu, host_bytes=int(host_memory_gib * GIB), ranks_per_host=ranks_per_host,
+                      headroom=headroom)
+    host = read_host_memory()
+    return Budget(gpu_bytes=gpu, host_bytes=host.total_bytes, ranks_per_host=ranks_per_host, headroom=headroom,
+                  host_note=host.note(host_override))
 
 
 def allowed_gpu_bytes(device) -> int:
@@ -128,13 +139,6 @@ def allowed_gpu_bytes(device) -> int:
     total = torch.cuda.get_device_properties(device).total_memory
     fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # torch >= 2.5
     return int(total * min(1.0, fraction(device))) if fraction is not None else total
-
-
-def _host_memory() -> int | None:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):  # pragma: no cover - not POSIX
-        return None
 
 
 def speed_rank(s: Setting) -> tuple:
@@ -165,8 +169,10 @@ def plan(counts: ModelCounts, work: Workload, budget: Budget, traces: dict[bool,
     `open_ratio`: each optimizer-offloading setting offloads the least that fits (`least_offload`) instead
     of its own `offload_ratio`. `rates`: this machine's measured rates; where given and every setting that
     fits can be priced, the fastest is the one that adds the fewest seconds (`zerofit.plan.step_time`),
-    else the first in [Note: speed order].
+    else the first in [Note: speed order]. They are priced at one process's share of them where
+    `budget.ranks_per_host` processes share the host ([Note: rates shared on one host]).
     """
+    measured, rates = rates, shared_rates(rates, budget.ranks_per_host) if rates else None
     if settings is None:
         settings = all_settings(work.world, checkpointing=tuple(sorted(traces)))
     settings = sorted(settings, key=speed_rank)
@@ -186,11 +192,11 @@ def plan(counts: ModelCounts, work: Workload, budget: Budget, traces: dict[bool,
                    f"{host.setting.label} at {host.host_total / GIB:.2f} GiB pinned per rank{_of(budget)}; "
                    "add host memory or GPUs, or offload the optimizer state to NVMe "
                    "(offload_optimizer.device: nvme with an nvme_path)")
-            return Plan(estimates, None, why, smallest, seconds)
+            return Plan(estimates, None, why + _host_said(budget), smallest, seconds)
         what = "memory" if budget.unified else "GPU need"
         why = (f"nothing fits: the smallest {what} is {smallest.setting.label} at {budget.need(smallest) / GIB:.2f} GiB"
                f"{_of(budget)}; lower the micro-batch, add GPUs or turn on checkpointing")
-        return Plan(estimates, None, why, smallest, seconds)
+        return Plan(estimates, None, why + _host_said(budget), smallest, seconds)
     choice = fitting[0]
     faster = [e for e in estimates if _faster(e, choice, seconds)]
     why = f"{choice.setting.label}: the fastest setting that fits, {choice.gpu_total / GIB:.1f} GiB GPU"
@@ -198,10 +204,10 @@ def plan(counts: ModelCounts, work: Workload, budget: Budget, traces: dict[bool,
     if faster:
         why += f"; faster ones do not fit ({faster[-1].setting.label} needs {faster[-1].gpu_total / GIB:.1f} GiB GPU)"
     if seconds is not None and seconds.get(choice.setting) is not None:
-        why += f"; it adds {seconds[choice.setting]:.3f} s a step on this machine's measured rates"
+        why += f"; it adds {seconds[choice.setting]:.3f} s a step {sharing_said(measured, budget.ranks_per_host)}"
     if not any(traces.values()):
         why += "; activations unknown (not counted)"
-    return Plan(estimates, choice, why, None, seconds)
+    return Plan(estimates, choice, why + _host_said(budget), None, seconds)
 
 
 def _faster(e: Estimate, choice: Estimate, seconds: dict | None) -> bool:
@@ -210,6 +216,10 @@ def _faster(e: Estimate, choice: Estimate, seconds: dict | None) -> bool:
         return (round(seconds[e.setting], 4), speed_rank(e.setting)) < \
             (round(seconds[choice.setting], 4), speed_rank(choice.setting))
     return speed_rank(e.setting) < speed_rank(choice.setting)
+
+
+def _host_said(budget: Budget) -> str:
+    return f"; {budget.host_note}" if budget.host_note else ""
 
 
 def _of(budget: Budget) -> str:
