@@ -24,9 +24,15 @@ only units that no forward since the last backward ran are passed; a unit some r
 leave out of the loss is then not covered. Passing a unit whose gradient arrives later is an error
 (`ZeroEngine` raises it), never a silent loss. On one rank nothing pairs: nothing is stood in for or
 passed, and the schedule only drives prefetching.
-The schedule is learned from each forward (the units in the order they ran, a stood-in unit where it
-was stood in for), so it is the same on every rank as long as the ranks differ only in units they
-skip; the first forward, having no record, follows the order the units were registered in.
+The schedule is learned from each training forward (the units in the order they ran, a stood-in unit
+where it was stood in for), so it is the same on every rank as long as the ranks differ only in units
+they skip; the first forward, having no record, follows the order the units were registered in. Only
+forwards with gradients on stand in: evaluation and generation gather on demand as before (generate()
+runs an encoder-decoder's decoder alone at every token, and standing in for its encoder there would
+gather the whole encoder per token), so there ranks must run the same units - as they do unless a
+model routes by data in evaluation (an MoE). A unit no rank runs (an unused module) is stood in for
+by every rank in every training forward: consistent, and one gather of it wasted per forward and
+backward.
 """
 
 from __future__ import annotations
@@ -55,6 +61,11 @@ class GatherOrder:
         self._at = 0
         self._visits: list[tuple[Unit, bool]] = []
         """This forward's units in order, each with whether it ran (False: stood in for)."""
+        self._last_grad_visits: list[tuple[Unit, bool]] = []
+        self._unlearned: list[tuple[Unit, bool]] | None = None
+        """The visits of a training forward the schedule has not learned from yet."""
+        self._standing_in = False
+        self._trained = False
         self._ran_since_backward: set[int] = set()
         self._forwards_since_backward = 0
         self._backward: list[Unit] = []
@@ -63,9 +74,12 @@ class GatherOrder:
         self._back_seen: set[int] = set()
 
     # --- forward ----------------------------------------------------------------------------------
-    def begin_forward(self) -> None:
-        if self._visits:
-            self._learn()
+    def begin_forward(self, *, with_grad: bool) -> None:
+        """The root's forward begins; `with_grad`: a training forward (stand-ins happen in those only)."""
+        if self._unlearned is not None:
+            self._learn(self._unlearned)
+            self._unlearned = None
+        self._standing_in = self.ordered and with_grad
         self._at = 0
         self._visits = []
 
@@ -79,7 +93,7 @@ class GatherOrder:
         if i is None or i < self._at:
             self._visits.append((unit, True))
             return None  # run again, or not in the schedule: gathered on demand
-        if self.ordered:
+        if self._standing_in:
             for j in range(self._at, i):
                 self._stand_in_forward(j)
         self._at = i + 1
@@ -88,13 +102,16 @@ class GatherOrder:
 
     def end_forward(self, *, with_grad: bool) -> None:
         """The root's forward ended: stand in for the units the schedule has left."""
-        if self.ordered:
+        if self._standing_in:
             for j in range(self._at, len(self.schedule)):
                 self._stand_in_forward(j)
         self._at = len(self.schedule)
         if with_grad:
             self._forwards_since_backward += 1
-            self._last_grad_visits = list(self._visits)
+            self._last_grad_visits = self._unlearned = list(self._visits)
+            self._trained = True
+        elif not self._trained:  # evaluation only so far: its order still makes the prefetches
+            self._unlearned = list(self._visits)
 
     def _stand_in_forward(self, j: int) -> None:
         unit = self.schedule[j]
@@ -104,9 +121,9 @@ class GatherOrder:
         unit.release()
         self._visits.append((unit, False))
 
-    def _learn(self) -> None:
-        ran = {id(u) for u, did in self._visits if did}
-        order = _first_seen([u for u, did in self._visits if did or id(u) not in ran])
+    def _learn(self, visits: list[tuple[Unit, bool]]) -> None:
+        ran = {id(u) for u, did in visits if did}
+        order = _first_seen([u for u, did in visits if did or id(u) not in ran])
         order += [u for u in self.schedule if u not in order]
         self.schedule = order
         self._pos = {id(u): i for i, u in enumerate(order)}
@@ -114,8 +131,7 @@ class GatherOrder:
 
     # --- backward ---------------------------------------------------------------------------------
     def begin_backward(self) -> None:
-        visits = getattr(self, "_last_grad_visits", self._visits)
-        self._backward = _first_seen([u for u, _ in reversed(visits)])
+        self._backward = _first_seen([u for u, _ in reversed(self._last_grad_visits)])
         self._back_pos = {id(u): i for i, u in enumerate(self._backward)}
         self._back_at = 0
         self._back_seen = set()

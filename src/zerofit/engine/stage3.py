@@ -165,7 +165,7 @@ class Stage3Hooks:
     def _root_pre(self, _module, _args) -> None:
         if self._in_backward():
             return  # recomputation inside backward: the record of the real forward stays
-        self.order.begin_forward()
+        self.order.begin_forward(with_grad=torch.is_grad_enabled())
         self.root.wait_gathered()
         first = self.order.first()
         if first is not None:
