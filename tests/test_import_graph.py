@@ -17,7 +17,7 @@ ROOT = Path(zerofit.__file__).parent
 LAYERS = [
     ("zerofit.errors", "zerofit.logging"),
     ("zerofit.config",),
-    ("zerofit.dist",),
+    ("zerofit.distributed",),
     ("zerofit.engine",),
     ("zerofit.checkpoint", "zerofit.plan"),
     ("zerofit.frontend",),

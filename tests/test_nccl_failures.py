@@ -17,7 +17,7 @@ import torch.distributed as dist
 from zerofit.cli import flight_recorder, launch
 from zerofit.cli.failure_report import NcclRun, summary
 from zerofit.config.schema import LaunchConfig, RunConfig
-from zerofit.dist import failures, process_group
+from zerofit.distributed import failures, process_group
 from zerofit.errors import CollectiveError
 
 TARGET = ("train.py",)

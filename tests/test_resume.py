@@ -19,8 +19,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from zerofit import Accelerator
 from zerofit.checkpoint import resume
 from zerofit.config.schema import CheckpointConfig, RunConfig
-from zerofit.dist import failures
-from zerofit.dist.process_group import restart_count
+from zerofit.distributed import failures
+from zerofit.distributed.process_group import restart_count
 from zerofit.errors import CheckpointError, CollectiveError, ConfigError
 from zerofit.utils import ProjectConfiguration
 

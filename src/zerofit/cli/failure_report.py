@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from zerofit.cli import flight_recorder
-from zerofit.dist.failures import TIMEOUT_FLAG, TIMEOUT_KEY
+from zerofit.distributed.failures import TIMEOUT_FLAG, TIMEOUT_KEY
 
 TORCHRUN_STOP_LINES = {
     "torch.distributed.elastic.agent.server.api": "Received %s death signal, shutting down workers",

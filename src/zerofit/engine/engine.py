@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zerofit.config.schema import PrecisionConfig, ZeroConfig, is_auto
-from zerofit.dist import runtime
+from zerofit.distributed import runtime
 from zerofit.engine import replicas, weight_source
 from zerofit.engine.comm import Collectives, InFlight
 from zerofit.engine.flat_group import FlatGroup

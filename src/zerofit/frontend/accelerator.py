@@ -32,7 +32,7 @@ from torch import nn
 
 from zerofit.config import load_config
 from zerofit.config.schema import RunConfig, is_auto
-from zerofit.dist import arrival, process_group, runtime
+from zerofit.distributed import arrival, process_group, runtime
 from zerofit.engine.loss_scale import LossScaler
 from zerofit.frontend import ops, plugins, tracking
 from zerofit.frontend.backoff import OomBackoff
@@ -355,7 +355,7 @@ class Accelerator(PrepareMixin, PersistenceMixin, ProcessMethods):
 
     def end_training(self) -> None:
         """Finish the trackers, wait for every rank, and have the process group destroyed when the script
-        ends ([Note: end of training] in zerofit.dist.process_group: a save after this still works)."""
+        ends ([Note: end of training] in zerofit.distributed.process_group: a save after this still works)."""
         for tracker in self.trackers:
             tracker.finish()
         self.trackers = []

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from zerofit.dist import arrival
+from zerofit.distributed import arrival
 
 
 class DistributedTestError(AssertionError):
