@@ -220,7 +220,8 @@ def test_killing_the_launcher_kills_its_workers_and_the_next_launch_clears_what_
 
     script = tmp_path / "sleeper.py"
     script.write_text("import os, sys, time\nfrom zerofit import Accelerator\nacc = Accelerator()\n"
-                      f"open(os.path.join({str(tmp_path)!r}, f'pid-{{acc.process_index}}'), 'w').write(str(os.getpid()))\n"
+                      f"open(os.path.join({str(tmp_path)!r}, f'pid-{{acc.process_index}}'), 'w')"
+                      ".write(str(os.getpid()))\n"
                       "time.sleep(3600)\n")
     temp = tmp_path / "tmp"  # this test's own temporary directory: what the launches leave there is theirs
     temp.mkdir()

@@ -47,7 +47,8 @@ class _WithoutStopLines(logging.Filter):
 @contextlib.contextmanager
 def torchrun_stop_lines_hidden() -> Iterator[None]:
     """While inside, torchrun does not log the lines in TORCHRUN_STOP_LINES (see the module doc)."""
-    installed = [(logging.getLogger(name), _WithoutStopLines(template)) for name, template in TORCHRUN_STOP_LINES.items()]
+    installed = [(logging.getLogger(name), _WithoutStopLines(template))
+                 for name, template in TORCHRUN_STOP_LINES.items()]
     for logger, hide in installed:
         logger.addFilter(hide)
     try:

@@ -10,7 +10,8 @@ tell that apart from a rank that is only late, so ranks say where they are inste
 
 At a few *checked places* - the gather walks of a full state dict (`model.state_dict()` at stage 3,
 `get_state_dict`, `save_model`), the sharded checkpoint (`save_state`, `load_state`, and what calls
-them: the Trainer's checkpoints, `model.save_checkpoint`), the Accelerator's barrier (`wait_for_everyone`, `end_training`) and
+them: the Trainer's checkpoints, `model.save_checkpoint`), the Accelerator's barrier
+(`wait_for_everyone`, `end_training`) and
 the process's exit - a rank first writes where it is to the run's key-value store, then waits until
 every rank has written the same kind of place, and only then enters the collective (so no rank ever
 enters an NCCL collective alone). Each rank numbers the places it reaches 1, 2, 3, ...; in a correct

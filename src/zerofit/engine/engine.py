@@ -96,7 +96,8 @@ class ZeroEngine:
         off = self.zero.offload_optimizer
         self.step_on = step_on_for(off.step_on, cuda=self.device.type == "cuda", nvme=off.device == "nvme")
         """Where offloaded optimizer state is stepped: "host" or "device" (see `step_on_for`)."""
-        self.host_share = host_share_for(off.step_on, None if is_auto(off.host_share) else off.host_share,  # None: unset
+        written_share = None if is_auto(off.host_share) else off.host_share  # None: unset
+        self.host_share = host_share_for(off.step_on, written_share,
                                          cuda=self.device.type == "cuda", nvme=off.device == "nvme")
         """Share of the offloaded state stepped on the host when the rest is GPU-stepped (see `host_share_for`)."""
         self.comm = Collectives(group, self.device, grad_dtype=communication_dtype(self.precision))
@@ -145,7 +146,8 @@ class ZeroEngine:
         hosted_swapper = self.stepper.swap if self.stepper is not None else None
         self.swapper = hosted_swapper or (self.streamer.swapper if self.streamer is not None else None)
         self.stage3 = Stage3Hooks(self.units[0], self.units, lambda: self._in_backward, self._pass_over)
-        self.full_state = FullStateDict(model, self.units, is_main=self.comm.rank == 0)  # model.state_dict() gathers (see its note)
+        # model.state_dict() gathers (see its note)
+        self.full_state = FullStateDict(model, self.units, is_main=self.comm.rank == 0)
         if self.shards_parameters:
             self.stage3.install()
             self.full_state.install()

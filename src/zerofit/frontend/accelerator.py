@@ -87,7 +87,8 @@ class Accelerator(PrepareMixin, PersistenceMixin, ProcessMethods):
                               f"{_INSTEAD.get(name, _DECIDED_BY_ZEROFIT)}; remove the argument to silence this "
                               "warning", stacklevel=2)
         if gradient_accumulation_plugin is not None:
-            gradient_accumulation_steps = getattr(gradient_accumulation_plugin, "num_steps", gradient_accumulation_steps)
+            gradient_accumulation_steps = getattr(gradient_accumulation_plugin, "num_steps",
+                                                  gradient_accumulation_steps)
         if dataloader_config is None:
             dataloader_config = plugins.DataLoaderConfiguration(split_batches=split_batches)
         if use_seedable_sampler is not None:  # Accelerate's older spelling of the dataloader_config field
@@ -363,7 +364,8 @@ class Accelerator(PrepareMixin, PersistenceMixin, ProcessMethods):
         process_group.destroy_at_exit()
 
     # --- models and checkpoints -----------------------------------------------------------------
-    def unwrap_model(self, model: nn.Module, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True) -> nn.Module:
+    def unwrap_model(self, model: nn.Module, keep_fp32_wrapper: bool = True,
+                     keep_torch_compile: bool = True) -> nn.Module:
         """The model itself: prepare() changes it in place rather than wrapping it."""
         return model
 
