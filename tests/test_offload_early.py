@@ -84,7 +84,7 @@ def _lr_between_backward_and_step(rank, world):
             warnings.simplefilter("always")
             engine.step()
         caught += [str(m.message) for m in w]
-    return engine.times.host_steps_in_backward, caught, engine._early_off
+    return engine.times.host_steps_in_backward, caught, engine.early_off
 
 
 def test_settings_changed_after_backward_stop_early_steps_with_a_warning():
