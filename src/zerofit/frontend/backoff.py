@@ -56,6 +56,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from zerofit.distributed.failures import named
 from zerofit.errors import EngineError
 
 MAX_BACKOFFS = 4
@@ -226,7 +227,8 @@ class OomBackoff:
         if self._world() == 1:
             return failed
         flag = torch.tensor([1.0 if failed else 0.0], device=self.process.device)
-        dist.all_reduce(flag)  # host sync on purpose: the answer decides which collectives come next
+        with named("all_reduce of the out-of-memory flag (batch.oom_backoff)", self.process.process_index):
+            dist.all_reduce(flag)  # host sync on purpose: the answer decides which collectives come next
         return bool(flag.item() > 0)
 
     def _silent_forward(self, engine: Any) -> bool:
