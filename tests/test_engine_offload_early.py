@@ -1,7 +1,7 @@
 """Host optimizer steps that start during backward stay exact, or stop starting early, loudly.
 
 See [Note: host steps during backward] in zerofit.engine.engine. Parity of the early path with
-on-device training is covered by tests/test_offload.py; these are the script behaviours that could
+on-device training is covered by tests/test_engine_offload.py; these are the script behaviours that could
 change a step after the engine started it.
 """
 

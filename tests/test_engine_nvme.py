@@ -112,7 +112,7 @@ def test_nvme_files_removed_at_exit(tmp_path):
     script = textwrap.dedent(f"""
         import sys, torch
         sys.path.insert(0, {os.path.dirname(__file__)!r})
-        from test_nvme import _nvme_engine
+        from test_engine_nvme import _nvme_engine
         from test_checkpoint_support import train
         case, model, _, engine = _nvme_engine(1, {str(tmp_path)!r})
         train(engine, model, case, 0, 1, range(2))
