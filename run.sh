@@ -2,6 +2,8 @@
 # The README's two commands, set-up included:
 #   ./run.sh demo [ARGS...]    the main job: a tiny model trained by 2 CPU processes on shipped text
 #   ./run.sh test [ARGS...]    the test suite (CPU only): python -m pytest -x -q
+# and, for contributors and CI:
+#   ./run.sh lint [ARGS...]    ruff over every Python file of the repository (settings in pyproject.toml)
 # On first use it creates a virtual environment ($ZEROFIT_VENV, default .venv) with torch, zerofit
 # (editable, with its dev, examples, bench and trainer extras); later runs reuse it.
 set -euo pipefail
@@ -37,5 +39,6 @@ export PATH="$VENV/bin:$PATH"
 case "${1:-}" in
   demo) shift; exec zerofit demo "$@" ;;
   test) shift; exec python -m pytest -x -q "$@" ;;
-  *) echo "usage: ./run.sh demo [ARGS...] | ./run.sh test [PYTEST ARGS...]" >&2; exit 2 ;;
+  lint) shift; exec ruff check . "$@" ;;
+  *) echo "usage: ./run.sh demo [ARGS...] | ./run.sh test [PYTEST ARGS...] | ./run.sh lint [RUFF ARGS...]" >&2; exit 2 ;;
 esac

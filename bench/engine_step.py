@@ -177,8 +177,13 @@ def _planned_zero(model, args):
     import torch
 
     from zerofit.config.schema import AUTO, OffloadConfig, PrecisionConfig, RunConfig, ZeroConfig
-    from zerofit.frontend.auto_plan import apply_checkpointing, budget_for, machine_host_share, machine_rates, \
-        wants_host_share
+    from zerofit.frontend.auto_plan import (
+        apply_checkpointing,
+        budget_for,
+        machine_host_share,
+        machine_rates,
+        wants_host_share,
+    )
     from zerofit.plan.auto import choose, describe
 
     config = RunConfig(zero=ZeroConfig(stage=AUTO, offload_optimizer=OffloadConfig(device=AUTO, ratio=AUTO,

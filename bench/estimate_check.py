@@ -168,7 +168,8 @@ def main() -> None:
         import transformers
 
         os.makedirs(args.out, exist_ok=True)
-        env = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+        env = {"python": platform.python_version(), "torch": torch.__version__,
+               "transformers": transformers.__version__,
                "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
         with open(os.path.join(args.out, "estimate_check.json"), "w") as f:
             json.dump({"environment": env, "steps": args.steps, "rows": rows}, f, indent=1)
@@ -184,8 +185,8 @@ def _line(r: dict) -> str:
         return f"{r[key]:+.1f}" if r.get(key) is not None else "-"
     if "error" in r:
         return f"| {r['model']} | {r['setting']} | {gib('gpu_bytes')} | failed: {r['error'][-200:]!r} | | | | |"
-    return (f"| {r['model']} | {r['setting']} | {gib('gpu_bytes')} | {gib('gpu_peak_bytes')} | {pct('gpu_error_pct')} | "
-            f"{gib('host_bytes')} | {gib('host_rss_bytes')} | {pct('host_error_pct')} |")
+    return (f"| {r['model']} | {r['setting']} | {gib('gpu_bytes')} | {gib('gpu_peak_bytes')} | "
+            f"{pct('gpu_error_pct')} | {gib('host_bytes')} | {gib('host_rss_bytes')} | {pct('host_error_pct')} |")
 
 
 if __name__ == "__main__":

@@ -20,8 +20,9 @@ import zerofit
 os.environ["HF_HOME"] = tempfile.mkdtemp(prefix="zerofit-tests-hf-")
 from zerofit.testing.distributed import stop_forkserver, use_forkserver
 
+_PRELOADED = ("config", "distributed", "engine", "frontend", "checkpoint", "plan")
 _LIBRARY = ["zerofit"] + [m.name for m in pkgutil.walk_packages(zerofit.__path__, "zerofit.")
-                          if m.name.split(".")[1] in ("config", "dist", "engine", "frontend", "checkpoint", "plan")]
+                          if m.name.split(".")[1] in _PRELOADED]
 use_forkserver(["numpy", "torch", "torch.distributed", "torch._dynamo", "pytest", *_LIBRARY,
                 "engine_cases", "test_checkpoint_support",
                 # absent without transformers (the fork server skips what does not import)

@@ -69,8 +69,8 @@ def _bench(tmp_path, *args, timeout=600):
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONPATH=os.pathsep.join(sys.path))
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, "-m", "zerofit.cli.main", "bench", "--tiny", "--cpu", "--steps", "1",
-                           "--warmup", "1", "--eval-steps", "1", "--out", str(out), *args], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=tmp_path)
+                           "--warmup", "1", "--eval-steps", "1", "--out", str(out), *args],
+                          capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp_path)
     record = json.loads((out / "results.json").read_text()) if (out / "results.json").exists() else None
     return proc, record, out
 

@@ -18,7 +18,8 @@ from zerofit.errors import CheckpointError
 
 def test_tree_round_trips_without_pickle(tmp_path):
     value = {"int": 3, "float": 0.1 + 0.2, "inf": float("inf"), "none": None, "s": "x", "tuple": (1, (2, "3")),
-             "int_keys": {0: [1.5], 7: {"deep": torch.arange(5)}}, "t": torch.tensor(6.0), "bf": torch.ones(2, dtype=torch.bfloat16),
+             "int_keys": {0: [1.5], 7: {"deep": torch.arange(5)}}, "t": torch.tensor(6.0),
+             "bf": torch.ones(2, dtype=torch.bfloat16),
              "np": np.arange(4, dtype=np.uint32), "np_scalar": np.int64(9), "dtype": torch.float16,
              "tagged": {"__zerofit__": "tensor"}}
     names = write_tree(tmp_path, "x", value, "extra_state")

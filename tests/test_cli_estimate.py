@@ -50,8 +50,8 @@ def test_json_parses_and_sums(capsys, tmp_path):
     config = tmp_path / "config.json"
     config.write_text(json.dumps({"model_type": "gpt2", "n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": 96,
                                   "n_positions": 64}))
-    assert main(["estimate", "--model", str(config), "--num_processes", "4", "--gpu_memory_gib", "8", "--host_memory_gib", "16",
-                 "--checkpointing", "off", "--json"]) == 0
+    assert main(["estimate", "--model", str(config), "--num_processes", "4", "--gpu_memory_gib", "8",
+                 "--host_memory_gib", "16", "--checkpointing", "off", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["workload"]["num_gpus"] == 4
     labels = [s["setting"] for s in data["settings"]]
@@ -91,8 +91,8 @@ def test_unreachable_name_is_a_clear_error(capsys, monkeypatch):
 def test_offload_ratio_moves_part_of_the_state_back_to_the_gpu(capsys):
     rows = {}
     for ratio in ("1", "0.5"):
-        assert main(["estimate", "--model", TINY, "--checkpointing", "off", "--gpu_memory_gib", "8", "--host_memory_gib", "16",
-                     "--offload_ratio", ratio, "--json"]) == 0
+        assert main(["estimate", "--model", TINY, "--checkpointing", "off", "--gpu_memory_gib", "8",
+                     "--host_memory_gib", "16", "--offload_ratio", ratio, "--json"]) == 0
         data = json.loads(capsys.readouterr().out)
         rows[ratio] = {s["setting"]: s for s in data["settings"]}
     full, half = rows["1"]["ZeRO-2 + opt cpu (GPU-stepped)"], rows["0.5"]["ZeRO-2 + opt cpu 50% (GPU-stepped)"]
@@ -103,7 +103,8 @@ def test_offload_ratio_moves_part_of_the_state_back_to_the_gpu(capsys):
 
 def test_deberta_classification_traces_its_activations(capsys):
     """DeBERTa-v2's head picks labeled rows with nonzero() unless the loss is named: the trace names it."""
-    model = "DebertaV2Config:hidden_size=32,num_hidden_layers=2,num_attention_heads=2,intermediate_size=64,vocab_size=96"
+    model = ("DebertaV2Config:hidden_size=32,num_hidden_layers=2,num_attention_heads=2,"
+             "intermediate_size=64,vocab_size=96")
     assert main(["estimate", "--model", model, "--task", "classification", "--micro_batch", "4", "--seq", "16",
                  "--checkpointing", "off", "--gpu_memory_gib", "8", "--host_memory_gib", "16", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)

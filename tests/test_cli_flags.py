@@ -36,13 +36,15 @@ FROZEN = {
         "--model": (), "--task": (), "--num_processes": ("--num_gpus",), "--gpu_memory_gib": ("--gpu_memory",),
         "--host_memory_gib": ("--host_memory",), "--gpus_per_host": (), "--micro_batch": (), "--seq": (),
         "--gradient_accumulation_steps": (), "--mixed_precision": (), "--optimizer_states": (),
-        "--checkpointing": (), "--offload_ratio": (), "--step_on": (), "--host_share": (), "--nvme": (), "--headroom": (), "--json": (),
+        "--checkpointing": (), "--offload_ratio": (), "--step_on": (), "--host_share": (), "--nvme": (),
+        "--headroom": (), "--json": (),
     },
     "bench": {
         "--tables": (), "--methods": (), "--num_processes": ("--nproc",), "--gpu_memory_gib": (), "--steps": (),
         "--eval_steps": (), "--warmup": (), "--max_batch": (), "--equal_batch": (), "--equal_only": (),
         "--mixed_precision": ("--precision",), "--clip": (), "--tiny": (), "--cpu": (), "--timeout": (),
-        "--budget": (), "--process_group_timeout": (), "--out": (), "--report": (), "--merge": (), "--simulate_oom_above": (),
+        "--budget": (), "--process_group_timeout": (), "--out": (), "--report": (), "--merge": (),
+        "--simulate_oom_above": (),
     },
 }
 SHORT = {"launch": {"-m"}, "config": {"-o"}}

@@ -184,7 +184,9 @@ cat > "$venv/bin/python" <<PY
 case "\\$1" in
   -c) exit 1 ;;
   -m) echo "pip \\$*" >> "$venv/log"
-      case "\\$*" in *"-e "*) printf '#!/bin/sh\\necho zerofit "\\$@"\\n' > "$venv/bin/zerofit"; chmod +x "$venv/bin/zerofit" ;; esac ;;
+      case "\\$*" in
+        *"-e "*) printf '#!/bin/sh\\necho zerofit "\\$@"\\n' > "$venv/bin/zerofit"; chmod +x "$venv/bin/zerofit" ;;
+      esac ;;
 esac
 PY
 chmod +x "$venv/bin/python"

@@ -1,4 +1,4 @@
-"""`zerofit.dist.runtime`: what a worker learns about its run, with and without the launcher."""
+"""`zerofit.distributed.runtime`: what a worker learns about its run, with and without the launcher."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from zerofit.config import load_config, save_config
-from zerofit.dist import runtime
+from zerofit.distributed import runtime
 from zerofit.errors import ConfigError
 
 

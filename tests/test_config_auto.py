@@ -194,7 +194,8 @@ def test_auto_in_an_unfillable_place_says_so():
     with pytest.raises(
         ConfigError,
         match=re.escape(
-            'optimizer.params.eps is "auto" but the script did not supply it: it comes from nothing: zerofit fills only lr, weight_decay'
+            'optimizer.params.eps is "auto" but the script did not supply it: it comes from nothing: '
+            "zerofit fills only lr, weight_decay"
         ),
     ):
         resolve_auto(cfg, ScriptFacts(num_processes=1))
@@ -220,7 +221,8 @@ def test_resolution_validates_with_the_world_size():
     with pytest.raises(
         ConfigError,
         match=re.escape(
-            "batch.train_batch_size (64) != batch.train_micro_batch_size_per_gpu (8) * batch.gradient_accumulation_steps (4) * world size (4) = 128"
+            "batch.train_batch_size (64) != batch.train_micro_batch_size_per_gpu (8) * "
+            "batch.gradient_accumulation_steps (4) * world size (4) = 128"
         ),
     ):
         resolve_auto(cfg, ScriptFacts(mixed_precision="bf16", num_processes=4, warmup_num_steps=10))

@@ -23,12 +23,14 @@ BAD = [
     (
         "ds-offload-param-stage2",
         {"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}},
-        "zero_optimization.offload_param requires stage 3 (got stage 2): set zero_optimization.stage to 3 or remove zero_optimization.offload_param",
+        "zero_optimization.offload_param requires stage 3 (got stage 2): "
+        "set zero_optimization.stage to 3 or remove zero_optimization.offload_param",
     ),
     (
         "ds-offload-optimizer-stage0",
         {"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}},
-        "zero_optimization.offload_optimizer requires stage 1 or higher (got stage 0): set zero_optimization.stage to 1, 2 or 3",
+        "zero_optimization.offload_optimizer requires stage 1 or higher (got stage 0): "
+        "set zero_optimization.stage to 1, 2 or 3",
     ),
     (
         "ds-nvme-optimizer-stage2",
@@ -38,7 +40,8 @@ BAD = [
     (
         "ds-nvme-without-path",
         {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme"}}},
-        "zero_optimization.offload_optimizer.nvme_path is required when zero_optimization.offload_optimizer.device is nvme: set it",
+        "zero_optimization.offload_optimizer.nvme_path is required when "
+        "zero_optimization.offload_optimizer.device is nvme: set it",
     ),
     (
         "ds-nvme-param",  # refused at load, not at prepare(): only the optimizer state goes to NVMe
@@ -94,7 +97,8 @@ BAD = [
     (
         "ds-quantized-weights",
         {"zero_optimization": {"stage": 3, "zero_quantized_weights": True}},
-        "zero_optimization.zero_quantized_weights = True asks for ZeRO++ quantized weights; zerofit does not provide it",
+        "zero_optimization.zero_quantized_weights = True asks for ZeRO++ quantized weights; "
+        "zerofit does not provide it",
     ),
     (
         "ds-amp",
@@ -119,7 +123,8 @@ BAD = [
     (
         "ds-unknown-nested",
         {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "pin_memroy": True}}},
-        "zero_optimization.offload_param.pin_memroy is not a known key: did you mean zero_optimization.offload_param.pin_memory?",
+        "zero_optimization.offload_param.pin_memroy is not a known key: "
+        "did you mean zero_optimization.offload_param.pin_memory?",
     ),
     (
         "ds-unknown-fp16",
@@ -174,7 +179,8 @@ BAD = [
     (
         "ds-scheduler-param-typo",
         {"scheduler": {"type": "WarmupLR", "params": {"warmup_num_step": 10}}},
-        "scheduler.params.warmup_num_step is not a parameter of WarmupLR: did you mean scheduler.params.warmup_num_steps?",
+        "scheduler.params.warmup_num_step is not a parameter of WarmupLR: "
+        "did you mean scheduler.params.warmup_num_steps?",
     ),
     (
         "ds-warmup-steps-negative",
@@ -199,7 +205,8 @@ BAD = [
     (
         "ds-optimizer-param-typo",
         {"optimizer": {"type": "AdamW", "params": {"weight_decy": 0.1}}},
-        "optimizer.params.weight_decy is not an argument of torch.optim.AdamW: did you mean optimizer.params.weight_decay?",
+        "optimizer.params.weight_decy is not an argument of torch.optim.AdamW: "
+        "did you mean optimizer.params.weight_decay?",
     ),
     (
         "ds-optimizer-without-type",
@@ -225,12 +232,14 @@ BAD = [
     (
         "acc-offload-param-stage2",
         _accel(zero_stage=2, offload_param_device="cpu"),
-        "deepspeed_config.offload_param_device requires stage 3 (got stage 2): set deepspeed_config.zero_stage to 3 or set deepspeed_config.offload_param_device to none",
+        "deepspeed_config.offload_param_device requires stage 3 (got stage 2): "
+        "set deepspeed_config.zero_stage to 3 or set deepspeed_config.offload_param_device to none",
     ),
     (
         "acc-nvme-without-path",
         _accel(zero_stage=3, offload_optimizer_device="nvme"),
-        "deepspeed_config.offload_optimizer_nvme_path is required when deepspeed_config.offload_optimizer_device is nvme",
+        "deepspeed_config.offload_optimizer_nvme_path is required when "
+        "deepspeed_config.offload_optimizer_device is nvme",
     ),
     (
         "acc-nvme-param",
@@ -241,7 +250,8 @@ BAD = [
     (
         "acc-fsdp",
         {"distributed_type": "FSDP", "fsdp_config": {"fsdp_sharding_strategy": "FULL_SHARD"}},
-        "distributed_type FSDP is not supported (zerofit shards with ZeRO): set distributed_type to DEEPSPEED with deepspeed_config.zero_stage 3",
+        "distributed_type FSDP is not supported (zerofit shards with ZeRO): "
+        "set distributed_type to DEEPSPEED with deepspeed_config.zero_stage 3",
     ),
     (
         "acc-fsdp-shard-grad-op",
@@ -395,8 +405,8 @@ def test_batch_triple_contradiction_with_world_size():
         {"train_batch_size": 40, "train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 2}
     )
     message = (
-        "train_batch_size (40) != train_micro_batch_size_per_gpu (8) * gradient_accumulation_steps (2) * world size (2) "
-        '= 32: set train_batch_size to 32 or to "auto"'
+        "train_batch_size (40) != train_micro_batch_size_per_gpu (8) * gradient_accumulation_steps (2) * "
+        'world size (2) = 32: set train_batch_size to 32 or to "auto"'
     )
     with pytest.raises(ConfigError, match=re.escape(message)):
         validate_config(cfg, world_size=2)

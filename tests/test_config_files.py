@@ -31,7 +31,8 @@ def test_a_config_path_that_is_not_a_small_text_file_is_one_clear_error(tmp_path
     fifo = tmp_path / "ds.json"
     os.mkfifo(fifo)
     for target in ("/dev/zero", str(fifo)):
-        (tmp_path / "acc.yaml").write_text(f"distributed_type: DEEPSPEED\ndeepspeed_config:\n  deepspeed_config_file: {target}\n")
+        (tmp_path / "acc.yaml").write_text("distributed_type: DEEPSPEED\ndeepspeed_config:\n"
+                                           f"  deepspeed_config_file: {target}\n")
         with pytest.raises(ConfigError, match=re.escape(f"deepspeed_config.deepspeed_config_file: {target!r} is not a "
                                                         "regular file (a pipe or device)")):
             load_config(tmp_path / "acc.yaml")
@@ -40,7 +41,8 @@ def test_a_config_path_that_is_not_a_small_text_file_is_one_clear_error(tmp_path
 def test_an_nvme_path_that_is_a_file_and_a_5000_digit_number_are_errors(tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(ConfigError, match="nvme_path .* is a file: point it at a directory"):
-        config_from_dict({"zero": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path / "file")}}})
+        config_from_dict({"zero": {"stage": 3,
+                                   "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path / "file")}}})
     (tmp_path / "huge.json").write_text('{"train_batch_size": ' + "9" * 5000 + "}")
     with pytest.raises(ConfigError, match="holds a number with thousands of digits"):
         load_config(tmp_path / "huge.json")
@@ -66,7 +68,8 @@ _TWICE = "keep one {} and delete the other (a JSON or YAML reader silently keeps
 
 
 @pytest.mark.parametrize(("name", "text", "key", "lines"), [
-    ("ds.json", '{\n  "zero_optimization": {"stage": 3},\n  "train_batch_size": 8,\n  "zero_optimization": {"stage": 1}\n}',
+    ("ds.json", '{\n  "zero_optimization": {"stage": 3},\n  "train_batch_size": 8,\n'
+                '  "zero_optimization": {"stage": 1}\n}',
      "zero_optimization", (2, 4)),
     ("ds.json", '{"zero_optimization": {\n  "stage": 2,\n  "stage": "auto"}}', "zero_optimization.stage", (2, 3)),
     ("ds.json", '{"optimizer": {"type": "AdamW", "params": {"betas": [0.9, 0.99],\n "lr": 1e-4, "lr": 1}}}',
@@ -79,7 +82,8 @@ _TWICE = "keep one {} and delete the other (a JSON or YAML reader silently keeps
     ("a.yaml", "distributed_type: DEEPSPEED\nnum_processes: 2\ndistributed_type: NO\n", "distributed_type", (1, 3)),
 ], ids=["ds-top", "ds-nested-auto", "ds-deep", "zerofit-top", "zerofit-deep", "accelerate-plugin", "accelerate-top"])
 def test_a_key_written_twice_is_refused_naming_the_file_key_and_both_lines(tmp_path, name, text, key, lines):
-    """#25: the last of two equal keys won silently (stage 3 then 1 ran stage 1; "stage" then "auto" ran the planner)."""
+    """#25: the last of two equal keys won silently (stage 3 then 1 ran stage 1; "stage" then "auto" ran the
+    planner)."""
     path = tmp_path / name
     path.write_text(text)
     message = f"{str(path)!r}: {key} appears twice (lines {lines[0]} and {lines[1]}): " + _TWICE.format(key)
@@ -90,7 +94,8 @@ def test_a_key_written_twice_is_refused_naming_the_file_key_and_both_lines(tmp_p
 def test_a_key_written_twice_in_the_deepspeed_file_an_accelerate_yaml_names_is_refused(tmp_path):
     (tmp_path / "ds.json").write_text('{"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu",\n'
                                       '  "device": "none"}}}')
-    (tmp_path / "a.yaml").write_text("distributed_type: DEEPSPEED\ndeepspeed_config:\n  deepspeed_config_file: ds.json\n")
+    (tmp_path / "a.yaml").write_text("distributed_type: DEEPSPEED\ndeepspeed_config:\n"
+                                     "  deepspeed_config_file: ds.json\n")
     message = (f"deepspeed_config.deepspeed_config_file: {str(tmp_path / 'ds.json')!r}: zero_optimization.offload_param"
                ".device appears twice (lines 1 and 2)")
     with pytest.raises(ConfigError, match=re.escape(message)):

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 import zerofit
 from zerofit.config import load_config
-from zerofit.dist import arrival, runtime
+from zerofit.distributed import arrival, runtime
 from zerofit.engine.engine import default_device
 from zerofit.errors import ConfigError
 from zerofit.frontend.state import ProcessState

@@ -22,7 +22,7 @@ def _engine(stage=2, precision="bf16", gas=1, clip=0.0, optim="adamw", offload="
                         precision=PrecisionConfig(mixed_precision=precision), gradient_accumulation_steps=gas,
                         gradient_clipping=clip, device=torch.device("cpu"))
     if wide:
-        engine._widen_grads()  # the fp32 gradient path, as a second backward would switch to
+        engine.mode.widen()  # the fp32 gradient path, as a second backward would switch to
     return model, opt, engine
 
 
@@ -45,14 +45,14 @@ def _same(a, b):
 def test_one_rank_without_accumulation_keeps_gradients_in_the_compute_dtype():
     for stage in range(4):
         _, _, engine = _engine(stage=stage)
-        assert all(g.grad_shard.dtype == torch.bfloat16 for g in engine._trainable), stage
+        assert all(g.grad_shard.dtype == torch.bfloat16 for g in engine.trainable_groups), stage
     for kwargs in ({"precision": "no"}, {"gas": 2}, {"offload": "cpu"}):
         _, _, engine = _engine(**kwargs)
-        assert all(g.grad_shard.dtype == torch.float32 for g in engine._trainable), kwargs
+        assert all(g.grad_shard.dtype == torch.float32 for g in engine.trainable_groups), kwargs
     _, _, engine = _engine(offload="cpu", ratio=0.5)  # the groups that stay on the device are compact
-    kept = [g for g in engine._trainable if not g.placement.offload_state]
+    kept = [g for g in engine.trainable_groups if not g.placement.offload_state]
     assert kept and all(g.compact for g in kept)
-    assert all(not g.compact for g in [g for g in engine._trainable if g.placement.offload_state])
+    assert all(not g.compact for g in [g for g in engine.trainable_groups if g.placement.offload_state])
 
 
 @pytest.mark.parametrize("precision,clip,optim", [("bf16", 0.0, "adamw"), ("bf16", 0.5, "adamw"),
@@ -61,7 +61,7 @@ def test_one_rank_without_accumulation_keeps_gradients_in_the_compute_dtype():
 def test_compact_steps_match_fp32_gradient_buffers(precision, clip, optim):
     model_a, _, compact = _engine(precision=precision, clip=clip, optim=optim)
     model_b, _, wide = _engine(precision=precision, clip=clip, optim=optim, wide=True)
-    assert compact._compact_steps is not None and wide._compact_steps is None
+    assert compact.mode.compact and not wide.mode.compact
     la, pa = _train(model_a, compact)
     lb, pb = _train(model_b, wide)
     # without clipping the same numbers meet the same kernels; with it, the norm's summation order
@@ -85,7 +85,7 @@ def test_a_second_backward_before_step_widens_first():
     model_b, _, wide = _engine(wide=True)
     la, pa = _train(model_a, compact, backwards=2)
     lb, pb = _train(model_b, wide, backwards=2)
-    assert compact._compact_steps is None and all(g.grad_shard.dtype == torch.float32 for g in compact._trainable)
+    assert not compact.mode.compact and all(g.grad_shard.dtype == torch.float32 for g in compact.trainable_groups)
     assert la == lb and _same(pa, pb) == 0.0  # the first backward's bf16 values carried over exactly
     grads = compact.named_full_tensors("grad")
     assert all(t.dtype == torch.float32 for t in grads.values())

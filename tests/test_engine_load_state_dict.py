@@ -74,8 +74,9 @@ def _run(rank: int, world: int) -> dict:
         rows = slice(rank * 2, rank * 2 + 2)  # the same global batch as the reference, split over the ranks
         acc.backward(model(input_ids=ids[rows], labels=ids[rows]).loss)
         opt.step()
-        out[(stage, mixed, offload)] = {"missing": list(result.missing_keys), "unexpected": list(result.unexpected_keys),
-                                        "loaded": loaded, "logits": logits, "stepped": acc.get_state_dict(model)}
+        out[(stage, mixed, offload)] = {"missing": list(result.missing_keys),
+                                        "unexpected": list(result.unexpected_keys), "loaded": loaded,
+                                        "logits": logits, "stepped": acc.get_state_dict(model)}
     return out
 
 

@@ -75,4 +75,4 @@ def test_offloaded_groups_do_not_start_stepping_before_the_norm_is_known():
     engine = ZeroEngine(model, torch.optim.SGD(model.parameters(), lr=0.1),
                         zero=ZeroConfig(stage=2, offload_optimizer=OffloadConfig(device="cpu")),
                         precision=PrecisionConfig(skip_nonfinite_steps=True), device=torch.device("cpu"))
-    assert "skip_nonfinite_steps" in engine._early_off
+    assert "skip_nonfinite_steps" in engine.early_off

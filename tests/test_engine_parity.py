@@ -34,7 +34,8 @@ OVERFLOW_CASES = [Case(stage=s, precision="fp16", overflow_at=3) for s in (0, 2,
 def world2():
     cases = FP32_CASES + EXTRA_CASES + LOW_CASES + OVERFLOW_CASES + [FP32_CASES[-1]]
     results = run_distributed(run_cases, 2, cases, timeout=600)
-    return dict(zip(cases[:-1], zip(*[r[:-1] for r in results]))), (results[0][-1], results[0][FP32_CASES.index(FP32_CASES[-1])])
+    last_fp32 = FP32_CASES.index(FP32_CASES[-1])
+    return dict(zip(cases[:-1], zip(*[r[:-1] for r in results]))), (results[0][-1], results[0][last_fp32])
 
 
 @pytest.mark.parametrize("case", FP32_CASES + EXTRA_CASES, ids=repr)

@@ -170,7 +170,7 @@ def test_a_rank_with_more_batches_raises_a_clear_error_instead_of_hanging(runs):
     assert proc.returncode != 0
     # Rank 1 finishes its 4 batches and waits at the final barrier while rank 0 runs a 5th step: rank 0's
     # gradient reduction stalls, it finds rank 1 waiting at the barrier ([Note: a rank that went on training]
-    # in zerofit.dist.arrival), and both stop within seconds, long before the 30 s timeout, each saying why.
+    # in zerofit.distributed.arrival), and both stop within seconds, long before the 30 s timeout, each saying why.
     assert "RanksApartError: rank 1 is in accelerator.wait_for_everyone(), while rank 0 went on" in proc.stderr
     assert "CollectiveError: rank 0: collective reduce_scatter:<root> failed: rank 0 went on" in proc.stderr
     assert "a DataLoader not passed to prepare()" in proc.stderr
@@ -220,7 +220,8 @@ def test_killing_the_launcher_kills_its_workers_and_the_next_launch_clears_what_
 
     script = tmp_path / "sleeper.py"
     script.write_text("import os, sys, time\nfrom zerofit import Accelerator\nacc = Accelerator()\n"
-                      f"open(os.path.join({str(tmp_path)!r}, f'pid-{{acc.process_index}}'), 'w').write(str(os.getpid()))\n"
+                      f"open(os.path.join({str(tmp_path)!r}, f'pid-{{acc.process_index}}'), 'w')"
+                      ".write(str(os.getpid()))\n"
                       "time.sleep(3600)\n")
     temp = tmp_path / "tmp"  # this test's own temporary directory: what the launches leave there is theirs
     temp.mkdir()

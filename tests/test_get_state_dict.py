@@ -112,7 +112,8 @@ def test_get_state_dict_loads_strictly_into_a_plain_tied_model(launched):
                 torch.testing.assert_close(other[name], value, rtol=0, atol=0, msg=f"stage {stage} {name}")
         else:  # the other rank: placeholders with the shapes and dtypes, no values
             assert all(v.device.type == "meta" for v in other.values())
-            assert {k: (v.shape, v.dtype) for k, v in other.items()} == {k: (v.shape, v.dtype) for k, v in state.items()}
+            assert ({k: (v.shape, v.dtype) for k, v in other.items()}
+                    == {k: (v.shape, v.dtype) for k, v in state.items()})
             assert other["head.weight"] is other["emb.weight"]
         assert list(state) == keys, stage  # every key of the model's state dict, in its order
         assert shared, stage  # the tied weight is one tensor under both names

@@ -17,11 +17,12 @@ ROOT = Path(zerofit.__file__).parent
 LAYERS = [
     ("zerofit.errors", "zerofit.logging"),
     ("zerofit.config",),
-    ("zerofit.dist",),
+    ("zerofit.distributed",),
     ("zerofit.engine",),
     ("zerofit.checkpoint", "zerofit.plan"),
     ("zerofit.frontend",),
-    ("zerofit.utils", "zerofit.local_sgd", "zerofit"),  # the public spellings: zerofit.Accelerator, zerofit.utils.set_seed
+    # the public spellings: zerofit.Accelerator, zerofit.utils.set_seed
+    ("zerofit.utils", "zerofit.local_sgd", "zerofit"),
     ("zerofit.integrations",),  # other libraries' training loops (transformers' Trainer, TRL) on the Accelerator
     ("zerofit.testing", "zerofit.bench"),
     ("zerofit.cli",),

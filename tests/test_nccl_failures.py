@@ -17,7 +17,7 @@ import torch.distributed as dist
 from zerofit.cli import flight_recorder, launch
 from zerofit.cli.failure_report import NcclRun, summary
 from zerofit.config.schema import LaunchConfig, RunConfig
-from zerofit.dist import failures, process_group
+from zerofit.distributed import failures, process_group
 from zerofit.errors import CollectiveError
 
 TARGET = ("train.py",)
@@ -66,7 +66,8 @@ def test_a_sigabrt_under_nccl_is_named_with_the_rank_that_is_behind(tmp_path):
     assert ("    rank 0: last completed #1 all_gather [1024] BFloat16; stuck in #2 _reduce_scatter_base in [2048] "
             "BFloat16 out [1024] BFloat16, called from gather (zerofit/engine/stage3.py:99)") in lines
     assert "    rank 1: last completed #1 all_gather [1024] BFloat16; nothing pending (issued up to #1)" in lines
-    assert "  rank 1 is behind: issued collectives up to #1, rank 0 up to #2; rank 1 never reached collective #2" in said
+    assert ("  rank 1 is behind: issued collectives up to #1, rank 0 up to #2; "
+            "rank 1 never reached collective #2") in said
     assert "TORCH_DISTRIBUTED_DEBUG=DETAIL" in said
 
 

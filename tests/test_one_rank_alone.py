@@ -1,5 +1,5 @@
 """A save called on one rank alone fails in seconds, on every rank (#29 item 4; [Note: checked places] in
-zerofit.dist.arrival): `if accelerator.is_main_process: model.save_pretrained(...)` under ZeRO-3 used to hang
+zerofit.distributed.arrival): `if accelerator.is_main_process: model.save_pretrained(...)` under ZeRO-3 used to hang
 until the process-group timeout. A rank that is only late is still waited for. Two gloo ranks, fp32."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 
 from zerofit import Accelerator
 from zerofit.config.schema import RunConfig, ZeroConfig
-from zerofit.dist import arrival
+from zerofit.distributed import arrival
 from zerofit.errors import CollectiveError, RanksApartError
 from zerofit.testing.distributed import run_distributed
 

@@ -79,8 +79,8 @@ def test_an_unseen_batch_that_cannot_fit_is_an_error_naming_the_fix_before_the_f
     model = _long_gpt2()
     model, _ = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
     ids = torch.zeros(8, 512, dtype=torch.long)
-    with pytest.raises(ConfigError, match=r"first training batch is 8x512 tokens, which prepare\(\) did not see \(no DataLoader"
-                                          r".*No setting fits this batch.*lower the batch size"):
+    with pytest.raises(ConfigError, match=r"first training batch is 8x512 tokens, which prepare\(\) did not see "
+                                          r"\(no DataLoader.*No setting fits this batch.*lower the batch size"):
         model(input_ids=ids, labels=ids)
 
 
@@ -97,7 +97,8 @@ def test_the_error_names_the_setting_the_planner_chooses_for_the_batch():
     ddp, offload = by["DDP"], min((e for e in traced.estimates if e.setting.offload_optimizer != "none"),
                                   key=lambda e: e.gpu_total)
     assert offload.gpu_total < ddp.gpu_total
-    gpu = int(((offload.gpu_total + ddp.gpu_total) / 2 + GPU_RESERVE_BYTES) / 0.9)  # offload fits with the batch, DDP not
+    # offload fits with the batch, DDP not
+    gpu = int(((offload.gpu_total + ddp.gpu_total) / 2 + GPU_RESERVE_BYTES) / 0.9)
     budget = Budget(gpu_bytes=gpu, host_bytes=64 * GIB)
     _, planned = choose(config, model, world=1, shape=None, budget=budget)
     assert planned.choice.setting.label.startswith("DDP")  # states alone: DDP fits

@@ -78,7 +78,8 @@ def test_without_a_gpu_the_allowance_is_what_the_host_leaves():
 
 
 # --- end to end, on CPU, with the measured peak injected -------------------------------------------------
-AUTO_ZERO = ZeroConfig(stage=AUTO, offload_optimizer=OffloadConfig(device=AUTO), offload_param=OffloadConfig(device=AUTO))
+AUTO_ZERO = ZeroConfig(stage=AUTO, offload_optimizer=OffloadConfig(device=AUTO),
+                       offload_param=OffloadConfig(device=AUTO))
 
 
 def _train(acc, peak: int | None, steps: int = 3) -> list[int]:

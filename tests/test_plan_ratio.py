@@ -97,7 +97,7 @@ def _engine_state_bytes(rank: int, world: int, ratio: float, step_on: str = "hos
     engine.settle()
     state_of = {p.data_ptr(): opt.state[p] for group in opt.param_groups for p in group["params"]}
     out = {"device": 0, "host": 0, "padding": 0}
-    for g in engine._trainable:
+    for g in engine.trainable_groups:
         # GPU-stepped groups keep master and state on the host but the gradient shard on the device
         state_side = "host" if g.placement.offload_state or g.placement.stream_state else "device"
         pieces = master_pieces(g)

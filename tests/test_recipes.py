@@ -1,7 +1,8 @@
 """The three recipes in examples/ through the real CLI: `zerofit launch --cpu --num_processes 2`.
 
 Each recipe runs a few steps under DDP (zerofit YAML), ZeRO-2 (Accelerate YAML) and ZeRO-3 with CPU
-offload of optimizer and parameters (DeepSpeed JSON; plain ZeRO-3 too for the causal LM), on the fixtures in tests/fixtures/data with tiny
+offload of optimizer and parameters (DeepSpeed JSON; plain ZeRO-3 too for the causal LM),
+on the fixtures in tests/fixtures/data with tiny
 models built here from configs and a word-level tokenizer trained on those fixtures (no downloads).
 In fp32 the stages compute the same thing and differ only in the order of floating-point sums
 (reduce-scatter vs all-reduce), so losses and metrics must agree to 1e-4 relative: that is the seed's
@@ -130,7 +131,8 @@ RECIPES = {
     "clm": ("run_clm_no_trainer.py", lambda a: [
         "--config_name", a["gpt2"], "--tokenizer_name", a["gpt2"], "--train_file", DATA / "text_train.txt",
         "--validation_file", DATA / "text_validation.txt", "--block_size", "16", "--per_device_train_batch_size", "4",
-        "--learning_rate", "3e-3", "--num_warmup_steps", "2", "--checkpointing_steps", "4"], ["perplexity", "eval_loss"]),
+        "--learning_rate", "3e-3", "--num_warmup_steps", "2", "--checkpointing_steps", "4"],
+        ["perplexity", "eval_loss"]),
     "cls": ("run_cls_no_trainer.py", lambda a: [
         "--model_name_or_path", a["bert"], "--ignore_mismatched_sizes", "--train_file", DATA / "mrpc_train.json",
         "--validation_file", DATA / "mrpc_validation.json", "--max_length", "64", "--per_device_train_batch_size", "8",

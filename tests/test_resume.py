@@ -19,8 +19,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from zerofit import Accelerator
 from zerofit.checkpoint import resume
 from zerofit.config.schema import CheckpointConfig, RunConfig
-from zerofit.dist import failures
-from zerofit.dist.process_group import restart_count
+from zerofit.distributed import failures
+from zerofit.distributed.process_group import restart_count
 from zerofit.errors import CheckpointError, CollectiveError, ConfigError
 from zerofit.utils import ProjectConfiguration
 
@@ -122,7 +122,8 @@ def _run(project_dir, mode: str, steps: int):
     """A fresh script that trains up to optimizer step `steps`; returns (accelerator, losses, seen)."""
     torch.manual_seed(0)
     acc = Accelerator(config=RunConfig(checkpoint=CheckpointConfig(resume=mode)),
-                      project_config=ProjectConfiguration(project_dir=str(project_dir), automatic_checkpoint_naming=True))
+                      project_config=ProjectConfiguration(project_dir=str(project_dir),
+                                                          automatic_checkpoint_naming=True))
     model = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.2), nn.Linear(8, 1))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     data = torch.arange(40, dtype=torch.float32).reshape(10, 4) / 40

@@ -61,7 +61,8 @@ def _train(rank, world):
         opt.zero_grad()
         per_step.append(list(ran))
         ran.clear()
-    return {"trace": engine.comm.trace, "ran": per_step, "state": {k: v.clone() for k, v in engine.named_full_tensors("master").items()}}
+    master = {k: v.clone() for k, v in engine.named_full_tensors("master").items()}
+    return {"trace": engine.comm.trace, "ran": per_step, "state": master}
 
 
 def _reference() -> dict[str, torch.Tensor]:

@@ -118,10 +118,10 @@ def _one_rank_first_without_a_store(rank: int, world: int) -> tuple[list[str], b
     import os
     import time
 
-    from zerofit.dist import arrival
+    from zerofit.distributed import arrival
 
     # No store to reach (a file:// rendezvous, say): the ranks agree to leave the check off ([Note: checked
-    # places] in zerofit.dist.arrival), and a gather left waiting only says why it may hang.
+    # places] in zerofit.distributed.arrival), and a gather left waiting only says why it may hang.
     del os.environ["MASTER_ADDR"]
     arrival.SILENT_AFTER_S = 0.5
     acc = Accelerator(config=config_from_dict({"zero": {"stage": 3, "param_persistence_threshold": 0}}), cpu=True)

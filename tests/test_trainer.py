@@ -40,7 +40,8 @@ CONFIGS = {
 FULL, LORA, EVAL, PROMPT = tc.Run(), tc.Run(lora=True), tc.Run(evaluate=True), tc.Run(prompt=True)
 SFT, SFT_LORA, DPO = tc.Run("sft"), tc.Run("sft", lora=True), tc.Run("dpo")
 CASES = ([(FULL, c) for c in CONFIGS] + [(LORA, c) for c in ("stage0", "stage2", "stage3", "stage3_offload")]
-         + [(EVAL, "stage3"), (PROMPT, "stage3"), (SFT, "stage0"), (SFT, "stage2_offload"), (SFT, "stage3"), (SFT_LORA, "stage3"), (DPO, "stage3")])
+         + [(EVAL, "stage3"), (PROMPT, "stage3"), (SFT, "stage0"), (SFT, "stage2_offload"), (SFT, "stage3"),
+            (SFT_LORA, "stage3"), (DPO, "stage3")])
 
 
 # Resumed too (a second Trainer from checkpoint-2): every stage and offload once, and each other kind at ZeRO-3

@@ -50,7 +50,8 @@ def test_trainer_still_has_each_method_the_mixin_relies_on(name):
     method = getattr(transformers.Trainer, name, None)
     if method is None and name in ADDED_LATER:
         pytest.skip(f"transformers {transformers.__version__} has no Trainer.{name} yet")
-    assert method is not None, f"transformers.Trainer.{name} is gone: zerofit.integrations.transformers needs a new hook"
+    assert method is not None, (f"transformers.Trainer.{name} is gone: "
+                                "zerofit.integrations.transformers needs a new hook")
     assert list(inspect.signature(method).parameters) == RELIED_ON[name]
 
 
@@ -83,7 +84,8 @@ def test_auto_keys_take_the_training_arguments_and_the_engine_leaves_accumulatio
     config = _deepspeed(tmp_path, """{"zero_optimization": {"stage": 3}, "bf16": {"enabled": "auto"},
         "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "train_batch_size": "auto",
         "gradient_clipping": "auto",
-        "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+        "optimizer": {"type": "AdamW",
+                      "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
         "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
                       "warmup_num_steps": "auto", "total_num_steps": "auto"}}}""")
     out = tcfg.trainer_config(config, FACTS)

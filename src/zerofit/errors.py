@@ -74,5 +74,5 @@ class CollectiveError(EngineError):
 
 class RanksApartError(CollectiveError):
     """Ranks reached different collective calls (one rank in `state_dict()`, another in `wait_for_everyone()`
-    or gone), so the collective would never complete; raised before it is entered (see `zerofit.dist.arrival`).
+    or gone), so the collective would never complete; raised before it is entered (see `zerofit.distributed.arrival`).
     The message names what each rank is doing, the usual cause and the fix."""

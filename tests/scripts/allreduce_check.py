@@ -15,7 +15,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from zerofit.dist import runtime
+from zerofit.distributed import runtime
 
 
 def main() -> None:

@@ -74,7 +74,8 @@ def reload_check(kind: str, run: Path, fixtures: Path) -> tuple[bool, str, dict]
         saved, info, start = _load(kind, run, fixtures)
     except Exception as e:  # a file that does not load is the finding; report it in the row
         return False, f"load failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}", {}
-    problems = [f"{key}: {info[key]}" for key in ("missing_keys", "unexpected_keys", "mismatched_keys") if info.get(key)]
+    problems = [f"{key}: {info[key]}" for key in ("missing_keys", "unexpected_keys", "mismatched_keys")
+                if info.get(key)]
     if set(saved) != set(start):
         problems.append(f"keys differ from the fixture: {sorted(set(saved) ^ set(start))[:4]}")
     for name, tensor in saved.items():

@@ -217,7 +217,8 @@ def build_data(out: Path) -> None:
             for r in rows])
         # the rejected reply is another conversation's: fluent but off-topic, so the preference is learnable
         _write_jsonl(out / "dpo" / f"{split}.jsonl", [
-            {"prompt": r["context"], "chosen": " " + r["response"], "rejected": " " + rows[(i + 1) % len(rows)]["response"]}
+            {"prompt": r["context"], "chosen": " " + r["response"],
+             "rejected": " " + rows[(i + 1) % len(rows)]["response"]}
             for i, r in enumerate(rows)])
     for split, rows in (("train", splits["train"]), ("validation", splits["test"])):
         _write_jsonl(out / "translation" / f"{split}.jsonl",

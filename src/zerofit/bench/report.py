@@ -17,7 +17,8 @@ import platform
 from typing import Any
 
 # zerofit row -> the peers running the same setting
-PEERS = {"zerofit-s1": ("deepspeed-s1",), "zerofit-s2": ("deepspeed-s2",), "zerofit-s2-offload": ("deepspeed-s2-offload",),
+PEERS = {"zerofit-s1": ("deepspeed-s1",), "zerofit-s2": ("deepspeed-s2",),
+         "zerofit-s2-offload": ("deepspeed-s2-offload",),
          "zerofit-s3": ("deepspeed-s3", "fsdp2"), "zerofit-s3-offload": ("deepspeed-s3-offload", "fsdp2-offload")}
 
 
@@ -175,8 +176,8 @@ def plots(record: dict[str, Any], out_dir: str) -> list[str]:
                 ax.text(v, i, f" {v:,.1f}" if isinstance(v, float) else f" {v}" if v else " n/a", va="center")
         hw = record["environment"].get("gpu") or "CPU"
         cap = record["options"].get("gpu_memory_gib")
-        fig.suptitle(f"Table {table['table']}: {table['title']}\n{world} x {hw}" + (f", {cap:g} GiB cap" if cap else ""),
-                     fontsize=10)
+        fig.suptitle(f"Table {table['table']}: {table['title']}\n{world} x {hw}"
+                     + (f", {cap:g} GiB cap" if cap else ""), fontsize=10)
         fig.tight_layout()
         path = os.path.join(out_dir, f"table{table['table']}_{table['key']}.png")
         fig.savefig(path, dpi=110)
@@ -218,7 +219,8 @@ def merge(records: list[dict[str, Any]]) -> dict[str, Any]:
     tables: dict[str, dict[str, Any]] = {}
     for record in records:
         first = len(out["sources"])  # a merged record brings its own sources along, rows keep pointing at theirs
-        out["sources"] += record.get("sources") or [{k: record.get(k) for k in ("command", "options", "seconds", "note")}]
+        out["sources"] += (record.get("sources")
+                           or [{k: record.get(k) for k in ("command", "options", "seconds", "note")}])
         if record["options"]["nproc"] != out["options"]["nproc"]:
             raise ValueError(f"cannot merge runs with {out['options']['nproc']} and {record['options']['nproc']} "
                              "processes per row into one table")

@@ -32,7 +32,7 @@ import torch
 from zerofit.bench.methods import Runner, build_runner, repeated_blocks
 from zerofit.bench.search import BatchSearch
 from zerofit.bench.workloads import WORKLOADS, Workload
-from zerofit.dist import runtime
+from zerofit.distributed import runtime
 
 
 class SimulatedOutOfMemory(torch.OutOfMemoryError):

@@ -143,7 +143,8 @@ def is_checkpoint(directory: Path) -> bool:
     """True for a real directory holding a manifest of zerofit's format (a committed zerofit checkpoint)
     that is not being deleted (see [Note: atomic removal])."""
     manifest = directory / MANIFEST
-    if is_doomed(directory) or directory.is_symlink() or not directory.is_dir() or manifest.is_symlink() or not manifest.is_file():
+    if (is_doomed(directory) or directory.is_symlink() or not directory.is_dir()
+            or manifest.is_symlink() or not manifest.is_file()):
         return False
     try:
         doc = read_json(manifest)

@@ -39,8 +39,8 @@ from torch import nn
 from zerofit.checkpoint.export import ShardWriter, parse_size, plan_shards, save_hf_configs
 from zerofit.checkpoint.inventory import buffer_entries, param_entries, persistent_buffers
 from zerofit.checkpoint.ranks import Ranks
-from zerofit.dist import arrival
-from zerofit.dist.failures import named
+from zerofit.distributed import arrival
+from zerofit.distributed.failures import named
 
 GATHER_PIECE_BYTES = 64 * 2**20
 """The most device memory one gather of a split group takes on a receiving rank ([Note: export gathers in

@@ -40,7 +40,8 @@ def merge(checkpoint_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str
         read_chunks(path / STATE_DIR, chunks, None, no_dist=True)
         for e in shard:
             c = chunks.get(f"{e.kind}/{e.name}")
-            writer.add(e.name, c.tensor.view(e.shape) if c is not None else torch.empty(e.shape, dtype=dtype_of(e.dtype)))
+            writer.add(e.name, c.tensor.view(e.shape) if c is not None
+                       else torch.empty(e.shape, dtype=dtype_of(e.dtype)))
     written = writer.finish()
     configs = path / HF_CONFIG_DIR
     if configs.is_dir():

@@ -4,7 +4,7 @@
 A rank that raised while its peers walk into the next collective would hang them. So every phase of
 a save or load ends in `agree`: each rank contributes its error text (or None) and all ranks raise the
 same `CheckpointError`, naming each failing rank, or all go on. The exchanges themselves are
-`zerofit.dist.collectives.Peers`.
+`zerofit.distributed.collectives.Peers`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from zerofit.dist.collectives import Peers
+from zerofit.distributed.collectives import Peers
 from zerofit.errors import CheckpointError
 
 

@@ -12,7 +12,8 @@ a `manifest.json` of zerofit's manifest format; nothing else in the folder is ev
 files and directories, another tool's checkpoints, the `.tmp-` / `.old-` directories of a commit (see
 [Note: atomic commit]), and nothing is deleted but through `commit.remove`, which renames a checkpoint
 to its doomed name before deleting it, so a kill mid-deletion leaves a folder the next save or prune
-finishes deleting (see [Note: atomic removal]). Of zerofit's checkpoints the newest `limit` are kept, newest meaning the most
+finishes deleting (see [Note: atomic removal]).
+Of zerofit's checkpoints the newest `limit` are kept, newest meaning the most
 recently written manifest (the new checkpoint is always kept), and so is the one `latest` names,
 even beyond the limit. A checkpoint saved at `checkpoint.output_dir` itself is the run's only one,
 replaced by every save, so nothing beside it is the run's to delete: no pruning then. A deletion

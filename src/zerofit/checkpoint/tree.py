@@ -173,7 +173,8 @@ def read_tree(directory: Path, stem: str) -> Any:
     except FileNotFoundError:
         raise CheckpointError(f"{path}: missing: the checkpoint is incomplete; load an earlier one") from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-        raise CheckpointError(f"{path}: not a {FORMAT} file (format {doc.get('format') if isinstance(doc, dict) else None!r})")
+        found = doc.get("format") if isinstance(doc, dict) else None
+        raise CheckpointError(f"{path}: not a {FORMAT} file (format {found!r})")
     tensors: dict[str, torch.Tensor] = {}
     side = directory / f"{stem}.safetensors"
     if side.exists():

@@ -149,6 +149,7 @@ def table_record(w, tiny: bool, equal_batch: int | None) -> dict:
     model = w.build_model(tiny, "meta")
     fields = {k: getattr(w, k) for k in ("key", "table", "title", "task", "train_examples", "eval_examples",
                                          "epoch_note", "equal_batch", "search_eval_batch", "seed_result")}
-    return fields | {"equal_batch": equal_batch or w.equal_batch, "seq": w.sequence_length(tiny), "tokens_per_sample": w.tokens_per_sample(tiny), "tiny": tiny,
+    return fields | {"equal_batch": equal_batch or w.equal_batch, "seq": w.sequence_length(tiny),
+                     "tokens_per_sample": w.tokens_per_sample(tiny), "tiny": tiny,
                      "params": sum(p.numel() for p in model.parameters()),
                      "model_config": w.build_config(tiny).to_dict()}

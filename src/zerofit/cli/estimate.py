@@ -19,8 +19,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "estimate", allow_abbrev=False, help="memory per ZeRO stage / offload / checkpointing setting (offline)",
         description=__doc__.splitlines()[0],
-        epilog="examples:\n  zerofit estimate --model GPT2Config:n_layer=48,n_embd=1600,n_head=25 --micro_batch 16 "
-               "--seq 128\n  zerofit estimate --model ./my-model/config.json --num_processes 8 --gpu_memory_gib 80 --json",
+        epilog="examples:\n"
+               "  zerofit estimate --model GPT2Config:n_layer=48,n_embd=1600,n_head=25 --micro_batch 16 --seq 128\n"
+               "  zerofit estimate --model ./my-model/config.json --num_processes 8 --gpu_memory_gib 80 --json",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     add_flag(p, "--model", required=True, help="config.json, a saved model directory, a config class with sizes "
              "(LlamaConfig:hidden_size=2048,num_hidden_layers=16), or a cached model name")
@@ -147,7 +148,8 @@ _BYTES = {"bf16": 2, "fp16": 2, "no": 4}
 
 
 def _row(e, budget, seconds: dict) -> dict:
-    return {"added_seconds": seconds.get(e.setting), "host_share": e.setting.host_share, "setting": e.setting.label, "stage": e.setting.stage, "offload_optimizer": e.setting.offload_optimizer,
+    return {"added_seconds": seconds.get(e.setting), "host_share": e.setting.host_share, "setting": e.setting.label,
+            "stage": e.setting.stage, "offload_optimizer": e.setting.offload_optimizer,
             "offload_param": e.setting.offload_param, "offload_ratio": e.setting.offload_ratio,
             "step_on": e.setting.step_on,
             "checkpointing": e.setting.checkpointing,
@@ -175,7 +177,8 @@ def _gib(n: int) -> str:
 
 def _as_table(args, counts, budget, result, seconds: dict) -> str:
     head = (f"{args.model}: {counts.numel / 1e9:.3f} B parameters in {len(counts.units)} units; "
-            f"{args.num_processes} GPU(s), micro-batch {args.micro_batch} x {args.seq}, {args.mixed_precision}; GiB per rank")
+            f"{args.num_processes} GPU(s), micro-batch {args.micro_batch} x {args.seq}, {args.mixed_precision}; "
+            "GiB per rank")
     cols = ["setting", "params", "grads", "optim", "activ", "buffers", "GPU total", "host pinned", "fits"]
     if seconds:
         cols.append("added s")
@@ -192,9 +195,12 @@ def _as_table(args, counts, budget, result, seconds: dict) -> str:
         if seconds:
             rows[-1].append("?" if seconds[e.setting] is None else f"{seconds[e.setting]:.3f}")
     widths = [max(len(str(r[i])) for r in [cols, *rows]) for i in range(len(cols))]
-    line = lambda r: "  ".join(str(v).ljust(w) if i == 0 else str(v).rjust(w) for i, (v, w) in enumerate(zip(r, widths)))  # noqa: E731
+    def line(r: list) -> str:
+        return "  ".join(str(v).ljust(w) if i == 0 else str(v).rjust(w) for i, (v, w) in enumerate(zip(r, widths)))
+
     out = [head, line(cols), line(["-" * w for w in widths]), *map(line, rows), "", f"choice: {result.reason}"]
     if seconds:
-        out.append("added s: what the setting adds to an optimizer step on this machine's measured rates (zerofit env): "
-                   "offloaded state's update, parameter uploads, recomputed forward; the fastest that fits is chosen")
+        out.append("added s: what the setting adds to an optimizer step on this machine's measured rates "
+                   "(zerofit env): offloaded state's update, parameter uploads, recomputed forward; "
+                   "the fastest that fits is chosen")
     return "\n".join(out)

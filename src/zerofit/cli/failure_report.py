@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from zerofit.cli import flight_recorder
-from zerofit.dist.failures import TIMEOUT_FLAG, TIMEOUT_KEY
+from zerofit.distributed.failures import TIMEOUT_FLAG, TIMEOUT_KEY
 
 TORCHRUN_STOP_LINES = {
     "torch.distributed.elastic.agent.server.api": "Received %s death signal, shutting down workers",
@@ -47,7 +47,8 @@ class _WithoutStopLines(logging.Filter):
 @contextlib.contextmanager
 def torchrun_stop_lines_hidden() -> Iterator[None]:
     """While inside, torchrun does not log the lines in TORCHRUN_STOP_LINES (see the module doc)."""
-    installed = [(logging.getLogger(name), _WithoutStopLines(template)) for name, template in TORCHRUN_STOP_LINES.items()]
+    installed = [(logging.getLogger(name), _WithoutStopLines(template))
+                 for name, template in TORCHRUN_STOP_LINES.items()]
     for logger, hide in installed:
         logger.addFilter(hide)
     try:

@@ -1,7 +1,7 @@
 """NCCL's flight recorder, for the launcher: switch its dumps on, then read them into a few lines.
 
 [Note: failures under NCCL]
-Under gloo a collective that waits too long raises in the waiting call, and `zerofit.dist.failures`
+Under gloo a collective that waits too long raises in the waiting call, and `zerofit.distributed.failures`
 turns that into a `CollectiveError` naming the collective. Under NCCL nothing waits on the CPU: the
 engine queues its collectives on a side stream, and torch's NCCL watchdog thread notices the one that
 outlived `launch.process_group_timeout`, then aborts the process (SIGABRT, exit code -6). What the
@@ -38,7 +38,7 @@ WATCHDOG_WORDS = ("watchdog caught collective operation timeout", "processgroupn
                   "watchdog thread terminated", "nccl watchdog")
 """Lowercase phrases of torch's NCCL watchdog in a rank's error text (torch 2.4-2.13)."""
 
-_PLUMBING = (f"{os.sep}torch{os.sep}", f"zerofit{os.sep}engine{os.sep}comm.py", f"zerofit{os.sep}dist{os.sep}",
+_PLUMBING = (f"{os.sep}torch{os.sep}", f"zerofit{os.sep}engine{os.sep}comm.py", f"zerofit{os.sep}distributed{os.sep}",
              f"{os.sep}contextlib.py")
 """Frames that issue every collective alike; the caller below them says which collective it was."""
 

@@ -3,7 +3,7 @@
 The launcher is a thin front end over `torch.distributed.run`. It turns the config (file plus flags)
 into a `LaunchPlan` (a pure function of the config and the machine's GPU count, so it is testable
 without processes), writes the resolved config where every worker can read it (`ZEROFIT_CONFIG_FILE`,
-see `zerofit.dist.runtime`), builds a torchrun argv and runs it in this process.
+see `zerofit.distributed.runtime`), builds a torchrun argv and runs it in this process.
 
 [Note: loopback by default] A one-machine run listens on 127.0.0.1 only: its rendezvous store is
 bound there by zerofit's own rendezvous backend (`zerofit.cli.rendezvous`, a free port, a new store
@@ -43,7 +43,7 @@ from zerofit.cli import failure_report, flight_recorder, rendezvous
 from zerofit.cli.flags import add_flag
 from zerofit.config import load_config, save_config, validate_config
 from zerofit.config.schema import RunConfig
-from zerofit.dist.runtime import CONFIG_FILE_ENV, backend_for
+from zerofit.distributed.runtime import CONFIG_FILE_ENV, backend_for
 from zerofit.errors import ConfigError
 
 WORKER_MODULE = "zerofit.cli.worker"

@@ -8,7 +8,7 @@ needs to reach it, so this backend hands the TCPStore a socket it bound to 127.0
 documented `master_listen_fd` argument): the server can then only be reached through loopback.
 
 It also starts a new store, on a new OS-chosen port, for every restart of the worker group, so a
-restarted attempt never reads keys the failed attempt left behind (see `zerofit.dist.process_group`).
+restarted attempt never reads keys the failed attempt left behind (see `zerofit.distributed.process_group`).
 The backend is registered under `BACKEND` through torch's public rendezvous handler registry.
 """
 

@@ -42,7 +42,7 @@ import torch.distributed.elastic.multiprocessing.errors as elastic_errors
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
 from zerofit.config import ConfigWarning
-from zerofit.dist import runtime
+from zerofit.distributed import runtime
 
 _BOOTSTRAP_FILES = (os.path.abspath(__file__), runpy.__file__, "<frozen runpy>", elastic_errors.__file__)
 
@@ -188,7 +188,7 @@ def _exit_failed(error: BaseException) -> None:
     the script's exit code. atexit handlers (NVMe swap files, trackers) still run."""
     sys.excepthook(type(error), error, error.__traceback__)  # torch's rank-prefixing hook wraps ours
     # As the interpreter records an uncaught error, so exit handlers can tell a failed exit (they destroy
-    # no process group then: [Note: end of training] in zerofit.dist.process_group).
+    # no process group then: [Note: end of training] in zerofit.distributed.process_group).
     sys.last_type, sys.last_value, sys.last_traceback = type(error), error, error.__traceback__
     atexit._run_exitfuncs()
     sys.stdout.flush()

@@ -141,7 +141,8 @@ def _refusal(kind: str, data: Mapping[str, Any]) -> str:
             f"distributed_type FSDP is not supported (zerofit shards with ZeRO): {_DDP_FIX} {stage}{offload}"
         )
     if kind == "MEGATRON_LM":
-        return f"distributed_type MEGATRON_LM is not supported (zerofit has no tensor or pipeline parallelism): {_DDP_FIX} 3, or 2"
+        return ("distributed_type MEGATRON_LM is not supported (zerofit has no tensor or pipeline parallelism): "
+                f"{_DDP_FIX} 3, or 2")
     if kind == "XLA":
         return f"distributed_type XLA is not supported (zerofit runs on CUDA GPUs and CPUs): {_DDP_FIX} 3 or 2 on GPUs"
     return (
@@ -339,7 +340,8 @@ def _merge_file(
         return
     except FileNotFoundError:
         reading.error(
-            f"{name} {ds_file!r} does not exist (looked for {path}): fix the path (relative paths start at the YAML's folder)"
+            f"{name} {ds_file!r} does not exist (looked for {path}): "
+            "fix the path (relative paths start at the YAML's folder)"
         )
         return
     except (OSError, json.JSONDecodeError) as bad:

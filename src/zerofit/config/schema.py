@@ -54,7 +54,8 @@ class OffloadConfig:
     """Where one kind of state lives when it is not on the accelerator."""
 
     device: OffloadDevice | Any = "none"
-    """none: stays on the accelerator; cpu: pinned host memory; nvme: files under nvme_path; "auto": the planner picks none or cpu at prepare()."""
+    """none: stays on the accelerator; cpu: pinned host memory; nvme: files under nvme_path; "auto": the
+    planner picks none or cpu at prepare()."""
     nvme_path: str | None = None
     """Directory for NVMe offload files (required when device is nvme)."""
     pin_memory: bool = True
@@ -62,11 +63,19 @@ class OffloadConfig:
     buffer_count: int = 4
     """Number of staging buffers in the NVMe pool (at least 2: one group steps while the next is read)."""
     ratio: float | Any = 1.0
-    """Fraction of the parameters whose optimizer state is offloaded, whole units from the last one back (the rest stay on the GPU); "auto": the planner keeps as much on the GPU as fits (also what an unwritten ratio means under `stage: auto` or `device: auto`)."""
+    """Fraction of the parameters whose optimizer state is offloaded, whole units from the last one back (the
+    rest stay on the GPU); "auto": the planner keeps as much on the GPU as fits (also what an unwritten ratio
+    means under `stage: auto` or `device: auto`)."""
     step_on: StepOn = "auto"
-    """Where offloaded optimizer state is stepped: host (the CPU optimizer, on host memory) or device (streamed through the GPU in chunks and stepped there by the same fused kernel as without offload); auto: device on a CUDA machine, host on CPU-only ones and for NVMe (write device to stream NVMe-homed state through the GPU). offload_optimizer only."""
+    """Where offloaded optimizer state is stepped: host (the CPU optimizer, on host memory) or device
+    (streamed through the GPU in chunks and stepped there by the same fused kernel as without offload); auto:
+    device on a CUDA machine, host on CPU-only ones and for NVMe (write device to stream NVMe-homed state
+    through the GPU). offload_optimizer only."""
     host_share: float | Any | None = None
-    """Where offloaded state is GPU-stepped (step_on device, or auto on a CUDA machine): the share of it stepped on the host instead (whole units, the last ones), both at once; unset: none; "auto": the share this machine's measured offload rates favour (`zerofit env --probe`), chosen at prepare() (none when none are cached). offload_optimizer only."""
+    """Where offloaded state is GPU-stepped (step_on device, or auto on a CUDA machine): the share of it
+    stepped on the host instead (whole units, the last ones), both at once; unset: none; "auto": the share
+    this machine's measured offload rates favour (`zerofit env --probe`), chosen at prepare() (none when none
+    are cached). offload_optimizer only."""
 
     @property
     def enabled(self) -> bool:
@@ -90,7 +99,8 @@ class ZeroConfig:
     """What the ZeRO engine shards and when it communicates."""
 
     stage: int | Any = 0
-    """0: DDP (gradients all-reduced); 1: + optimizer state sharded; 2: + gradients; 3: + parameters; "auto": the fastest that fits, picked at prepare() (zerofit.plan.auto)."""
+    """0: DDP (gradients all-reduced); 1: + optimizer state sharded; 2: + gradients; 3: + parameters; "auto":
+    the fastest that fits, picked at prepare() (zerofit.plan.auto)."""
     offload_optimizer: OffloadConfig = field(default_factory=OffloadConfig)
     """fp32 master weights and optimizer states off the accelerator (stages 1-3)."""
     offload_param: OffloadConfig = field(default_factory=OffloadConfig)
@@ -102,7 +112,10 @@ class ZeroConfig:
     aio: AioConfig = field(default_factory=AioConfig)
     """File I/O settings for NVMe offload."""
     gradient_checkpointing: bool | Any | None = None
-    """Activation checkpointing of a transformers model (`gradient_checkpointing_enable()`, called at prepare()): true: on; false: zerofit never turns it on (a script's own call stands); "auto": the planner turns it on where that makes the fastest setting that fits; unset: "auto" when the planner runs (stage, an offload device or the ratio "auto"), else the model as the script built it."""
+    """Activation checkpointing of a transformers model (`gradient_checkpointing_enable()`, called at
+    prepare()): true: on; false: zerofit never turns it on (a script's own call stands); "auto": the planner
+    turns it on where that makes the fastest setting that fits; unset: "auto" when the planner runs (stage, an
+    offload device or the ratio "auto"), else the model as the script built it."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -132,9 +145,14 @@ class PrecisionConfig:
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
     """Used when mixed_precision is fp16."""
     communication_data_type: CommunicationDataType = "fp32"
-    """The dtype gradients are reduced in between ranks: fp32 (default, exact sums); bf16 or fp16 send half the bytes, and each rank's share is added to its fp32 gradient after the reduction (see [Note: gradients on the wire] in zerofit.engine.unit). One rank: no reduction, no effect. DeepSpeed's unset value (the compute dtype) is not followed: unset is fp32."""
+    """The dtype gradients are reduced in between ranks: fp32 (default, exact sums); bf16 or fp16 send half
+    the bytes, and each rank's share is added to its fp32 gradient after the reduction
+    (see [Note: gradients on the wire] in zerofit.engine.unit). One rank: no reduction, no effect.
+    DeepSpeed's unset value (the compute dtype) is not followed: unset is fp32."""
     skip_nonfinite_steps: bool = False
-    """zerofit only: in fp32 / bf16, a step whose gradient norm is NaN or inf is skipped on every rank (as fp16's loss scaler skips overflows; costs one host sync per step when clipping is off); false: the step is applied and a warning names it."""
+    """zerofit only: in fp32 / bf16, a step whose gradient norm is NaN or inf is skipped on every rank (as
+    fp16's loss scaler skips overflows; costs one host sync per step when clipping is off); false: the step is
+    applied and a warning names it."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -146,9 +164,13 @@ class BatchConfig:
     train_micro_batch_size_per_gpu: int | Any | None = None
     """Samples per forward/backward on one rank."""
     gradient_accumulation_steps: int | Any | None = AUTO
-    """Micro-steps per optimizer step; "auto" (default): the script's value (Accelerator argument, else 1); None: derived from the other two, as DeepSpeed does."""
+    """Micro-steps per optimizer step; "auto" (default): the script's value (Accelerator argument, else 1);
+    None: derived from the other two, as DeepSpeed does."""
     oom_backoff: bool = True
-    """zerofit only: a CUDA out-of-memory error inside accumulate() halves the micro-batch and doubles accumulation, keeping train_batch_size (zerofit.frontend.backoff). On several ranks under stages 0-2 without offload this costs one small blocking all-reduce per micro-step; false: no back-off and no all-reduce, an out-of-memory error ends the run."""
+    """zerofit only: a CUDA out-of-memory error inside accumulate() halves the micro-batch and doubles
+    accumulation, keeping train_batch_size (zerofit.frontend.backoff). On several ranks under stages 0-2
+    without offload this costs one small blocking all-reduce per micro-step; false: no back-off and no
+    all-reduce, an out-of-memory error ends the run."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -206,7 +228,9 @@ class CheckpointConfig:
     output_dir: str | None = None
     """Default directory for checkpoints; None: the script passes one."""
     total_limit: int | None = None
-    """After each save_state, keep only the newest this many zerofit checkpoints in the folder that holds it (never the one `latest` names, never anything else); None: keep all. ProjectConfiguration(total_limit=...) means the same; the config wins."""
+    """After each save_state, keep only the newest this many zerofit checkpoints in the folder that holds it
+    (never the one `latest` names, never anything else); None: keep all. ProjectConfiguration(total_limit=...)
+    means the same; the config wins."""
     resume: Literal["restart", "auto", "must", "never"] = "restart"
     """When prepare() loads the latest complete checkpoint by itself: restart: on a restarted attempt
     (--max_restarts); auto: whenever one exists; must: always, and fail when there is none; never."""
@@ -221,7 +245,8 @@ class LoggingConfig:
     logging_dir: str | None = None
     """Where trackers write."""
     steps_per_print: int | None = None
-    """Rank 0 prints one line (step, lr, fp16 loss scale, skipped steps) every this many optimizer steps; None (the default, also for a DeepSpeed file that leaves it out, where DeepSpeed would use 10): never."""
+    """Rank 0 prints one line (step, lr, fp16 loss scale, skipped steps) every this many optimizer steps; None
+    (the default, also for a DeepSpeed file that leaves it out, where DeepSpeed would use 10): never."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -233,7 +258,9 @@ class RunConfig:
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     batch: BatchConfig = field(default_factory=BatchConfig)
     gradient_clipping: float | Any = 0.0
-    """Clip the global gradient norm to this before each optimizer step; 0: no clipping; "auto": 1.0, the value Accelerate fills under DeepSpeed. On a step where the script calls clip_grad_norm_(max_norm), that max_norm applies instead."""
+    """Clip the global gradient norm to this before each optimizer step; 0: no clipping; "auto": 1.0, the
+    value Accelerate fills under DeepSpeed. On a step where the script calls clip_grad_norm_(max_norm), that
+    max_norm applies instead."""
     optimizer: OptimizerConfig | None = None
     scheduler: SchedulerConfig | None = None
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)

@@ -23,7 +23,7 @@ from torch import nn
 from zerofit import Accelerator
 from zerofit.cli import demo
 from zerofit.config.schema import RunConfig, ZeroConfig
-from zerofit.dist import runtime
+from zerofit.distributed import runtime
 from zerofit.utils import set_seed
 
 

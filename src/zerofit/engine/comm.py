@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from zerofit.dist import failures
+from zerofit.distributed import failures
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor

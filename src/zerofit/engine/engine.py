@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zerofit.config.schema import PrecisionConfig, ZeroConfig, is_auto
-from zerofit.dist import runtime
+from zerofit.distributed import runtime
 from zerofit.engine import replicas, weight_source
 from zerofit.engine.comm import Collectives, InFlight
 from zerofit.engine.flat_group import FlatGroup
@@ -96,7 +96,8 @@ class ZeroEngine:
         off = self.zero.offload_optimizer
         self.step_on = step_on_for(off.step_on, cuda=self.device.type == "cuda", nvme=off.device == "nvme")
         """Where offloaded optimizer state is stepped: "host" or "device" (see `step_on_for`)."""
-        self.host_share = host_share_for(off.step_on, None if is_auto(off.host_share) else off.host_share,  # None: unset
+        written_share = None if is_auto(off.host_share) else off.host_share  # None: unset
+        self.host_share = host_share_for(off.step_on, written_share,
                                          cuda=self.device.type == "cuda", nvme=off.device == "nvme")
         """Share of the offloaded state stepped on the host when the rest is GPU-stepped (see `host_share_for`)."""
         self.comm = Collectives(group, self.device, grad_dtype=communication_dtype(self.precision))
@@ -111,9 +112,10 @@ class ZeroEngine:
         0's (see [Note: equal replicas at the start] in zerofit.engine.replicas)."""
         self.units = self._build_units(init_fn)
         self.groups = [g for u in self.units for g in u.groups]
-        self._trainable = [g for g in self.groups if g.trainable]
+        self.trainable_groups = [g for g in self.groups if g.trainable]
+        """The flat groups the optimizer steps, in order (frozen ones hold no master, gradient or state)."""
         if optimizer is not None:
-            rebind_optimizer(optimizer, self._trainable, self.comm.rank)
+            rebind_optimizer(optimizer, self.trainable_groups, self.comm.rank)
         self._sync = True
         self._in_backward = False
         self._backward_in_window = False
@@ -145,7 +147,8 @@ class ZeroEngine:
         hosted_swapper = self.stepper.swap if self.stepper is not None else None
         self.swapper = hosted_swapper or (self.streamer.swapper if self.streamer is not None else None)
         self.stage3 = Stage3Hooks(self.units[0], self.units, lambda: self._in_backward, self._pass_over)
-        self.full_state = FullStateDict(model, self.units, is_main=self.comm.rank == 0)  # model.state_dict() gathers (see its note)
+        # model.state_dict() gathers (see its note)
+        self.full_state = FullStateDict(model, self.units, is_main=self.comm.rank == 0)
         if self.shards_parameters:
             self.stage3.install()
             self.full_state.install()
@@ -155,13 +158,13 @@ class ZeroEngine:
 
     def _step_mode(self) -> StepMode:
         """How the optimizer step runs (see [Note: step modes] in zerofit.engine.step_mode)."""
-        hosted = [g for g in self._trainable if g.placement.offload_state]
-        streamed = [g for g in self._trainable if g.placement.stream_state]
+        hosted = [g for g in self.trainable_groups if g.placement.offload_state]
+        streamed = [g for g in self.trainable_groups if g.placement.stream_state]
         self.streamer: StreamStep | None = None
         """The GPU-stepped part of the step mode, if any (for inspection: tests, benchmarks)."""
         if self.optimizer is None or not (hosted or streamed):
-            return self._device_step(PlainStep(self.optimizer, self._trainable, self.comm))
-        on_device = [g for g in self._trainable if not (g.placement.offload_state or g.placement.stream_state)]
+            return self._device_step(PlainStep(self.optimizer, self.trainable_groups, self.comm))
+        on_device = [g for g in self.trainable_groups if not (g.placement.offload_state or g.placement.stream_state)]
         mode = self._device_step(PlainStep.part_of(self.optimizer, on_device, self.comm))
         if streamed:
             mode = self.streamer = StreamStep(self.optimizer, streamed, mode, model=self.model, units=self.units,
@@ -170,7 +173,7 @@ class ZeroEngine:
         if not hosted:
             return mode
         return HostStep(self.optimizer, hosted, mode, model=self.model, units=self.units,
-                        trainable=self._trainable, comm=self.comm, reductions=self.reductions, times=self.times,
+                        trainable=self.trainable_groups, comm=self.comm, reductions=self.reductions, times=self.times,
                         offload=self.zero.offload_optimizer, aio=self.zero.aio,
                         needs_norm=self.gradient_clipping > 0 or self.scaler.enabled
                         or self.precision.skip_nonfinite_steps)
@@ -306,10 +309,6 @@ class ZeroEngine:
         if counting:
             self.window.micro_step = 0 if sync else self.window.micro_step + 1
 
-    def _widen_grads(self) -> None:
-        """Compact gradients become fp32 (before a second backward adds to them; see CompactStep)."""
-        self.mode.widen()
-
     def _on_grad(self, unit: Unit, group: int, index: int, param: nn.Parameter) -> None:
         grad, param.grad = param.grad, None
         if unit.passed:
@@ -385,14 +384,14 @@ class ZeroEngine:
         inv_scale = 1.0 / self.scaler.scale
         norm = None
         if need_norm or max_norm > 0 or self.scaler.enabled:
-            norm = global_grad_sumsq(self._trainable, self.comm, self.device).sqrt() * inv_scale
+            norm = global_grad_sumsq(self.trainable_groups, self.comm, self.device).sqrt() * inv_scale
         factor: torch.Tensor | float = inv_scale
         if max_norm > 0:
             factor = torch.clamp(max_norm / (norm + 1e-6), max=1.0) * inv_scale
         if folds_grad_scale(self.optimizer):
             return StepFactors(norm, factor, remaining=factor)  # applied inside the fused kernels, no pass here
         if isinstance(factor, torch.Tensor) or factor != 1.0:
-            scale_grads(self._trainable, factor)
+            scale_grads(self.trainable_groups, factor)
         return StepFactors(norm, factor)
 
     def step(self) -> bool:
@@ -490,13 +489,13 @@ class ZeroEngine:
         self.reductions.drain()
         for unit in self.units:  # a gathered stage-3 unit would keep stale values until its next release
             unit.release()
-        publish(self._trainable, self.comm)
+        publish(self.trainable_groups, self.comm)
 
     def zero_grad(self) -> None:
         """Zero the window's gradients; the next backward opens a new window (micro-step count 0)."""
         self.reductions.drain()
         self.mode.zero_grad()
-        for g in self._trainable:
+        for g in self.trainable_groups:
             g.zero_grads()
         for unit in self.units:
             unit.new_window()
@@ -530,15 +529,11 @@ class ZeroEngine:
         """Forward runs collectives: parameter gathers (stage 3) or the host step's publishing, on several ranks."""
         return self.comm.world > 1 and (self.shards_parameters or self.mode.forward_communicates)
 
-    # --- introspection of the step mode (tests read these) ----------------------------------------
+    # --- introspection of the step mode -----------------------------------------------------------
     @property
-    def _compact_steps(self) -> StepMode | None:
-        """The step mode while it keeps compact gradients, else None."""
-        return self.mode if self.mode.compact else None
-
-    @property
-    def _early_off(self) -> str | None:
-        """Why host steps may not start during backward ([Note: host steps during backward], host_mode)."""
+    def early_off(self) -> str | None:
+        """Why host steps may not start during backward, None when they may
+        ([Note: host steps during backward], host_mode)."""
         return self.mode.early_off if isinstance(self.mode, HostStep) else "no host optimizer steps"
 
     # --- inspection (tests, checkpoints) --------------------------------------------------------

@@ -230,11 +230,6 @@ class FlatGroup:
         if self.grad_flat is not None and self.grad_flat is not self.grad_shard:
             self.grad_flat.zero_()
 
-    def full_param(self, index: int) -> torch.Tensor:
-        """The parameter's values as a view (valid while gathered)."""
-        off, n = self.layout.offsets[index], self.layout.numels[index]
-        return self.param_flat[off:off + n].view(self.shapes[index])
-
 
 def _on(t: torch.Tensor, device: torch.device, pin: bool) -> torch.Tensor:
     """`t` copied to `device` (pinned when it goes to the host of a GPU run)."""

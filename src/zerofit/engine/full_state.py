@@ -29,7 +29,7 @@ on the same module (as `save_pretrained(..., is_main_process=...)` is called on 
 rank in Accelerate scripts). Before the first gather each rank says so in the run's store and waits
 for the others: a call on one rank alone (`if accelerator.is_main_process: model.save_pretrained(...)`)
 raises `RanksApartError` within seconds, there and on the ranks that went elsewhere, naming the cause
-and the fix; a rank that is only late is waited for ([Note: checked places] in zerofit.dist.arrival).
+and the fix; a rank that is only late is waited for ([Note: checked places] in zerofit.distributed.arrival).
 `state_dict(keep_vars=True)` asks for the parameters themselves and gets them, sharded, with no
 gather: the engine's own checkpoint code reads names that way.
 """
@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from zerofit.dist import arrival
+from zerofit.distributed import arrival
 from zerofit.engine.unit import ParamState, Unit
 
 ADAPTER_SHARE = 0.10
@@ -110,7 +110,7 @@ class FullStateDict:
         and dtype elsewhere (an adapter's trainable parameters: a copy everywhere, [Note: adapters
         everywhere]), for every parameter of `units` (default: every sharded unit); the same units
         on every rank, in the engine's order. `caller` names the module asked, for the error of a rank
-        left alone ([Note: checked places] in zerofit.dist.arrival)."""
+        left alone ([Note: checked places] in zerofit.distributed.arrival)."""
         units = self.units if units is None else units
         if units:  # collective from here: every rank must be here too ([Note: checked places])
             arrival.check_in(arrival.state_dict_place(caller))

@@ -178,7 +178,8 @@ class HostStep(StepMode):
         if max_norm > 0 and float(norm) > max_norm:
             raise EngineError(
                 f"clip_grad_norm_(max_norm={max_norm}) was first called at optimizer step {self._steps_taken + 1}, "
-                f"after zerofit had already applied this step's update during backward (gradient norm {float(norm):.4g}): "
+                "after zerofit had already applied this step's update during backward "
+                f"(gradient norm {float(norm):.4g}): "
                 f"set gradient_clipping: {max_norm} in the config (zerofit then clips inside every step), or call "
                 "clip_grad_norm_ from the first step on")
         return norm

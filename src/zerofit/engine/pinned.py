@@ -10,7 +10,7 @@ registered (page-locked) with CUDA, which makes host<->GPU copies of it asynchro
 A registered range must be unregistered before its memory goes back to the C allocator. The
 finalizer below runs when the tensor returned here dies, and holds the storage until it has
 unregistered it. Views do not end the registration early: a view keeps its base tensor (`_base`)
-alive, so the finalizer runs only once the last view is gone (tests/test_pinned.py).
+alive, so the finalizer runs only once the last view is gone (tests/test_engine_pinned.py).
 """
 
 from __future__ import annotations

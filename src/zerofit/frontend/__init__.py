@@ -7,6 +7,6 @@ a script's call takes effect), `persistence` (save_state / load_state / save_mod
 (collectives on nested data), `utils` (`zerofit.utils`), and the run-time control of the planner's
 choices: `auto_plan` (`stage: auto` at prepare()), `probe` (the first step checks it), `backoff`
 (out-of-memory back-off). Below it sit the engine, the checkpoint package, the offline planner
-(`zerofit.plan`) and the process-group plumbing (`zerofit.dist`); none of them is handed an
+(`zerofit.plan`) and the process-group plumbing (`zerofit.distributed`); none of them is handed an
 Accelerator.
 """

@@ -32,7 +32,7 @@ from torch import nn
 
 from zerofit.config import load_config
 from zerofit.config.schema import RunConfig, is_auto
-from zerofit.dist import arrival, process_group, runtime
+from zerofit.distributed import arrival, process_group, runtime
 from zerofit.engine.loss_scale import LossScaler
 from zerofit.frontend import ops, plugins, tracking
 from zerofit.frontend.backoff import OomBackoff
@@ -87,7 +87,8 @@ class Accelerator(PrepareMixin, PersistenceMixin, ProcessMethods):
                               f"{_INSTEAD.get(name, _DECIDED_BY_ZEROFIT)}; remove the argument to silence this "
                               "warning", stacklevel=2)
         if gradient_accumulation_plugin is not None:
-            gradient_accumulation_steps = getattr(gradient_accumulation_plugin, "num_steps", gradient_accumulation_steps)
+            gradient_accumulation_steps = getattr(gradient_accumulation_plugin, "num_steps",
+                                                  gradient_accumulation_steps)
         if dataloader_config is None:
             dataloader_config = plugins.DataLoaderConfiguration(split_batches=split_batches)
         if use_seedable_sampler is not None:  # Accelerate's older spelling of the dataloader_config field
@@ -355,7 +356,7 @@ class Accelerator(PrepareMixin, PersistenceMixin, ProcessMethods):
 
     def end_training(self) -> None:
         """Finish the trackers, wait for every rank, and have the process group destroyed when the script
-        ends ([Note: end of training] in zerofit.dist.process_group: a save after this still works)."""
+        ends ([Note: end of training] in zerofit.distributed.process_group: a save after this still works)."""
         for tracker in self.trackers:
             tracker.finish()
         self.trackers = []
@@ -363,7 +364,8 @@ class Accelerator(PrepareMixin, PersistenceMixin, ProcessMethods):
         process_group.destroy_at_exit()
 
     # --- models and checkpoints -----------------------------------------------------------------
-    def unwrap_model(self, model: nn.Module, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True) -> nn.Module:
+    def unwrap_model(self, model: nn.Module, keep_fp32_wrapper: bool = True,
+                     keep_torch_compile: bool = True) -> nn.Module:
         """The model itself: prepare() changes it in place rather than wrapping it."""
         return model
 

@@ -19,6 +19,7 @@ from torch import nn
 
 from zerofit.config.naming import key_name
 from zerofit.config.schema import RunConfig, is_auto
+from zerofit.distributed.failures import named
 from zerofit.errors import ConfigError
 from zerofit.frontend.first_batch import FirstBatchCheck
 from zerofit.frontend.probe import StepProbe
@@ -54,7 +55,8 @@ def budget_for(device: torch.device, world: int) -> Budget:
     if world > 1 and dist.is_initialized():
         values = torch.tensor([b.gpu_bytes or 0, b.host_bytes or 0], dtype=torch.float64,
                               device=device if device.type == "cuda" else "cpu")
-        dist.all_reduce(values, op=dist.ReduceOp.MIN)
+        with named("all_reduce of the memory budget (stage: auto)", dist.get_rank()):
+            dist.all_reduce(values, op=dist.ReduceOp.MIN)
         b = dataclasses.replace(b, gpu_bytes=int(values[0]) or None, host_bytes=int(values[1]) or None)
     return b
 
@@ -77,7 +79,8 @@ def machine_host_share(device: torch.device, world: int, compute_bytes: int) -> 
                                                                  10**9, param_bytes=compute_bytes)
     if world > 1 and dist.is_initialized():
         value = torch.tensor([share], dtype=torch.float64, device=device)
-        dist.broadcast(value, src=0)
+        with named("broadcast of the host share (host_share: auto)", dist.get_rank()):
+            dist.broadcast(value, src=0)
         share = float(value[0])
     return share if share > 0 else None
 
@@ -99,7 +102,8 @@ def machine_rates(device: torch.device, world: int) -> bandwidth.Rates | None:
                 rates = None
     if world > 1 and dist.is_initialized():
         box = [rates]
-        dist.broadcast_object_list(box, src=0)
+        with named("broadcast of the measured rates (stage: auto)", dist.get_rank()):
+            dist.broadcast_object_list(box, src=0)
         rates = box[0]
     return rates
 

@@ -13,7 +13,8 @@ On `torch.OutOfMemoryError` inside the block, the partial accumulation window is
 (`engine.discard_window`), memory is freed (the failed forward's frames cleared, gc, empty_cache), the
 prepared loader re-yields the window's batches - the ones already seen and the current one - cut in
 halves (`BatchSplitter`), and accumulation is doubled in the accumulation window the loader's
-`GradientState` shares with the engine. The optimizer then steps once per original global batch on the same samples, and every
+`GradientState` shares with the engine.
+The optimizer then steps once per original global batch on the same samples, and every
 micro-step's loss is divided by the doubled count, so the mean of the halves' mean losses is the
 mean of the batch's: the update is the same up to summation order (exact for an even micro-batch
 and a per-sample mean loss; a loss averaged over tokens weights the halves by their token counts).
@@ -55,6 +56,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from zerofit.distributed.failures import named
 from zerofit.errors import EngineError
 
 MAX_BACKOFFS = 4
@@ -79,7 +81,8 @@ def split_batch(batch: Any, pieces: int) -> list[Any]:
     size = batch_size_of(batch)
     if size is None:
         raise EngineError(f"the out-of-memory back-off cuts batches along their first dimension and found no "
-                          f"tensor in this {type(batch).__name__}: yield tensors (or dicts of them) from the DataLoader")
+                          f"tensor in this {type(batch).__name__}: "
+                          "yield tensors (or dicts of them) from the DataLoader")
     bounds = [round(i * size / pieces) for i in range(pieces + 1)]
 
     def cut(x: Any, i: int) -> Any:
@@ -224,7 +227,8 @@ class OomBackoff:
         if self._world() == 1:
             return failed
         flag = torch.tensor([1.0 if failed else 0.0], device=self.process.device)
-        dist.all_reduce(flag)  # host sync on purpose: the answer decides which collectives come next
+        with named("all_reduce of the out-of-memory flag (batch.oom_backoff)", self.process.process_index):
+            dist.all_reduce(flag)  # host sync on purpose: the answer decides which collectives come next
         return bool(flag.item() > 0)
 
     def _silent_forward(self, engine: Any) -> bool:

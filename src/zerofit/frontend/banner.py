@@ -1,7 +1,9 @@
 """The one line a run prints when `prepare()` has built its engine: the ZeRO stage, what it shards over how
-many ranks, what it offloads and where that state is stepped, the precision and the process count.
+many ranks, what it offloads and where that state is stepped, the precision and the process count
+(one line, wrapped here):
 
-    zerofit: ZeRO-3, 4 of 5 units sharded over 2 ranks, optimizer state offloaded to cpu (host-stepped), fp32, 2 processes (gloo)
+    zerofit: ZeRO-3, 4 of 5 units sharded over 2 ranks, optimizer state offloaded to cpu (host-stepped),
+    fp32, 2 processes (gloo)
 
 It is read off the built engine, not the config, so it says what actually runs: a stage-3 unit under
 `param_persistence_threshold` stays whole, a single process has nothing to shard over, and the offload

@@ -3,7 +3,8 @@
 Under Accelerate with DeepSpeed, `prepare()` returns a `DeepSpeedEngine`, and scripts written for it
 (the blog's seq2seq and clm scripts, for two) call its methods when `accelerator.state.deepspeed_plugin`
 is set: `model.save_checkpoint(dir, tag, client_state=...)`, `model.load_checkpoint(dir, tag)`,
-`model.zero_optimization_stage()`; scripts written for DDP call `model.no_sync()`. zerofit's `prepare()` returns the script's own model, changed in
+`model.zero_optimization_stage()`; scripts written for DDP call `model.no_sync()`.
+zerofit's `prepare()` returns the script's own model, changed in
 place, so that `model.config`, `generate` and `save_pretrained` keep working; the DeepSpeedEngine
 calls are given to that one object as instance attributes (functions bound to this run's
 Accelerator), never to its class, and only where the model has no attribute of that name already.

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zerofit.config.schema import RunConfig
+from zerofit.distributed.failures import named
 from zerofit.errors import ConfigError
 from zerofit.plan.activations import checkpointing_switch, has_checkpointing
 from zerofit.plan.auto import activation_traces, checkpointing_choices, choose, workload_for
@@ -79,7 +80,8 @@ class FirstBatchCheck:
         if self.world > 1 and dist.is_initialized():
             local = torch.tensor(shape or _FOUND_NO_SHAPE, dtype=torch.int64,
                                  device=self.device if self.device.type == "cuda" else "cpu")
-            dist.all_reduce(local, op=dist.ReduceOp.MAX)
+            with named("all_reduce of the first batch's shape (stage: auto)", dist.get_rank()):
+                dist.all_reduce(local, op=dist.ReduceOp.MAX)
             shape = (int(local[0]), int(local[1]))
         return None if shape in (None, _FOUND_NO_SHAPE) else shape
 

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zerofit.dist.collectives import Peers
-from zerofit.dist.failures import named
+from zerofit.distributed.collectives import Peers
+from zerofit.distributed.failures import named
 
 
 def _world() -> int:

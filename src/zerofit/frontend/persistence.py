@@ -18,7 +18,7 @@ from torch import nn
 
 from zerofit.checkpoint import loop_state as checkpointing
 from zerofit.checkpoint import resume
-from zerofit.dist import arrival, process_group
+from zerofit.distributed import arrival, process_group
 from zerofit.engine import ZeroEngine
 from zerofit.errors import CheckpointError, ConfigError
 from zerofit.frontend import ops

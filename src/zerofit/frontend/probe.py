@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from zerofit.distributed.failures import named
 from zerofit.plan.choose import Budget, Plan
 from zerofit.plan.probe import Verdict, judge
 
@@ -59,7 +60,8 @@ class StepProbe:
         if self.world > 1 and dist.is_initialized():
             value = torch.tensor([float(peak)], dtype=torch.float64,
                                  device=self.device if self.device.type == "cuda" else "cpu")
-            dist.all_reduce(value, op=dist.ReduceOp.MAX)  # once per run: the tightest rank decides
+            with named("all_reduce of the first step's memory peak (stage: auto)", dist.get_rank()):
+                dist.all_reduce(value, op=dist.ReduceOp.MAX)  # once per run: the tightest rank decides
             peak = int(value.item())
         self.verdict = judge(peak, self.result, self.budget, spell=self.spell)
         if self.is_main:

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zerofit.dist import runtime
-from zerofit.dist.failures import named
+from zerofit.distributed import runtime
+from zerofit.distributed.failures import named
 from zerofit.frontend.state import DistributedType, ProcessState
 
 

@@ -189,7 +189,8 @@ class OneCycle(_IterationSchedule):
         self.max_lrs = _per_group(optimizer, cycle_max_lr, "cycle_max_lr")
         self.decay_lr_rate = float(decay_lr_rate)
         self.cycle_momentum = bool(cycle_momentum) and "betas" in optimizer.defaults
-        self.min_mom, self.max_mom, self.decay_mom_rate = float(cycle_min_mom), float(cycle_max_mom), float(decay_mom_rate)
+        self.min_mom, self.max_mom = float(cycle_min_mom), float(cycle_max_mom)
+        self.decay_mom_rate = float(decay_mom_rate)
         super().__init__(optimizer, last_batch_iteration)
 
     def scale(self, iteration: int) -> float:

@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 
 from zerofit.config.schema import RunConfig, is_auto
-from zerofit.dist import arrival, process_group, runtime
-from zerofit.dist.collectives import Peers
+from zerofit.distributed import arrival, process_group, runtime
+from zerofit.distributed.collectives import Peers
 from zerofit.engine.window import AccumulationWindow, InWindow
 
 

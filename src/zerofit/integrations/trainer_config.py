@@ -43,7 +43,8 @@ class TrainerFacts:
 
     @classmethod
     def from_args(cls, args: Any, world: int) -> TrainerFacts:
-        return cls(micro_batch=int(args.per_device_train_batch_size), accumulation=int(args.gradient_accumulation_steps),
+        return cls(micro_batch=int(args.per_device_train_batch_size),
+                   accumulation=int(args.gradient_accumulation_steps),
                    world=world, max_grad_norm=float(args.max_grad_norm or 0.0),
                    mixed_precision=trainer_precision(args), lr=float(args.learning_rate),
                    betas=(float(args.adam_beta1), float(args.adam_beta2)), eps=float(args.adam_epsilon),

@@ -37,7 +37,7 @@ import torch
 import transformers
 from transformers.trainer import SCHEDULER_NAME
 
-from zerofit.dist import runtime
+from zerofit.distributed import runtime
 from zerofit.errors import CheckpointError, ConfigError
 from zerofit.frontend.accelerator import Accelerator
 from zerofit.frontend.plugins import DataLoaderConfiguration

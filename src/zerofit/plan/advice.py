@@ -16,8 +16,10 @@ def _setting_of(config: Any) -> Setting | None:
         ratio = z.offload_optimizer.ratio if z.offload_optimizer.device != "none" else 1.0
         step_on = step_on_for(z.offload_optimizer.step_on, cuda=torch.cuda.is_available(),
                               nvme=z.offload_optimizer.device == "nvme")
-        return Setting(stage=z.stage, offload_optimizer=z.offload_optimizer.device, offload_param=z.offload_param.device,
-                       offload_ratio=ratio, step_on=step_on if z.offload_optimizer.device in ("cpu", "nvme") else "host")
+        offloaded = z.offload_optimizer.device in ("cpu", "nvme")
+        return Setting(stage=z.stage, offload_optimizer=z.offload_optimizer.device,
+                       offload_param=z.offload_param.device, offload_ratio=ratio,
+                       step_on=step_on if offloaded else "host")
     except (ValueError, TypeError):
         return None
 

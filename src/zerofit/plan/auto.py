@@ -7,7 +7,8 @@ offload. NVMe is never chosen by itself: it needs a path the user names.
 
 [Note: every rank decides the same]
 Ranks must run one setting. The inputs of the decision are made identical first - the memory
-budget is the minimum over the ranks (one all-reduce, `zerofit.frontend.auto_plan.budget_for`) - and the rest is deterministic (the model's
+budget is the minimum over the ranks (one all-reduce, `zerofit.frontend.auto_plan.budget_for`) -
+and the rest is deterministic (the model's
 sizes, the first batch's shape, the activation trace), so every rank computes the same choice.
 
 Activations are traced on a data-free replica of a transformers model at the first batch's shape
@@ -77,7 +78,8 @@ def candidates(config: RunConfig, world: int, checkpointing: bool, *, host_share
     for s in dict.fromkeys(listed):  # the settings without GPU-stepped offload come once
         if not is_auto(z.stage) and s.stage != z.stage:
             continue
-        for kind, value in (("offload_optimizer", z.offload_optimizer.device), ("offload_param", z.offload_param.device)):
+        for kind, value in (("offload_optimizer", z.offload_optimizer.device),
+                            ("offload_param", z.offload_param.device)):
             if not is_auto(value) and getattr(s, kind) != value:
                 break
         else:

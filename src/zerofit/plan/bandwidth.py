@@ -31,7 +31,8 @@ kernel steps chunks already up while others move, so the longer of the two is th
 copies of one unit overlap the CPU step of another. Split: both parts run at once; the CPU serves the
 host part only, at the rate it keeps while copies run both ways; the link carries both parts' bytes
 at the rate it keeps while the CPU steps. So T(n, 0) = T_s(n) and T(0, n) = T_h(n, busy=True). Both
-directions' rate is used because in all three ways copies run both ways at once (pipelined over units). Left out: launch and per-chunk
+directions' rate is used because in all three ways copies run both ways at once (pipelined over units).
+Left out: launch and per-chunk
 synchronisation overheads, the forward that overlaps the step in both paths, and host memory
 bandwidth shared beyond what the busy rate saw. Without a busy rate (not measured cleanly, see
 `measure`) the alone rate stands in for it, which favours host stepping.
@@ -213,7 +214,8 @@ def measure(device: torch.device | str | int | None = None) -> Rates:
 
     On an H200 box the measuring takes 0.8 s; in a fresh process the first `torch.optim` optimizer
     adds about 5 s of torch's own imports (`torch._dynamo`), which any training run pays anyway.
-    Uses 2 x 256 MiB of pinned host memory, 2 GiB of pageable host memory, about 1.5 GiB of GPU memory and a CPU thread per usable CPU
+    Uses 2 x 256 MiB of pinned host memory, 2 GiB of pageable host memory, about 1.5 GiB of GPU memory
+    and a CPU thread per usable CPU
     (whatever `torch.get_num_threads()` says; restored after), all freed on return (the GPU memory back
     to the driver, `torch.cuda.empty_cache`).
     Run it from one process per machine: probes running side by side share the link and the CPUs.

@@ -231,7 +231,8 @@ def _of(budget: Budget) -> str:
     return f" of {' / '.join(parts)} with {budget.headroom:.0%} headroom" if parts else ""
 
 
-def traces_for(fake: FakeModel | None, work: Workload, checkpointing: tuple[bool, ...]) -> dict[bool, ActivationTrace | None]:
+def traces_for(fake: FakeModel | None, work: Workload,
+               checkpointing: tuple[bool, ...]) -> dict[bool, ActivationTrace | None]:
     """Activation traces for each checkpointing choice (None: no model to trace). A model that cannot
     checkpoint (transformers raises ValueError) has no checkpointing entry: those settings are not listed."""
     out: dict[bool, ActivationTrace | None] = {}

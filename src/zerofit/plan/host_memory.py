@@ -48,7 +48,8 @@ class HostMemory:
         that gives the real figure."""
         if not self.growth or self.total_bytes is None:
             return ""
-        ceiling = "" if self.ceiling_bytes is None else f", up to {self.ceiling_bytes / GIB:.1f} GiB by the cgroup limit"
+        ceiling = ("" if self.ceiling_bytes is None
+                   else f", up to {self.ceiling_bytes / GIB:.1f} GiB by the cgroup limit")
         return (f"host memory read as {self.total_bytes / GIB:.1f} GiB ({self.source}) may grow as it is used on "
                 f"this machine ({'; '.join(self.growth)}{ceiling}): set {override} to the GiB this machine may use "
                 "to plan for it")

@@ -7,19 +7,31 @@ group holds, in which dtype, where: what `FlatGroup` allocates) - so the model f
 when any of them changes. For each flat group with padded size N and shard size S = N / shard_world,
 c bytes per compute element (4 fp32, 2 bf16/fp16) and k optimizer state tensors (2 for Adam):
 
-| term | bytes | where |
-|---|---|---|
-| parameters | N*c, or S*c for a group sharded between uses (stage 3) | GPU; host (pinned) with param offload |
-| gathered parameters | N*c of the root unit (if sharded) + each sharded unit's N*c while gathered: on the activation timeline (see `zerofit.plan.activations`), else the 2 largest (current + prefetched) | GPU, stage 3 only |
-| fp32 master | S*4, none when compute is fp32 and the state is on the GPU (it is the parameter itself) | with the optimizer state |
-| gradients | S*4 shard (S*c on one rank without accumulation or offload: "compact"); + N*4 full buffer when it persists (stage 1 on several ranks) | with the optimizer state |
-| optimizer states | k*S*4 | GPU; host with optimizer offload; files with NVMe, host- or GPU-stepped (one group's worth in host slots) |
-| transient gradients | N*4 (+ S*4 reduce output) per unit while reduced, at most 2 reductions in flight | GPU, on the activation timeline |
-| step upcast | S*4 of the largest compact group, while it steps (after backward) | GPU, against the activation peak |
-| offload staging | S*4 pinned per group, when accumulating over several micro-steps (host-stepped) | host |
-| streaming pool | GPU-stepped offload (`step_on: device`): 3 slots of min(16 M, largest S) elements x 4 bytes x (1 master + k states + 1 upcast if compact) (+ c per element with param offload; + 3.125 bytes per element for the split master in bf16 without param offload); the gradient shard stays on the GPU | GPU |
-| NVMe slots | `offload_optimizer.buffer_count` (at most one per offloaded unit) x the largest group's master and state | host |
-| activations | measured by `zerofit.plan.activations` at the planned batch | GPU |
+Each term's bytes, and where they live:
+- parameters: N*c, or S*c for a group sharded between uses (stage 3). Where: GPU; host (pinned) with param
+  offload.
+- gathered parameters: N*c of the root unit (if sharded) + each sharded unit's N*c while gathered: on the
+  activation timeline (see `zerofit.plan.activations`), else the 2 largest (current + prefetched). Where:
+  GPU, stage 3 only.
+- fp32 master: S*4, none when compute is fp32 and the state is on the GPU (it is the parameter itself).
+  Where: with the optimizer state.
+- gradients: S*4 shard (S*c on one rank without accumulation or offload: "compact"); + N*4 full buffer when
+  it persists (stage 1 on several ranks). Where: with the optimizer state.
+- optimizer states: k*S*4. Where: GPU; host with optimizer offload; files with NVMe, host- or GPU-stepped
+  (one group's worth in host slots).
+- transient gradients: N*4 (+ S*4 reduce output) per unit while reduced, at most 2 reductions in flight.
+  Where: GPU, on the activation timeline.
+- step upcast: S*4 of the largest compact group, while it steps (after backward). Where: GPU, against the
+  activation peak.
+- offload staging: S*4 pinned per group, when accumulating over several micro-steps (host-stepped). Where:
+  host.
+- streaming pool: GPU-stepped offload (`step_on: device`): 3 slots of min(16 M, largest S) elements x 4
+  bytes x (1 master + k states + 1 upcast if compact) (+ c per element with param offload; + 3.125 bytes per
+  element for the split master in bf16 without param offload); the gradient shard stays on the GPU. Where:
+  GPU.
+- NVMe slots: `offload_optimizer.buffer_count` (at most one per offloaded unit) x the largest group's master
+  and state. Where: host.
+- activations: measured by `zerofit.plan.activations` at the planned batch. Where: GPU.
 
 GPU-stepped offload from NVMe (`step_on: device`, `offload_optimizer.device: nvme`) counts the master and
 state in files and the swapper's host slots as host-stepped NVMe does, and on the GPU the gradient shard

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from zerofit.dist import arrival
+from zerofit.distributed import arrival
 
 
 class DistributedTestError(AssertionError):
@@ -120,7 +120,8 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
     threads = threads or max(1, (os.cpu_count() or 1) // world_size)
     store, port = _host_store(timeout)  # serves the ranks until this call returns
     procs = [ctx.Process(target=_worker, daemon=True,
-                         args=(r, world_size, port, backend, timeout, threads, fn, args, results, {**os.environ, **(env or {})}))
+                         args=(r, world_size, port, backend, timeout, threads, fn, args, results,
+                               {**os.environ, **(env or {})}))
              for r in range(world_size)]
     for p in procs:
         p.start()

@@ -3,7 +3,7 @@
 The front end (`gather_object`, `broadcast_object`, `wait_for_everyone`) and the checkpoint code
 exchange small picklable objects between ranks and wait at barriers. `Peers` does each of these
 over one process group, inside `failures.named(label)`, so a peer that hangs or dies is reported as
-the collective that was waiting (see `zerofit.dist.failures`). With one process, or no process
+the collective that was waiting (see `zerofit.distributed.failures`). With one process, or no process
 group, every call is local. The objects travel between the ranks of one job (the trust domain of
 the process group), never from a file.
 """
@@ -14,7 +14,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from zerofit.dist.failures import named
+from zerofit.distributed.failures import named
 
 
 class Peers:

@@ -156,7 +156,8 @@ def test_chunk_size_must_be_positive():
 
 def test_pool_bytes_count_every_buffer_of_every_slot():
     # Adam (2 states), bf16 compact gradients, parameter offload: master + 2 states + upcast in fp32, + bf16 param
-    assert stream_pool_bytes(10, state_tensors=2, compact=True, offload_params=True, compute_bytes=2) == 3 * 10 * (16 + 2)
+    assert (stream_pool_bytes(10, state_tensors=2, compact=True, offload_params=True, compute_bytes=2)
+            == 3 * 10 * (16 + 2))
     assert stream_pool_bytes(1 << 30, state_tensors=1, compact=False, offload_params=False, compute_bytes=2) == \
         3 * (1 << 24) * 8
 
@@ -367,6 +368,6 @@ def test_step_on_device_with_nvme_is_accepted_and_auto_still_means_host(tmp_path
     assert step_on_for("device", cuda=True, nvme=True) == "device"
     assert step_on_for("auto", cuda=True, nvme=True) == "host"  # the default is unchanged
     model, opt = make_model_and_optim(Case(stage=3))
-    engine = ZeroEngine(model, opt, device=torch.device("cpu"), zero=ZeroConfig(stage=3, offload_optimizer=OffloadConfig(
-        device="nvme", nvme_path=str(tmp_path), step_on="auto")))
+    offload = OffloadConfig(device="nvme", nvme_path=str(tmp_path), step_on="auto")
+    engine = ZeroEngine(model, opt, device=torch.device("cpu"), zero=ZeroConfig(stage=3, offload_optimizer=offload))
     assert engine.step_on == "host" and isinstance(engine.stepper.swap, NvmeSwapper) and engine.streamer is None

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 
 import torch
 
-from zerofit.dist import arrival, process_group
+from zerofit.distributed import arrival, process_group
 from zerofit.errors import CollectiveError
 
 TIMEOUT_KEY = "launch.process_group_timeout"

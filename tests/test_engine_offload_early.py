@@ -1,7 +1,7 @@
 """Host optimizer steps that start during backward stay exact, or stop starting early, loudly.
 
 See [Note: host steps during backward] in zerofit.engine.engine. Parity of the early path with
-on-device training is covered by tests/test_offload.py; these are the script behaviours that could
+on-device training is covered by tests/test_engine_offload.py; these are the script behaviours that could
 change a step after the engine started it.
 """
 
@@ -84,7 +84,7 @@ def _lr_between_backward_and_step(rank, world):
             warnings.simplefilter("always")
             engine.step()
         caught += [str(m.message) for m in w]
-    return engine.times.host_steps_in_backward, caught, engine._early_off
+    return engine.times.host_steps_in_backward, caught, engine.early_off
 
 
 def test_settings_changed_after_backward_stop_early_steps_with_a_warning():

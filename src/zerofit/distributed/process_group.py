@@ -11,7 +11,7 @@ attempt fresh keys; the launcher's own single-machine rendezvous also starts a n
 (`zerofit.cli.rendezvous`), so scripts that create the process group themselves are covered there.
 
 `launch.process_group_timeout` bounds joining and every collective, so a peer that hangs makes the
-others fail within it: gloo's waiting call raises (see `zerofit.dist.failures`), NCCL's watchdog aborts
+others fail within it: gloo's waiting call raises (see `zerofit.distributed.failures`), NCCL's watchdog aborts
 the process (see [Note: failures under NCCL] in zerofit.cli.flight_recorder).
 """
 
@@ -48,7 +48,7 @@ _joined_timeout_s: float | None = None
 
 _joined_store: dist.Store | None = None
 """The store `join` formed the group through (torchrun's agent store, this attempt's key space), kept for
-`zerofit.dist.arrival`; None when rank 0 hosted the store itself or zerofit did not create the group."""
+`zerofit.distributed.arrival`; None when rank 0 hosted the store itself or zerofit did not create the group."""
 
 
 def timeout_of(config: RunConfig) -> timedelta:

@@ -56,7 +56,7 @@ def parity_runs(rank, world, path):
 def memory_run(rank, world, path):
     """A pool of 2 buffers, more groups than that."""
     case, model, _, engine = _nvme_engine(2, path, buffer_count=2)
-    swapper, groups = engine.swapper, [g for g in engine._trainable if g.placement.offload_state]
+    swapper, groups = engine.swapper, [g for g in engine.trainable_groups if g.placement.offload_state]
     files = sorted(os.listdir(swapper.dir))
     resident = []
     for step in range(3):
@@ -112,7 +112,7 @@ def test_nvme_files_removed_at_exit(tmp_path):
     script = textwrap.dedent(f"""
         import sys, torch
         sys.path.insert(0, {os.path.dirname(__file__)!r})
-        from test_nvme import _nvme_engine
+        from test_engine_nvme import _nvme_engine
         from test_checkpoint_support import train
         case, model, _, engine = _nvme_engine(1, {str(tmp_path)!r})
         train(engine, model, case, 0, 1, range(2))

@@ -10,7 +10,8 @@ tell that apart from a rank that is only late, so ranks say where they are inste
 
 At a few *checked places* - the gather walks of a full state dict (`model.state_dict()` at stage 3,
 `get_state_dict`, `save_model`), the sharded checkpoint (`save_state`, `load_state`, and what calls
-them: the Trainer's checkpoints, `model.save_checkpoint`), the Accelerator's barrier (`wait_for_everyone`, `end_training`) and
+them: the Trainer's checkpoints, `model.save_checkpoint`), the Accelerator's barrier
+(`wait_for_everyone`, `end_training`) and
 the process's exit - a rank first writes where it is to the run's key-value store, then waits until
 every rank has written the same kind of place, and only then enters the collective (so no rank ever
 enters an NCCL collective alone). Each rank numbers the places it reaches 1, 2, 3, ...; in a correct
@@ -31,15 +32,15 @@ place n passed, when every rank is done with them.
 [Note: a rank that went on training]
 A rank that skipped the place and went on to the next training step writes nothing: it is blocked in
 that step's first collective, which the waiting rank never joins. So every collective zerofit names
-(`zerofit.dist.failures.named`: the engine's, the front end's, the checkpoint's) counts itself here,
+(`zerofit.distributed.failures.named`: the engine's, the front end's, the checkpoint's) counts itself here,
 and a watcher thread looks at the store when that count has not moved for STALL_S. If another rank
 waits at this rank's next place having entered fewer collectives than this rank has, this rank is in
 a collective that rank cannot reach before the place: the watcher records "went on" at that place
 (the waiting rank raises) and prints the mirrored message, which this rank's collective error repeats
-once the other rank exits (`zerofit.dist.failures.describe`). While collectives keep completing the
+once the other rank exits (`zerofit.distributed.failures.describe`). While collectives keep completing the
 watcher never touches the store.
 
-The check needs a store every rank reaches: the one `zerofit.dist.process_group.join` formed the
+The check needs a store every rank reaches: the one `zerofit.distributed.process_group.join` formed the
 group through, else a client of the store at MASTER_ADDR:MASTER_PORT (torchrun's agent store, or
 rank 0's when the script called `init_process_group()` itself). The ranks agree in `open_board` whether
 every one has it; if not (a `file://` rendezvous, no MASTER_ADDR) the check is off, and a gather
@@ -62,7 +63,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from zerofit.dist import process_group
+from zerofit.distributed import process_group
 from zerofit.errors import CollectiveError, RanksApartError
 
 SILENT_AFTER_S = 60.0
@@ -152,7 +153,7 @@ class _Record:
 
 
 _collectives = 0
-"""Collectives this process entered (counted by `zerofit.dist.failures.named`, on every rank alike)."""
+"""Collectives this process entered (counted by `zerofit.distributed.failures.named`, on every rank alike)."""
 _collectives_lock = threading.Lock()
 """A lost count would make the ranks' counts differ: worker threads may enter collectives too."""
 _generation = 0
