@@ -52,3 +52,41 @@ def test_generate_under_zero3_with_different_lengths_per_rank_matches_unsharded_
         assert got == want
         assert loss == pytest.approx(want_loss, abs=1e-5)
         assert n_embd == 32  # model.config and friends are untouched: the model is not wrapped
+
+
+def _tiny_bart():
+    torch.manual_seed(0)
+    config = transformers.BartConfig(vocab_size=61, d_model=16, encoder_layers=2, decoder_layers=2,
+                                     encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32,
+                                     decoder_ffn_dim=32, max_position_embeddings=64, pad_token_id=1,
+                                     bos_token_id=0, eos_token_id=2, decoder_start_token_id=2, forced_eos_token_id=None)
+    return transformers.BartForConditionalGeneration(config)
+
+
+def train_then_generate_an_encoder_decoder(rank: int, world: int):
+    acc = Accelerator(config=RunConfig(zero=ZeroConfig(stage=3, param_persistence_threshold=0)))
+    net = _tiny_bart()
+    model, opt = acc.prepare(net, torch.optim.AdamW(net.parameters(), lr=1e-3))
+    engine = acc._prepared.engines[id(acc.unwrap_model(model))]
+    ids = torch.tensor([[0, 5 + rank, 9, 3, 2]])
+    acc.backward(model(input_ids=ids, labels=ids).loss)  # a training step: the gather schedule is learned
+    opt.step()
+    opt.zero_grad()
+    model.eval()
+    engine.comm.trace = []
+    with torch.no_grad():
+        acc.unwrap_model(model).generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False, num_beams=1)
+    encoder_units = [u.name for u in engine.units if ".encoder." in f".{u.name}."]
+    gathers = [label for label, *_ in engine.comm.trace if label.startswith("all_gather:")]
+    return encoder_units, gathers
+
+
+def test_generate_gathers_an_encoder_decoders_encoder_once_not_per_token():
+    # [Note: one gather order]: evaluation and generation gather on demand; standing in for the encoder in
+    # every decoder-only forward of generate() would gather the whole encoder once per new token.
+    for encoder_units, gathers in run_distributed(train_then_generate_an_encoder_decoder, 2, timeout=120):
+        assert encoder_units
+        counts = {name: gathers.count(f"all_gather:{name}") for name in encoder_units}
+        # Once for the encoder's forward; the first unit once more, prefetched along the training order
+        # by generate()'s first decoder step (later steps prefetch along generation's own order).
+        assert counts == {name: 2 if i == 0 else 1 for i, name in enumerate(encoder_units)}, (counts, gathers)

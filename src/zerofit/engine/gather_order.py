@@ -27,12 +27,12 @@ passed, and the schedule only drives prefetching.
 The schedule is learned from each training forward (the units in the order they ran, a stood-in unit
 where it was stood in for), so it is the same on every rank as long as the ranks differ only in units
 they skip; the first forward, having no record, follows the order the units were registered in. Only
-forwards with gradients on stand in: evaluation and generation gather on demand as before (generate()
-runs an encoder-decoder's decoder alone at every token, and standing in for its encoder there would
-gather the whole encoder per token), so there ranks must run the same units - as they do unless a
-model routes by data in evaluation (an MoE). A unit no rank runs (an unused module) is stood in for
-by every rank in every training forward: consistent, and one gather of it wasted per forward and
-backward.
+forwards with gradients on stand in: evaluation and generation gather on demand, prefetching along
+the last such forward's order, kept apart (generate() runs an encoder-decoder's decoder alone at
+every token, and standing in for its encoder there would gather the whole encoder per token), so
+there ranks must run the same units - as they do unless a model routes by data in evaluation (an
+MoE). A unit no rank runs (an unused module) is stood in for by every rank in every training forward:
+consistent, and one gather of it wasted per forward and backward.
 """
 
 from __future__ import annotations
@@ -47,25 +47,53 @@ def _first_seen(units: list[Unit]) -> list[Unit]:
     return [u for u in units if not (id(u) in seen or seen.add(id(u)))]
 
 
+class _Schedule:
+    """Units in the order a kind of forward (training, or evaluation) ran them last."""
+
+    def __init__(self, units: list[Unit], seen: int = 0):
+        self.units = units
+        self.pos = {id(u): i for i, u in enumerate(units)}
+        self.seen = seen
+        """How many leading units a forward reached (the rest follow in registration order): only those are
+        prefetched, so a forward never prefetches a unit the last one did not run."""
+
+    @property
+    def learned(self) -> bool:
+        return self.seen > 0
+
+    def after(self, i: int) -> Unit | None:
+        """The unit to prefetch after the one at `i`."""
+        return self.units[i + 1] if i + 1 < self.seen else None
+
+    def learn(self, visits: list[tuple[Unit, bool]]) -> _Schedule:
+        """The schedule those visits make: the units that ran in order, a stood-in unit where it was stood in for
+        (unless it also ran), then the units the forward never reached, as they were."""
+        ran = {id(u) for u, did in visits if did}
+        order = _first_seen([u for u, did in visits if did or id(u) not in ran])
+        placed = {id(u) for u in order}
+        return _Schedule(order + [u for u in self.units if id(u) not in placed], seen=len(order))
+
+
 class GatherOrder:
     """Walks the schedule in forward and backward; `pass_over(unit)` lets the engine reduce a passed unit."""
 
     def __init__(self, units: list[Unit], *, ordered: bool, pass_over: Callable[[Unit], None]):
-        self.schedule = list(units)
-        """The units in the order the last forward ran them (registration order before any forward)."""
-        self.learned = False
+        self.training = _Schedule(list(units))
+        """The order every rank's training forwards follow (registration order before any forward)."""
+        self.evaluation: _Schedule | None = None
+        """The order of the last forward without gradients, for its prefetches only (None: none ran yet)."""
         self.ordered = ordered
         """Several ranks: stand in for skipped units and pass units in backward (see the Note)."""
         self._pass_over = pass_over
-        self._pos = {id(u): i for i, u in enumerate(self.schedule)}
+        self._now = self.training
+        """The schedule of the forward under way."""
         self._at = 0
         self._visits: list[tuple[Unit, bool]] = []
         """This forward's units in order, each with whether it ran (False: stood in for)."""
         self._last_grad_visits: list[tuple[Unit, bool]] = []
-        self._unlearned: list[tuple[Unit, bool]] | None = None
-        """The visits of a training forward the schedule has not learned from yet."""
+        self._unlearned: tuple[bool, list[tuple[Unit, bool]]] | None = None
+        """(with gradients, visits) of the last forward, until the next one begins and learns from it."""
         self._standing_in = False
-        self._trained = False
         self._ran_since_backward: set[int] = set()
         self._forwards_since_backward = 0
         self._backward: list[Unit] = []
@@ -77,18 +105,24 @@ class GatherOrder:
     def begin_forward(self, *, with_grad: bool) -> None:
         """The root's forward begins; `with_grad`: a training forward (stand-ins happen in those only)."""
         if self._unlearned is not None:
-            self._learn(self._unlearned)
+            trained, visits = self._unlearned
+            if trained:
+                self.training = self.training.learn(visits)
+            else:
+                self.evaluation = (self.evaluation or self.training).learn(visits)
             self._unlearned = None
+        self._now = self.training if with_grad else (self.evaluation or self.training)
         self._standing_in = self.ordered and with_grad
         self._at = 0
         self._visits = []
 
     def first(self) -> Unit | None:
-        return self.schedule[0] if self.learned and self.schedule else None
+        """The unit to prefetch as the root's forward begins."""
+        return self._now.units[0] if self._now.learned else None
 
     def enter(self, unit: Unit) -> Unit | None:
         """`unit`'s forward begins: stand in for the skipped units before it; returns the unit to prefetch."""
-        i = self._pos.get(id(unit))
+        i = self._now.pos.get(id(unit))
         self._ran_since_backward.add(id(unit))
         if i is None or i < self._at:
             self._visits.append((unit, True))
@@ -96,38 +130,29 @@ class GatherOrder:
         if self._standing_in:
             for j in range(self._at, i):
                 self._stand_in_forward(j)
-        self._at = i + 1
         self._visits.append((unit, True))
-        return self.schedule[i + 1] if self.learned and i + 1 < len(self.schedule) else None
+        self._at = i + 1
+        return self._now.after(i)
 
     def end_forward(self, *, with_grad: bool) -> None:
         """The root's forward ended: stand in for the units the schedule has left."""
         if self._standing_in:
-            for j in range(self._at, len(self.schedule)):
+            for j in range(self._at, len(self._now.units)):
                 self._stand_in_forward(j)
-        self._at = len(self.schedule)
+        self._at = len(self._now.units)
+        self._unlearned = (with_grad, list(self._visits))
         if with_grad:
             self._forwards_since_backward += 1
-            self._last_grad_visits = self._unlearned = list(self._visits)
-            self._trained = True
-        elif not self._trained:  # evaluation only so far: its order still makes the prefetches
-            self._unlearned = list(self._visits)
+            self._last_grad_visits = self._unlearned[1]
 
     def _stand_in_forward(self, j: int) -> None:
-        unit = self.schedule[j]
+        units = self._now.units
+        unit = units[j]
         unit.wait_gathered()
-        if j + 1 < len(self.schedule):
-            self.schedule[j + 1].gather()
+        if j + 1 < len(units):
+            units[j + 1].gather()
         unit.release()
         self._visits.append((unit, False))
-
-    def _learn(self, visits: list[tuple[Unit, bool]]) -> None:
-        ran = {id(u) for u, did in visits if did}
-        order = _first_seen([u for u, did in visits if did or id(u) not in ran])
-        order += [u for u in self.schedule if u not in order]
-        self.schedule = order
-        self._pos = {id(u): i for i, u in enumerate(order)}
-        self.learned = True
 
     # --- backward ---------------------------------------------------------------------------------
     def begin_backward(self) -> None:
