@@ -9,9 +9,10 @@ import torch
 from torch import nn
 
 from zerofit.config.schema import LossScaleConfig, OffloadConfig, PrecisionConfig, ZeroConfig
-from zerofit.engine import ZeroEngine, stream_step
+from zerofit.engine import ZeroEngine
+from zerofit.engine.offload import gpu
 
-DEFAULT_CHUNK = stream_step.STREAM_CHUNK
+DEFAULT_CHUNK = gpu.STREAM_CHUNK
 
 VOCAB, DIM, SEQ = 37, 13, 5  # prime sizes: nothing divides evenly by the world size
 
@@ -124,7 +125,7 @@ def run_engine(rank: int, world: int, case: Case, record_grads: bool = True, dev
                                                       nvme_path=case.nvme_path, step_on=case.step_on,
                                                       host_share=case.host_share, buffer_count=case.buffer_count),
                       offload_param=OffloadConfig(device=case.offload_param))
-    stream_step.STREAM_CHUNK = case.chunk or DEFAULT_CHUNK  # read when the engine builds its step mode
+    gpu.STREAM_CHUNK = case.chunk or DEFAULT_CHUNK  # read when the engine builds its step mode
     engine = ZeroEngine(model, opt, zero=zero,
                         precision=precision, gradient_accumulation_steps=case.gas,
                         gradient_clipping=case.clip, device=torch.device(device))
@@ -157,7 +158,7 @@ def run_engine(rank: int, world: int, case: Case, record_grads: bool = True, dev
             "streamed": sum(g.placement.stream_state for g in engine.groups),
             "early": engine.times.host_steps_in_backward,
             "param_offloaded": sum(g.placement.offload_params for g in engine.groups),
-            "nvme_files": len(os.listdir(engine.swapper.dir)) if engine.swapper is not None else 0}
+            "nvme_files": len(os.listdir(engine.offload.swapper.dir)) if engine.offload.swapper is not None else 0}
 
 
 def run_cases(rank: int, world: int, cases: list[Case]) -> list[dict]:

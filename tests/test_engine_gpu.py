@@ -53,11 +53,11 @@ def _train_offload(stage: int, precision: str, optim: str, *, offload: str, offl
     """One GPU: `offload` "none" (state on the GPU), "cpu" (GPU-stepped from host memory, step_on auto) or
     "nvme" (GPU-stepped from files under `nvme_path`, step_on device)."""
     from zerofit.config.schema import LossScaleConfig, OffloadConfig
-    from zerofit.engine import stream_step
+    from zerofit.engine.offload import gpu
 
     case = Case(stage=stage, gas=gas, steps=6, optim=optim)
     model, opt = make_model_and_optim(case)
-    stream_step.STREAM_CHUNK = chunk or DEFAULT_CHUNK
+    gpu.STREAM_CHUNK = chunk or DEFAULT_CHUNK
     step_on = "device" if offload == "nvme" else "auto"
     zero = ZeroConfig(stage=stage, offload_optimizer=OffloadConfig(device=offload, host_share=host_share,
                                                                    nvme_path=nvme_path, step_on=step_on,
@@ -76,7 +76,7 @@ def _train_offload(stage: int, precision: str, optim: str, *, offload: str, offl
         losses.append(loss.item())
     streamed = sum(g.placement.stream_state for g in engine.groups)
     _train_offload.hosted = sum(g.placement.offload_state for g in engine.groups)
-    _train_offload.pinned_slots = engine.swapper is not None and engine.swapper.pool.pin
+    _train_offload.pinned_slots = engine.offload.swapper is not None and engine.offload.swapper.pool.pin
     return losses, {k: v.cpu() for k, v in engine.named_full_tensors("master").items()}, streamed
 
 

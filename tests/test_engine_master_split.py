@@ -1,11 +1,11 @@
-"""The split master (`zerofit.engine.master_split`): fp32 = bf16 rounding + low halves + carries, bit for bit."""
+"""The split master (`zerofit.engine.offload.master_split`): fp32 = bf16 rounding + low halves + carries, exactly."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from zerofit.engine.master_split import eligible, join, packed_bytes, split
+from zerofit.engine.offload.master_split import eligible, join, packed_bytes, split
 
 
 def _round_trip(master: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,7 @@ from test_checkpoint_support import assemble, build, owned_state, train
 from zerofit.checkpoint import load_state, save_state
 from zerofit.config.schema import OffloadConfig, ZeroConfig
 from zerofit.engine import ZeroEngine
-from zerofit.engine.nvme import SwapFileChanged
+from zerofit.engine.offload.nvme import SwapFileChanged
 from zerofit.errors import EngineError
 from zerofit.testing.distributed import run_distributed
 
@@ -56,13 +56,13 @@ def parity_runs(rank, world, path):
 def memory_run(rank, world, path):
     """A pool of 2 buffers, more groups than that."""
     case, model, _, engine = _nvme_engine(2, path, buffer_count=2)
-    swapper, groups = engine.swapper, [g for g in engine.trainable_groups if g.placement.offload_state]
+    swapper, groups = engine.offload.swapper, [g for g in engine.trainable_groups if g.placement.offload_state]
     files = sorted(os.listdir(swapper.dir))
     resident = []
     for step in range(3):
         train(engine, model, case, rank, world, range(step, step + 1))
         resident.append(swapper.resident())  # right after step(): some groups may still be stepping
-        engine.stepper.wait_all()
+        engine.offload.stepper.wait_all()
         resident.append(swapper.resident())
     opt_state = [v for st in engine.optimizer.state.values() for v in st.values()
                  if isinstance(v, torch.Tensor) and v.ndim == 1]
@@ -70,7 +70,7 @@ def memory_run(rank, world, path):
               "allocated": swapper.pool.allocated, "state_numel": sum(v.numel() for v in opt_state),
               "state_tensors": len(opt_state)}
     directory = swapper.dir
-    engine.stepper.close()  # what the engine's finalizer does
+    engine.offload.stepper.close()  # what the engine's finalizer does
     memory["removed"] = not os.path.exists(directory)
     return memory
 
@@ -208,7 +208,7 @@ def test_checkpoint_saved_with_nvme_loads_anywhere(tmp_path):
 def test_a_failed_write_fails_every_later_slot_request_instead_of_hanging():
     import threading
 
-    from zerofit.engine.nvme import BufferPool
+    from zerofit.engine.offload.nvme import BufferPool
 
     pool = BufferPool(1, 4, pin=False)
     held = pool.acquire()  # kept by a write that fails
@@ -237,11 +237,11 @@ def _damage(path: str, how: str) -> None:
 
 def _writes_done(engine) -> None:
     """Wait until the files hold every value of the last step, without reading them back."""
-    if engine.stepper is not None:
-        engine.stepper.wait_all()
+    if engine.offload.stepper is not None:
+        engine.offload.stepper.wait_all()
     else:
-        engine.streamer.issuer.wait_all()
-    engine.swapper.flush()
+        engine.offload.gpu.issuer.wait_all()
+    engine.offload.swapper.flush()
 
 
 @pytest.mark.parametrize("step_on", ["host", "device"])  # the host stepper, and the GPU-stepped path on the CPU
@@ -252,7 +252,7 @@ def test_a_swap_file_changed_by_another_process_is_an_error_naming_it(tmp_path, 
     case, model, _, engine = _nvme_engine(1, str(tmp_path), step_on=step_on)
     train(engine, model, case, 0, 1, range(2))
     _writes_done(engine)
-    victim = os.path.join(engine.swapper.dir, "group-00000.bin")
+    victim = os.path.join(engine.offload.swapper.dir, "group-00000.bin")
     _damage(victim, how)
     problem = "is shorter than zerofit wrote it" if how == "truncate" else "no longer holds what zerofit wrote"
     with pytest.raises(EngineError, match=(
@@ -268,6 +268,6 @@ def test_a_damaged_swap_file_fails_a_checkpoint_save_too(tmp_path):
     case, model, _, engine = _nvme_engine(1, str(tmp_path))
     train(engine, model, case, 0, 1, range(1))
     _writes_done(engine)
-    _damage(os.path.join(engine.swapper.dir, "group-00001.bin"), "garbage")
+    _damage(os.path.join(engine.offload.swapper.dir, "group-00001.bin"), "garbage")
     with pytest.raises(EngineError, match=r"NVMe swap file '.*group-00001\.bin' no longer holds what zerofit wrote"):
         save_state(str(tmp_path / "ckpt"), engine)  # the save reads every file back (materialize)

@@ -3,7 +3,7 @@
 On CPU the host stands in for both sides: the masters and optimizer state live apart from the
 parameters and gradients, are streamed chunk by chunk through the slot pool, stepped there by a
 one-tensor optimizer of the script's class and written back - every path of
-zerofit.engine.stream_step but the CUDA streams. Chunks of 64 elements make every piece several
+zerofit.engine.offload.gpu but the CUDA streams. Chunks of 64 elements make every piece several
 chunks long and reuse every slot many times; 64 is a multiple of the CPU kernels' vector width, so
 the fused CPU kernel's vectorised loop splits a piece where the chunks do. Same kernel on the
 same elements: bit for bit.
@@ -21,9 +21,9 @@ from engine_cases import Case, make_model_and_optim, max_diff, run_cases
 from zerofit.config import load_config
 from zerofit.config.schema import OffloadConfig, PrecisionConfig, ZeroConfig
 from zerofit.engine import ZeroEngine
-from zerofit.engine.nvme import NvmeSwapper
+from zerofit.engine.offload.gpu import StreamStep, plan_chunks, stream_pool_bytes
+from zerofit.engine.offload.nvme import NvmeSwapper
 from zerofit.engine.policy import step_on_for
-from zerofit.engine.stream_step import StreamStep, plan_chunks, stream_pool_bytes
 from zerofit.errors import EngineError
 from zerofit.testing.distributed import run_distributed
 
@@ -31,7 +31,7 @@ BASE = ([Case(stage=s, gas=g) for s in (1, 2, 3) for g in (1, 4)]
         + [Case(stage=2, clip=0.05), Case(stage=3, clip=0.05, gas=2), Case(stage=2, optim="sgd", clip=0.05),
            Case(stage=3, gas=2, precision="bf16"), Case(stage=3, freeze=True, gas=2), Case(stage=2, sched=True),
            Case(stage=2, precision="fp16", overflow_at=3),
-           # bf16: the master travels split (bf16 parameter + low halves + carries, zerofit.engine.master_split)
+           # bf16: the master travels split (bf16 parameter + low halves + carries, zerofit.engine.offload.master_split)
            Case(stage=1, precision="bf16", gas=4), Case(stage=2, precision="bf16", clip=0.05),
            Case(stage=2, optim="sgd", precision="bf16", clip=0.05, sched=True)])
 STREAMED = ([dataclasses.replace(c, offload="cpu", step_on="device", chunk=64) for c in BASE]
@@ -133,7 +133,7 @@ def test_chunks_cover_each_piece_once_and_stay_inside_it(pieces, chunk):
 
 
 def test_a_run_packs_small_pieces_whole_and_cuts_only_long_ones_into_chunks_of_their_own():
-    from zerofit.engine.stream_runs import Piece, run_chunks
+    from zerofit.engine.offload.gpu_runs import Piece, run_chunks
 
     # offsets at multiples of 16, as the flat layout puts them; lengths: 5, 40 (> chunk), 12, 7, 13, 3
     spans = [(0, 5), (16, 40), (64, 12), (80, 7), (96, 13), (112, 3)]
@@ -261,8 +261,8 @@ def _train_breaking(engine, g, break_files):
             engine.backward(engine.model(x).float().pow(2).mean())
             engine.step()
             if step == 1:
-                engine.streamer.issuer.wait_all()
-                engine.swapper.flush()
+                engine.offload.gpu.issuer.wait_all()
+                engine.offload.swapper.flush()
                 break_files(engine)
         return None
     except EngineError as e:
@@ -277,7 +277,7 @@ def _nvme_rank(rank, world, root):
     out = {}
     # memory: a pool of 2 slots, more groups than that; between steps every group is on file
     engine = _engine("device", nvme_path=swap, buffer_count=2)
-    swapper, issuer = engine.swapper, engine.streamer.issuer
+    swapper, issuer = engine.offload.swapper, engine.offload.gpu.issuer
     out["files"] = len(os.listdir(swapper.dir))
     out["groups"] = sum(g.placement.stream_state for g in engine.groups)
     resident = []
@@ -294,7 +294,7 @@ def _nvme_rank(rank, world, root):
     out["state_numel"] = [v.numel() for st in engine.optimizer.state.values() for v in st.values()
                           if isinstance(v, torch.Tensor) and v.ndim == 1]
     directory = swapper.dir
-    engine.streamer.close()  # what collecting the engine (or the process exiting) does
+    engine.offload.gpu.close()  # what collecting the engine (or the process exiting) does
     out["removed"] = not os.path.exists(directory)
     # checkpoints: NVMe -> NVMe resumes bit for bit, and ends where the host-memory GPU-stepped run ends
     out["nvme"] = _checkpoint_rank(rank, world, os.path.join(root, "ck-nvme"), nvme_path=swap)
@@ -304,19 +304,19 @@ def _nvme_rank(rank, world, root):
         broken = os.path.join(root, f"empty-{rank}")
         open(broken, "w").close()
         fd = os.open(broken, os.O_RDONLY)  # reads come back short, writes fail
-        os.dup2(fd, engine.swapper._infos[0].fd)
+        os.dup2(fd, engine.offload.swapper._infos[0].fd)
         os.close(fd)
 
     def read_only(engine):
-        for name, info in zip(sorted(os.listdir(engine.swapper.dir)), engine.swapper._infos):
-            fd = os.open(os.path.join(engine.swapper.dir, name), os.O_RDONLY)
+        for name, info in zip(sorted(os.listdir(engine.offload.swapper.dir)), engine.offload.swapper._infos):
+            fd = os.open(os.path.join(engine.offload.swapper.dir, name), os.O_RDONLY)
             os.dup2(fd, info.fd)
             os.close(fd)
 
     engine = _engine("device", nvme_path=swap)
     g = torch.Generator().manual_seed(5)
     out["error"] = _train_breaking(engine, g, unreadable)
-    engine.streamer.close()
+    engine.offload.gpu.close()
     # every write fails (the files turn read-only), with fewer slots than groups: raised, no hang
     engine = _engine("device", nvme_path=swap, buffer_count=2)
     out["write_error"] = _train_breaking(engine, g, read_only)
@@ -370,4 +370,5 @@ def test_step_on_device_with_nvme_is_accepted_and_auto_still_means_host(tmp_path
     model, opt = make_model_and_optim(Case(stage=3))
     offload = OffloadConfig(device="nvme", nvme_path=str(tmp_path), step_on="auto")
     engine = ZeroEngine(model, opt, device=torch.device("cpu"), zero=ZeroConfig(stage=3, offload_optimizer=offload))
-    assert engine.step_on == "host" and isinstance(engine.stepper.swap, NvmeSwapper) and engine.streamer is None
+    assert engine.step_on == "host" and isinstance(engine.offload.stepper.swap, NvmeSwapper)
+    assert engine.offload.gpu is None

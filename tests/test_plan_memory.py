@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from zerofit.engine.stream_step import stream_pool_bytes
+from zerofit.engine.offload.gpu import stream_pool_bytes
 from zerofit.plan.activations import trace_step
 from zerofit.plan.choose import GPU_RESERVE_BYTES, Budget, plan
 from zerofit.plan.memory import ModelCounts, Setting, Workload, all_settings, estimate

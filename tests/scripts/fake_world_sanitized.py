@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from fake_world import CASES, fake_world, run_case
 
-from zerofit.engine.worker import serve
+from zerofit.engine.offload.threads import serve
 
 
 def _sanitizer():

@@ -32,9 +32,9 @@ from zerofit.engine.comm import Collectives, InFlight
 from zerofit.engine.flat_group import FlatGroup
 from zerofit.engine.full_state import FullStateDict
 from zerofit.engine.full_state_load import FullStateLoad
-from zerofit.engine.host_mode import HostStep
 from zerofit.engine.loss_scale import LossScaler
 from zerofit.engine.materialize import Materializer, has_meta_tensors
+from zerofit.engine.offload import HostStep, Offload, StreamStep
 from zerofit.engine.optim import (
     folds_grad_scale,
     global_grad_sumsq,
@@ -54,7 +54,6 @@ from zerofit.engine.policy import (
 )
 from zerofit.engine.stage3 import Stage3Hooks
 from zerofit.engine.step_mode import CompactStep, PlainStep, StepFactors, StepMode, publish
-from zerofit.engine.stream_step import StreamStep
 from zerofit.engine.timing import StepTimes
 from zerofit.engine.unit import Unit
 from zerofit.engine.units import plan_units
@@ -140,12 +139,9 @@ class ZeroEngine:
         self._warned_nonfinite = False
         self._hooks = [p.register_post_accumulate_grad_hook(partial(self._on_grad, u, gi, i))
                        for u in self.units for gi, g in enumerate(u.trainable) for i, p in enumerate(g.params)]
-        self.mode: StepMode = self._step_mode()  # before the stage-3 hooks: see HostStep
-        # The host mode's worker and the NVMe swapper (the host mode's, else the GPU-stepped mode's), for
-        # inspection (tests, benchmarks); None without them.
-        self.stepper = self.mode.stepper if isinstance(self.mode, HostStep) else None
-        hosted_swapper = self.stepper.swap if self.stepper is not None else None
-        self.swapper = hosted_swapper or (self.streamer.swapper if self.streamer is not None else None)
+        self.offload = Offload()
+        """The offload parts of the step mode, for inspection (tests, benchmarks)."""
+        self.mode: StepMode = self._step_mode()  # before the stage-3 hooks: see [Note: offload parts]
         self.stage3 = Stage3Hooks(self.units[0], self.units, lambda: self._in_backward, self._pass_over)
         # model.state_dict() gathers (see its note)
         self.full_state = FullStateDict(model, self.units, is_main=self.comm.rank == 0)
@@ -157,26 +153,28 @@ class ZeroEngine:
             self._hooks.append(model.register_forward_pre_hook(self._cast_inputs, with_kwargs=True))
 
     def _step_mode(self) -> StepMode:
-        """How the optimizer step runs (see [Note: step modes] in zerofit.engine.step_mode)."""
+        """How the optimizer step runs (see [Note: step modes] in zerofit.engine.step_mode): the device's
+        step of the groups kept there, wrapped by the offload parts (see [Note: offload parts] in
+        zerofit.engine.offload.part), which it records in `self.offload`."""
         hosted = [g for g in self.trainable_groups if g.placement.offload_state]
         streamed = [g for g in self.trainable_groups if g.placement.stream_state]
-        self.streamer: StreamStep | None = None
-        """The GPU-stepped part of the step mode, if any (for inspection: tests, benchmarks)."""
         if self.optimizer is None or not (hosted or streamed):
             return self._device_step(PlainStep(self.optimizer, self.trainable_groups, self.comm))
         on_device = [g for g in self.trainable_groups if not (g.placement.offload_state or g.placement.stream_state)]
         mode = self._device_step(PlainStep.part_of(self.optimizer, on_device, self.comm))
+        gpu = host = None
         if streamed:
-            mode = self.streamer = StreamStep(self.optimizer, streamed, mode, model=self.model, units=self.units,
-                                              comm=self.comm, times=self.times, offload=self.zero.offload_optimizer,
-                                              aio=self.zero.aio)
-        if not hosted:
-            return mode
-        return HostStep(self.optimizer, hosted, mode, model=self.model, units=self.units,
-                        trainable=self.trainable_groups, comm=self.comm, reductions=self.reductions, times=self.times,
-                        offload=self.zero.offload_optimizer, aio=self.zero.aio,
-                        needs_norm=self.gradient_clipping > 0 or self.scaler.enabled
-                        or self.precision.skip_nonfinite_steps)
+            mode = gpu = StreamStep(self.optimizer, streamed, mode, model=self.model, units=self.units,
+                                    comm=self.comm, times=self.times, offload=self.zero.offload_optimizer,
+                                    aio=self.zero.aio)
+        if hosted:
+            mode = host = HostStep(self.optimizer, hosted, mode, model=self.model, units=self.units,
+                                   trainable=self.trainable_groups, comm=self.comm, reductions=self.reductions,
+                                   times=self.times, offload=self.zero.offload_optimizer, aio=self.zero.aio,
+                                   needs_norm=self.gradient_clipping > 0 or self.scaler.enabled
+                                   or self.precision.skip_nonfinite_steps)
+        self.offload = Offload(host=host, gpu=gpu)
+        return mode
 
     def _device_step(self, plain: PlainStep) -> StepMode:
         return CompactStep(self.optimizer, plain) if any(g.compact for g in plain.groups) else plain
@@ -374,7 +372,7 @@ class ZeroEngine:
         """Unscale, then clip the global gradient norm to `max_norm`; returns the norm before clipping."""
         self.reductions.drain()
         norm = self.mode.clip_requested(float(max_norm))
-        if norm is not None:  # the update already ran: [Note: host steps during backward] (host_mode)
+        if norm is not None:  # the update already ran: [Note: host steps during backward]
             return norm
         self._prepared = self._unscale_and_clip(float(max_norm), need_norm=True)
         return self._prepared.norm
@@ -533,8 +531,8 @@ class ZeroEngine:
     @property
     def early_off(self) -> str | None:
         """Why host steps may not start during backward, None when they may
-        ([Note: host steps during backward], host_mode)."""
-        return self.mode.early_off if isinstance(self.mode, HostStep) else "no host optimizer steps"
+        ([Note: host steps during backward] in zerofit.engine.offload.host)."""
+        return self.offload.host.early_off if self.offload.host is not None else "no host optimizer steps"
 
     # --- inspection (tests, checkpoints) --------------------------------------------------------
     def named_full_tensors(self, what: str) -> dict[str, torch.Tensor]:

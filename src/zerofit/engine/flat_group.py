@@ -83,7 +83,7 @@ class FlatGroup:
         """No gradient has reached `grad_shard` in this accumulation window (its contents are stale)."""
         self.step_in_flight = False
         """A GPU-stepped update of this group is queued on side streams; it zeroes the gradient shard
-        itself once it has read it, so `zero_grads` must not touch it (see zerofit.engine.stream_step)."""
+        itself once it has read it, so `zero_grads` must not touch it (see zerofit.engine.offload.gpu)."""
         self.unused: frozenset[int] = frozenset()
         """Parameters (layout positions) no rank gave a gradient in this window: the step leaves their
         master pieces out (set by the engine before a step; see [Note: parameters without a gradient])."""
@@ -91,7 +91,7 @@ class FlatGroup:
         """(layout position, master piece) of every piece the optimizer steps (set by `rebind_optimizer`)."""
         self.before_read: Callable[[], None] | None = None
         """Set by the engine when `master` and optimizer state are not in memory between steps (NVMe):
-        call it before reading them outside a step (see [Note: NVMe residency] in zerofit.engine.nvme)."""
+        call it before reading them outside a step (see [Note: NVMe residency] in zerofit.engine.offload.nvme)."""
         if trainable:
             if master_src is None:
                 self.master = self.param_shard

@@ -64,7 +64,7 @@ class GroupPlacement:
     stream_state: bool = False
     """GPU-stepped offload: fp32 master and optimizer state live in host memory and are streamed through
     the device to be stepped there, chunk by chunk; the gradient shard stays on the device (see
-    [Note: GPU-stepped offload] in zerofit.engine.stream_step). Never together with `offload_state`."""
+    [Note: GPU-stepped offload] in zerofit.engine.offload.gpu). Never together with `offload_state`."""
     offload_params: bool = False
     """The parameter shard lives in host memory and is uploaded for each gather (stage 3)."""
 
@@ -121,7 +121,7 @@ def step_on_for(step_on: str, *, cuda: bool, nvme: bool) -> str:
     (streamed through the accelerator). "auto": the device on a CUDA machine - the same fused kernel
     as without offload, no gradient download, no parameter upload, the CPU cores left free - else the
     host; NVMe-homed state is stepped on the host unless "device" is written (then it streams from its
-    files through the GPU: see [Note: GPU-stepped offload from NVMe] in zerofit.engine.stream_step).
+    files through the GPU: see [Note: GPU-stepped offload from NVMe] in zerofit.engine.offload.gpu).
     The engine and the planner both ask this."""
     if step_on == "auto":
         return "device" if cuda and not nvme else "host"

@@ -48,7 +48,7 @@ def local_fragments(groups: list[FlatGroup], optimizer: torch.optim.Optimizer | 
                     rank: int) -> list[Fragment]:
     """Every parameter run this rank owns, with views into its master/param and optimizer state."""
     for hook in {id(g.before_read): g.before_read for g in groups if g.before_read is not None}.values():
-        hook()  # NVMe-offloaded state is brought into memory first (see zerofit.engine.nvme)
+        hook()  # NVMe-offloaded state is brought into memory first (see zerofit.engine.offload.nvme)
     out: list[Fragment] = []
     for g in groups:
         if g.placement.shard_world == 1 and rank != 0:

@@ -6,11 +6,14 @@ overflow check, optimizer step, publish - and asks its step mode at fixed points
 - `PlainStep`: the optimizer steps the device shards in `step()`, from fp32 gradients;
 - `CompactStep`: gradients kept in the compute dtype, each group stepped from an fp32 upcast (see
   [Note: compact gradients]); a second backward in one window makes it step as its `PlainStep`;
-- `HostStep` (zerofit.engine.host_mode): the offloaded groups step on a CPU worker, overlapped with
-  the next forward (and, when the step's factor is known early, with backward itself); the groups
-  left on the device step through a `PlainStep` or `CompactStep` of their own.
-A mode owns its flags; the engine never asks which mode it has. Another way of stepping (optimizer
-state streamed through the GPU, say) is another subclass, with the same hooks.
+- the offload parts (zerofit.engine.offload): `HostStep` steps its groups on a CPU thread (host-
+  stepped), overlapped with the next forward and, when the step's factor is known early, with
+  backward itself; `StreamStep` streams its groups' state from host memory through the GPU and steps
+  it there (GPU-stepped). Each wraps the mode of the other groups - `HostStep` around `StreamStep`
+  around a `PlainStep` or `CompactStep` of the groups left on the device - and forwards every hook
+  to it first (see [Note: offload parts] in zerofit.engine.offload.part).
+A mode owns its flags; the engine never asks which mode it has. Another way of stepping is another
+subclass (of `OffloadPart`, if it wraps the others), with the same hooks.
 
 The hooks, in the order the engine calls them over one accumulation window:
   begin_backward -> reduced (per unit, as its reductions launch) -> end_backward   (each micro-step)

@@ -34,7 +34,7 @@ class StepTimes:
     """Main thread: forward (or a read of the state) blocked until the issuing thread had queued a group's
     chunks (with NVMe: read its state from the file first)."""
     host_steps_in_backward: int = 0
-    """Groups whose host step started during backward ([Note: host steps during backward], host_mode)."""
+    """Groups whose host step started during backward ([Note: host steps during backward], offload/host.py)."""
 
     def snapshot(self) -> dict[str, float]:
         return asdict(self)

@@ -19,7 +19,7 @@ bytes/s each way, and times in seconds for n parameters:
                              down = (M + 4k) n_s + G n_h,   up = (M + 4k) n_s + P n_h
 
 with M the master's bytes on the link: 4, or 2.125 where it travels split (bf16 parameters on the GPU:
-low halves and carries, zerofit.engine.master_split).
+low halves and carries, zerofit.engine.offload.master_split).
 
 B' = both_busy_gbs * 1e9: the link each way while the CPU steps (B where not measured). Host memory
 bandwidth is shared: on the H200 box the link falls from about 50 to about 33-36 GB/s each way while
@@ -57,7 +57,7 @@ from pathlib import Path
 import torch
 
 from zerofit.config.files import BadFile, load
-from zerofit.engine import master_split
+from zerofit.engine.offload import master_split
 from zerofit.engine.pinned import pinned_empty
 from zerofit.logging import get_logger
 
@@ -504,7 +504,7 @@ def _count(name: str, value: int) -> None:
 
 
 SPLIT_MASTER_BYTES = master_split.LINK_BYTES
-"""Bytes per element a bf16 run's master takes on the link: low halves and carries (zerofit.engine.master_split)."""
+"""Bytes per element a bf16 run's master takes on the link: low halves and carries (engine.offload.master_split)."""
 
 
 def _stream_bytes(numel: int, state_tensors: int, master_bytes: float = 4) -> float:

@@ -14,7 +14,7 @@ checkpointed) and T the tokens of one micro-step:
     added = offload(n_s, n_h)  +  K * (2 P n_p / h2d  +  2 L T / F)
 
 - offload: `bandwidth.offload_seconds` (or `host_seconds` for host stepping): once per optimizer step, the
-  master's bytes split where it travels so (bf16 parameters on the GPU, zerofit.engine.master_split);
+  master's bytes split where it travels so (bf16 parameters on the GPU, zerofit.engine.offload.master_split);
 - parameter offload: the shard is uploaded for the forward's and again for the backward's gather, every
   micro-step;
 - checkpointing: a second forward of the layers, 2 FLOPs per parameter and token, at F = the measured

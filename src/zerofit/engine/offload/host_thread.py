@@ -15,7 +15,7 @@ Each group is stepped by a small optimizer of the script's optimizer class over 
 master pieces, sharing the script optimizer's `state` dict and reading its current hyperparameters
 (so LR schedulers keep working), which makes the update identical to one big step.
 
-With NVMe offload (`swap`, a `zerofit.engine.nvme.NvmeSwapper`) the worker also swaps each group in
+With NVMe offload (`swap`, a `zerofit.engine.offload.nvme.NvmeSwapper`) the worker also swaps each group in
 before its step and out after it, while the swapper reads the next groups ahead in submission order.
 """
 
@@ -27,6 +27,7 @@ import threading
 import torch
 
 from zerofit.engine.flat_group import FlatGroup
+from zerofit.engine.offload.threads import serve
 from zerofit.engine.optim import (
     master_pieces,
     step_with_factor,
@@ -36,7 +37,6 @@ from zerofit.engine.optim import (
     without_grads,
 )
 from zerofit.engine.timing import StepTimes
-from zerofit.engine.worker import serve
 from zerofit.errors import EngineError
 
 

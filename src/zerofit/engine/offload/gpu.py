@@ -17,7 +17,7 @@ is the same bit for bit. Only the state crosses the bus (no gradient download, n
 and the CPU cores stay free.
 
 A chunk lies inside one run - consecutive optimizer pieces of one param group (see [Note: runs] in
-zerofit.engine.stream_runs) - so it steps with that group's settings; each piece (or part of one) in
+zerofit.engine.offload.gpu_runs) - so it steps with that group's settings; each piece (or part of one) in
 it is one tensor of that step, from a copy of the piece's scalar state (Adam's `step`), and the piece
 keeps its last part's. On a piece's first step its parts start with no state and the optimizer
 creates it as it would on the whole piece (zeros for Adam's moments, the gradient for SGD's
@@ -29,12 +29,12 @@ the downloads in flight; gradients are zeroed by the step itself (`FlatGroup.ste
 
 With bf16 parameters on the device the master does not cross whole: the host keeps its low halves and
 carries and the device rebuilds it from the parameter it holds (see [Note: split master] in
-zerofit.engine.master_split), 2.125 bytes instead of 4 each way; `settle(state=True)` rebuilds the fp32
+zerofit.engine.offload.master_split), 2.125 bytes instead of 4 each way; `settle(state=True)` rebuilds the fp32
 masters in host memory for host readers, and the next step uploads those whole.
 
 The main thread only decides the step (factor, this step's settings, the "gradients final" event) and
 hands the groups to `IssueThread`, which queues their chunks (see [Note: issuing off the main thread]
-in zerofit.engine.stream_issue); a unit's pre-hook waits until its groups are queued.
+in zerofit.engine.offload.gpu_issue); a unit's pre-hook waits until its groups are queued.
 
 [Note: GPU-stepped offload from NVMe]
 With `offload_optimizer.device: nvme` a group's master and state live in its file (`NvmeSwapper`, see
@@ -55,22 +55,17 @@ swapper reads at most one group fewer ahead than it has slots (its FIFO argument
 from __future__ import annotations
 
 import contextlib
-import weakref
 from functools import partial
 
 import torch
 from torch import nn
 
 from zerofit.config.schema import AioConfig, OffloadConfig
-from zerofit.engine import master_split
 from zerofit.engine.comm import Collectives, Pending
 from zerofit.engine.flat_group import FlatGroup
-from zerofit.engine.nvme import NvmeSwapper
-from zerofit.engine.optim import folds_grad_scale, mark_stepped, step_with_factor
-from zerofit.engine.pinned import pinned_empty
-from zerofit.engine.step_mode import StepFactors, StepMode, gather_params, publish_bounds
-from zerofit.engine.stream_issue import IssueThread
-from zerofit.engine.stream_runs import (  # noqa: F401 - ChunkSpan and plan_chunks: public here too
+from zerofit.engine.offload import master_split
+from zerofit.engine.offload.gpu_issue import IssueThread
+from zerofit.engine.offload.gpu_runs import (  # noqa: F401 - ChunkSpan and plan_chunks: public here too
     VECTOR,
     ChunkSpan,
     Run,
@@ -83,6 +78,11 @@ from zerofit.engine.stream_runs import (  # noqa: F401 - ChunkSpan and plan_chun
     rehome,
     state_keys,
 )
+from zerofit.engine.offload.nvme import NvmeSwapper
+from zerofit.engine.offload.part import OffloadPart
+from zerofit.engine.optim import folds_grad_scale, step_with_factor
+from zerofit.engine.pinned import pinned_empty
+from zerofit.engine.step_mode import StepFactors, StepMode, gather_params
 from zerofit.engine.timing import StepTimes
 from zerofit.engine.unit import Unit
 
@@ -141,10 +141,8 @@ class _Slot:
         return self._buffers[packed][:master_split.packed_bytes(n)], self._buffers[carries]
 
 
-class StreamStep(StepMode):
+class StreamStep(OffloadPart):
     """GPU-stepped offload of `groups`; `inner` steps the groups that stay on the device (module doc)."""
-
-    forward_communicates = True  # a unit's first use after a step all-gathers its groups (stages 1-2)
 
     def __init__(self, optimizer: torch.optim.Optimizer, groups: list[FlatGroup], inner: StepMode, *,
                  model: nn.Module, units: list[Unit], comm: Collectives, times: StepTimes,
@@ -153,20 +151,16 @@ class StreamStep(StepMode):
         """`offload`, `aio`: with `offload.device` "nvme" the state's home is a file per group (see
         [Note: GPU-stepped offload from NVMe]); `chunk`: elements per chunk (default `STREAM_CHUNK`,
         read when the mode is built)."""
+        super().__init__(optimizer, groups, inner, model=model, units=units, comm=comm, times=times)
         chunk = chunk or STREAM_CHUNK
-        self.optimizer = optimizer
-        self.groups = groups
-        self.inner = inner
-        self.comm = comm
         self.device = comm.device
-        self.times = times
         self._cuda = self.device.type == "cuda"
         # One stream per direction and one for the kernels, so the three overlap (none is the main stream).
         self._up, self._work, self._down = ([torch.cuda.Stream(device=self.device) for _ in range(3)]
                                             if self._cuda else (None, None, None))
         chunk = aligned_chunk(chunk)
         self._runs: dict[int, list[Run]] = {id(g): plan_runs(g, optimizer, chunk) for g in groups}
-        """Per group: its runs of pieces, each with its chunks (see [Note: runs] in zerofit.engine.stream_runs)."""
+        """Per group: its runs of pieces, each with its chunks (see [Note: runs] in zerofit.engine.offload.gpu_runs)."""
         largest = max((r.end - r.start for runs in self._runs.values() for r in runs), default=1)
         self._slots = [_Slot(min(chunk, largest), self.device) for _ in range(max(1, slots))]
         self._next_slot = 0
@@ -183,74 +177,36 @@ class StreamStep(StepMode):
         self._packed: set[int] = set()
         """Groups whose host master holds the packed form, chunk by chunk (issuing thread; `settle` joins)."""
         self._backward_ran = False
-        self._upto = publish_bounds(units, groups)
-        """Per unit: how many of `groups` belong to it or to units before it (published before it is used)."""
-        for unit in units:
-            if any(g.placement.stream_state for g in unit.trainable):
-                unit.before_use = partial(self._await, unit)
-                target = model if unit is units[0] else unit.module
-                # registered before the stage-3 hooks, so a unit is stepped before it is gathered
-                target.register_forward_pre_hook(lambda *_a, u=unit: self._await(u))
-        self.swapper: NvmeSwapper | None = None
-        if offload is not None and offload.device == "nvme":
-            # After the pieces were matched (by address): swapping out empties the tensors.
-            self.swapper = NvmeSwapper(groups, optimizer, offload, aio or AioConfig(), comm, self.device)
+        self.swapper = self._nvme_swapper(offload, aio)  # after the pieces were matched (`plan_runs`)
         self._splits = {id(g) for g in groups if self._can_split(g)}
-        """Groups whose master travels split (see [Note: split master] in zerofit.engine.master_split)."""
+        """Groups whose master travels split (see [Note: split master] in zerofit.engine.offload.master_split)."""
         self.issuer = IssueThread(groups, self.device)
         # The thread never holds this mode while idle; stop it (and remove the NVMe files) with the mode,
         # or at the latest when the process exits.
-        self.close = weakref.finalize(self, _close, self.issuer, self.swapper)
-        """Stop the issuing thread and remove the NVMe files now (idempotent)."""
-        settle = self._settle_state  # one object: local_fragments calls each distinct hook once
-        for g in groups:
-            g.before_read = settle  # checkpoints read and write host state: no copy in flight
+        self._close_with_self(_close, self.issuer, self.swapper)
+        self._settle_before_read(self._settle_state)  # checkpoints read and write host state: no copy in flight
 
-    # --- delegated to the device part -----------------------------------------------------------
-    @property
-    def compact(self) -> bool:
-        return self.inner.compact or any(g.compact for g in self.groups)
+    # --- the part's own hooks (after the inner mode's) ----------------------------------------------
+    def _compact(self) -> bool:
+        return any(g.compact for g in self.groups)
 
-    def begin_backward(self, sync: bool) -> None:
-        self.inner.begin_backward(sync)
+    def _begin_backward(self, sync: bool) -> None:
         self._await_all()  # units forward did not use: backward (or its end) may touch their gradients
         if self._backward_ran:  # a second backward in this window: sums must not round (see CompactStep)
             self.widen()
         self._backward_ran = True
 
-    def reduced(self, unit: Unit, pendings: list[Pending]) -> None:
-        self.inner.reduced(unit, pendings)
-
-    def end_backward(self) -> None:
-        self.inner.end_backward()
-
-    def clip_requested(self, max_norm: float) -> torch.Tensor | None:
-        return self.inner.clip_requested(max_norm)
-
-    def prepare_grads(self) -> None:
-        self.inner.prepare_grads()
-
-    def begin_step(self) -> bool:
-        return self.inner.begin_step()
-
-    def zero_grad(self) -> None:
-        self.inner.zero_grad()
+    def _zero_grad(self) -> None:
         self._backward_ran = False
 
-    def discard(self) -> None:
-        self.inner.discard()
-
-    def widen(self) -> None:
-        self.inner.widen()
+    def _widen(self) -> None:
         for g in self.groups:
             if g.compact:
                 self._await_group(g)
                 g.widen()
 
     # --- the step -------------------------------------------------------------------------------
-    def step(self, factors: StepFactors) -> None:
-        self.inner.step(factors)
-        mark_stepped(self.optimizer)
+    def _step(self, factors: StepFactors) -> None:
         self._await_all()  # a group still in flight (never used since the last step) finishes first
         self._keep = [f for f in (factors.whole, factors.remaining) if isinstance(f, torch.Tensor)]
         ready = self._record(None)  # the gradients and the factor are final on the main stream
@@ -482,23 +438,7 @@ class StreamStep(StepMode):
             torch.cuda.current_stream(self.device).wait_event(event)
         return gather_params(g, self.comm)  # collectives stay on the main thread, in unit order
 
-    def _await_groups(self, groups: list[FlatGroup]) -> None:
-        for g in groups:
-            gather = self._await_group(g)
-            if gather is not None:
-                gather.wait()
-
-    def _await(self, unit: Unit) -> None:
-        """Before `unit` is used: wait for its groups' updates and publish their parameters - and those of
-        every unit before it first, so every rank publishes in unit order whichever units its forward
-        skips (see [Note: one collective order] in zerofit.engine.engine)."""
-        self._await_groups(self.groups[:self._upto[id(unit)]])
-
-    def _await_all(self) -> None:
-        self._await_groups(self.groups)
-
-    def settle(self, *, state: bool = False) -> None:
-        self.inner.settle(state=state)
+    def _settle(self, *, state: bool) -> None:
         self._await_all()
         if state:
             self.issuer.wait_all()  # a failure of the last step is raised here, not hidden

@@ -17,7 +17,7 @@ not for an even one, and both give an even parameter, so one bit per element is 
 
 Per chunk of n elements the packed form is `packed_bytes(n)` bytes: the n low halves (int16), then the n
 carries, eight to a byte, lowest element in the lowest bit. It fits in the chunk's own 4n bytes of the
-host master, which is where `zerofit.engine.stream_step` keeps it between steps (see its note): the
+host master, which is where `zerofit.engine.offload.gpu` keeps it between steps (see its note): the
 host master is then not a readable fp32 tensor until `join` rebuilds it, which `settle(state=True)`
 does for every reader, as it already waited for copies in flight.
 """

@@ -1,10 +1,11 @@
-"""`HostStep`: the step mode of optimizer offload - offloaded groups step on the host, overlapped.
+"""`HostStep`: host-stepped offload - offloaded groups step on the host, overlapped with forward.
 
 Each offloaded flat group's step runs on `HostStepper`'s worker thread (see [Note: overlapped host
-step] in zerofit.engine.host_step); the next forward waits for a unit's groups just before it uses
+step] in zerofit.engine.offload.host_thread); the next forward waits for a unit's groups just before it uses
 them, and publishes their parameters (all-gathering them where they are replicated). The groups
-that stay on the device (`offload_optimizer.ratio` below 1) are stepped by `device`, a `PlainStep`
-or `CompactStep` over a smaller optimizer sharing the script optimizer's state.
+that stay on the device (`offload_optimizer.ratio` below 1) are stepped by `inner`, a `PlainStep`
+or `CompactStep` over a smaller optimizer sharing the script optimizer's state (or by the GPU-stepped
+part around it: see [Note: offload parts] in zerofit.engine.offload.part).
 
 [Note: host steps during backward]
 When the step's gradient factor is known before backward ends - no clipping, no fp16 loss
@@ -23,9 +24,7 @@ knows which parameters no rank gave a gradient (see [Note: parameters without a 
 from __future__ import annotations
 
 import warnings
-import weakref
 from collections import deque
-from functools import partial
 
 import torch
 from torch import nn
@@ -33,56 +32,37 @@ from torch import nn
 from zerofit.config.schema import AioConfig, OffloadConfig
 from zerofit.engine.comm import Collectives, InFlight, Pending
 from zerofit.engine.flat_group import FlatGroup
-from zerofit.engine.host_step import HostStepper
-from zerofit.engine.nvme import NvmeSwapper
-from zerofit.engine.optim import global_grad_sumsq, mark_stepped
-from zerofit.engine.step_mode import StepFactors, StepMode, gather_params, publish_bounds
+from zerofit.engine.offload.host_thread import HostStepper
+from zerofit.engine.offload.part import OffloadPart
+from zerofit.engine.optim import global_grad_sumsq
+from zerofit.engine.step_mode import StepFactors, StepMode, gather_params
 from zerofit.engine.timing import StepTimes
 from zerofit.engine.unit import Unit
 from zerofit.errors import EngineError
 
 
-class HostStep(StepMode):
-    """Optimizer offload: `groups` step on the host worker, `device` steps the rest (see the module doc)."""
+class HostStep(OffloadPart):
+    """Host-stepped offload: `groups` step on the host worker, `inner` steps the rest (see the module doc)."""
 
-    forward_communicates = True  # a unit's first use after a step publishes its groups
-
-    def __init__(self, optimizer: torch.optim.Optimizer, groups: list[FlatGroup], device_part: StepMode, *,
+    def __init__(self, optimizer: torch.optim.Optimizer, groups: list[FlatGroup], inner: StepMode, *,
                  model: nn.Module, units: list[Unit], trainable: list[FlatGroup], comm: Collectives,
                  reductions: InFlight, times: StepTimes, offload: OffloadConfig, aio: AioConfig,
                  needs_norm: bool):
         """`trainable`: every trainable group, in unit order (the gradient norm's summation order);
         `needs_norm`: the step depends on the global gradient norm (clipping or fp16)."""
-        self.optimizer = optimizer
-        self.groups = groups
-        self.device = device_part
-        self.units = units
+        super().__init__(optimizer, groups, inner, model=model, units=units, comm=comm, times=times)
         self.trainable = trainable
-        self.comm = comm
         self.reductions = reductions
-        self.times = times
         self.stepper = HostStepper(optimizer, groups, comm.device, times)
-        self.swapper: NvmeSwapper | None = None
-        self._hooks = []
         self._unpublished: set[int] = set()
         """Groups stepped on the host whose parameters the next forward must still publish."""
-        self._upto = publish_bounds(units, groups)
-        """Per unit: how many of `groups` belong to it or to units before it (published before it is used)."""
-        for unit in units:
-            if any(g.placement.offload_state for g in unit.trainable):
-                unit.before_use = partial(self._await, unit)
-                target = model if unit is units[0] else unit.module
-                # registered before the stage-3 hooks, so a unit is stepped before it is gathered
-                self._hooks.append(target.register_forward_pre_hook(lambda *_a, u=unit: self._await(u)))
-        if offload.device == "nvme":
-            # After every sub-optimizer matched its pieces (`device`'s too): swapping out empties the tensors.
-            self.swapper = NvmeSwapper(groups, optimizer, offload, aio, comm, comm.device)
+        # After every sub-optimizer matched its pieces (`inner`'s too).
+        self.swapper = self._nvme_swapper(offload, aio)
+        if self.swapper is not None:
             self.stepper.swap = self.swapper
-            settle = self.stepper.settle_state  # one object: local_fragments calls each distinct hook once
-            for g in groups:
-                g.before_read = settle  # the stepper's, not ours: the worker must not keep us alive
+            self._settle_before_read(self.stepper.settle_state)  # the stepper's: the worker must not keep us alive
         # The worker thread holds the stepper forever: stop it (and remove NVMe files) with this mode.
-        weakref.finalize(self, self.stepper.close)
+        self._close_with_self(self.stepper.close)
         self.early_off: str | None = None
         """Why host steps may not start during backward (None: they may; see the module note)."""
         if self.swapper is not None:
@@ -102,13 +82,8 @@ class HostStep(StepMode):
         self._window_closed = False
         """A backward closed this window and no step or zero_grad followed yet."""
 
-    @property
-    def compact(self) -> bool:
-        return self.device.compact
-
     # --- backward -------------------------------------------------------------------------------
-    def begin_backward(self, sync: bool) -> None:
-        self.device.begin_backward(sync)
+    def _begin_backward(self, sync: bool) -> None:
         # Units this forward skipped publish now, in unit order: a skipped last unit would otherwise
         # publish only at step(), after this backward's reductions, and not where the other ranks do
         # (see [Note: one collective order] in zerofit.engine.engine).
@@ -125,8 +100,7 @@ class HostStep(StepMode):
         self._window_closed = sync
         self._early_now = sync and self.early_off is None and self._steps_taken > 0 and not self._clip_seen
 
-    def reduced(self, unit: Unit, pendings: list[Pending]) -> None:
-        self.device.reduced(unit, pendings)
+    def _reduced(self, unit: Unit, pendings: list[Pending]) -> None:
         hosted = [g for g in unit.trainable if g.placement.offload_state]
         # Only a unit all of whose parameters got a gradient here starts early: none of them can be
         # left out of the step (see [Note: parameters without a gradient] in zerofit.engine.engine).
@@ -134,8 +108,7 @@ class HostStep(StepMode):
             self._to_submit.append((pendings, hosted))
         self._submit_ready()
 
-    def end_backward(self) -> None:
-        self.device.end_backward()
+    def _end_backward(self) -> None:
         # Offloaded gradients: the staging buffers are reused by the next micro-step, so their
         # contents must reach the host gradient shards now (waits for the downloads in flight).
         self.reductions.drain()
@@ -168,7 +141,7 @@ class HostStep(StepMode):
         self.early_off = reason
 
     # --- step -----------------------------------------------------------------------------------
-    def clip_requested(self, max_norm: float) -> torch.Tensor | None:
+    def _clip_requested(self, max_norm: float) -> torch.Tensor | None:
         self._clip_seen = True
         if not self._early_groups:
             return None
@@ -184,77 +157,65 @@ class HostStep(StepMode):
                 "clip_grad_norm_ from the first step on")
         return norm
 
-    def prepare_grads(self) -> None:
-        self.device.prepare_grads()
+    def _prepare_grads(self) -> None:
         self.settle()
         for g in self.groups:
             g.grads_for_step()
 
-    def begin_step(self) -> bool:
+    def _begin_step(self) -> bool:
         self._steps_taken += 1
         return bool(self._early_groups)
 
-    def step(self, factors: StepFactors) -> None:
-        if self._early_groups:  # the host part started during backward: the device part is left
-            if not _same_settings(self.stepper.hyperparams(), self._early_hyper):
-                self._disable_early("the optimizer's settings (lr & co.) changed between backward and step(); "
-                                    "this step used the values they had when backward ended", stacklevel=3)
-            # the groups backward did not complete step now, with the same settings and a factor of 1
-            rest = [g for g in self.groups if id(g) not in self._early_groups]
-            for g in rest:
-                g.grads_for_step()
-                self._unpublished.add(id(g))
-            self.stepper.submit(rest, None, hyper=self._early_hyper)
-            self._early_hyper = None
-            self.device.step(factors)
-            mark_stepped(self.optimizer)
+    def _before_inner_step(self, factors: StepFactors) -> None:
+        if not self._early_groups:
+            return
+        # The host part started during backward: the groups backward did not complete step now, with the
+        # same settings and a factor of 1; the device part is left (the inner mode's step).
+        if not _same_settings(self.stepper.hyperparams(), self._early_hyper):
+            self._disable_early("the optimizer's settings (lr & co.) changed between backward and step(); "
+                                "this step used the values they had when backward ended", stacklevel=4)
+        rest = [g for g in self.groups if id(g) not in self._early_groups]
+        for g in rest:
+            g.grads_for_step()
+            self._unpublished.add(id(g))
+        self.stepper.submit(rest, None, hyper=self._early_hyper)
+        self._early_hyper = None
+
+    def _step(self, factors: StepFactors) -> None:
+        if self._early_groups:  # handed over in `_before_inner_step`
             self._early_groups = set()
             return
-        self.device.step(factors)
-        mark_stepped(self.optimizer)
         self._unpublished = {id(g) for g in self.groups}
         if self.swapper is not None:
             self.swapper.evict_materialized()  # inspected or loaded state goes back to its files
         # unit order = forward order: the units needed first are stepped first
         self.stepper.submit(self.groups, factors.remaining)
 
-    def zero_grad(self) -> None:
-        self.device.zero_grad()
+    def _zero_grad(self) -> None:
         self._window_closed = False
 
-    def widen(self) -> None:
-        self.device.widen()
-
     # --- settling -------------------------------------------------------------------------------
-    def _await(self, unit: Unit) -> None:
-        """Before `unit` is used: wait for its groups' host steps and publish their parameters - and those
-        of every unit before it first, so every rank publishes in unit order whichever units its forward
-        skips (see [Note: one collective order] in zerofit.engine.engine)."""
-        if not self._unpublished:
-            return
-        for g in self.groups[:self._upto[id(unit)]]:
-            if id(g) not in self._unpublished:
-                continue
-            self._unpublished.discard(id(g))
-            self.stepper.wait(g)
-            gather = gather_params(g, self.comm)  # collectives stay on the main thread
-            if gather is not None:
-                gather.wait()
+    def _nothing_pending(self) -> bool:
+        return not self._unpublished
 
-    def settle(self, *, state: bool = False) -> None:
-        self.device.settle(state=state)
+    def _await_group(self, g: FlatGroup) -> Pending | None:
+        """Wait for `g`'s host step; the all-gather of its parameters, if any (on the main thread)."""
+        if id(g) not in self._unpublished:
+            return None
+        self._unpublished.discard(id(g))
+        self.stepper.wait(g)
+        return gather_params(g, self.comm)
+
+    def _settle(self, *, state: bool) -> None:
         self.stepper.wait_all()
-        for unit in self.units:
-            self._await(unit)
+        self._await_all()
         if state and self.swapper is not None:
             self.swapper.materialize()
 
-    @property
-    def update_started(self) -> bool:
+    def _update_started(self) -> bool:
         return bool(self._early_groups)  # handed to the worker during backward: masters may be updated
 
-    def discard(self) -> None:
-        self.device.discard()
+    def _discard(self) -> None:
         for g in self.groups:
             g.settle_host_grad()  # a download still in flight must not land in the next window
         self._to_submit.clear()  # early steps not handed to the worker yet belong to the discarded window

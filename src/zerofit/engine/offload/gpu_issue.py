@@ -27,7 +27,7 @@ from collections.abc import Callable
 import torch
 
 from zerofit.engine.flat_group import FlatGroup
-from zerofit.engine.worker import serve
+from zerofit.engine.offload.threads import serve
 from zerofit.errors import EngineError
 
 
