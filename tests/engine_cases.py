@@ -154,8 +154,8 @@ def run_engine(rank: int, world: int, case: Case, record_grads: bool = True, dev
     params = {k: v.cpu() for k, v in engine.named_full_tensors("master").items()}
     return {"losses": losses, "grads": grads, "params": params, "skipped": skipped,
             "micro_comm": micro_comm, "scale": engine.scaler.scale,
-            "offloaded": sum(g.placement.offload_state for g in engine.groups),
-            "streamed": sum(g.placement.stream_state for g in engine.groups),
+            "offloaded": sum(g.placement.host_stepped for g in engine.groups),
+            "streamed": sum(g.placement.gpu_stepped for g in engine.groups),
             "early": engine.times.host_steps_in_backward,
             "param_offloaded": sum(g.placement.offload_params for g in engine.groups),
             "nvme_files": len(os.listdir(engine.offload.swapper.dir)) if engine.offload.swapper is not None else 0}

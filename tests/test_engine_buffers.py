@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from zerofit.engine.flat_group import FlatGroup
-from zerofit.engine.policy import GroupPlacement
+from zerofit.engine.policy import GroupPlacement, StateHome
 
 
 def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -21,8 +21,8 @@ PLACEMENTS = [
     GroupPlacement(shard_world=2, rank=1, shard_params=False, keep_full_grads=True),  # stage 1
     GroupPlacement(shard_world=2, rank=0, shard_params=False, keep_full_grads=False),  # stage 2
     GroupPlacement(shard_world=2, rank=1, shard_params=True, keep_full_grads=False),  # stage 3
-    GroupPlacement(shard_world=2, rank=0, shard_params=False, keep_full_grads=False, offload_state=True),
-    GroupPlacement(shard_world=1, rank=0, shard_params=True, keep_full_grads=False, offload_state=True,
+    GroupPlacement(shard_world=2, rank=0, shard_params=False, keep_full_grads=False, state_home=StateHome.HOST_STEPPED),
+    GroupPlacement(shard_world=1, rank=0, shard_params=True, keep_full_grads=False, state_home=StateHome.HOST_STEPPED,
                    offload_params=True),
 ]
 
@@ -30,7 +30,7 @@ PLACEMENTS = [
 @pytest.mark.parametrize("placement,dtype,trainable,compact", [
     (pl, dt, tr, cp) for pl, dt, tr, cp in itertools.product(PLACEMENTS, (torch.float32, torch.bfloat16),
                                                               (True, False), (False, True))
-    if not (cp and (not tr or dt == torch.float32 or pl.offload_state))])
+    if not (cp and (not tr or dt == torch.float32 or pl.host_stepped))])
 def test_flat_group_allocates_what_group_buffers_says(placement, dtype, trainable, compact):
     params = [nn.Parameter(torch.randn(5, 3)), nn.Parameter(torch.randn(7))]
     g = FlatGroup("u", ["a", "b"], params, [0, 0], trainable=trainable, placement=placement, compute_dtype=dtype,

@@ -50,9 +50,9 @@ def test_one_rank_without_accumulation_keeps_gradients_in_the_compute_dtype():
         _, _, engine = _engine(**kwargs)
         assert all(g.grad_shard.dtype == torch.float32 for g in engine.trainable_groups), kwargs
     _, _, engine = _engine(offload="cpu", ratio=0.5)  # the groups that stay on the device are compact
-    kept = [g for g in engine.trainable_groups if not g.placement.offload_state]
+    kept = [g for g in engine.trainable_groups if not g.placement.host_stepped]
     assert kept and all(g.compact for g in kept)
-    assert all(not g.compact for g in [g for g in engine.trainable_groups if g.placement.offload_state])
+    assert all(not g.compact for g in [g for g in engine.trainable_groups if g.placement.host_stepped])
 
 
 @pytest.mark.parametrize("precision,clip,optim", [("bf16", 0.0, "adamw"), ("bf16", 0.5, "adamw"),

@@ -74,8 +74,8 @@ def _train_offload(stage: int, precision: str, optim: str, *, offload: str, offl
             engine.backward(loss)
         engine.step()
         losses.append(loss.item())
-    streamed = sum(g.placement.stream_state for g in engine.groups)
-    _train_offload.hosted = sum(g.placement.offload_state for g in engine.groups)
+    streamed = sum(g.placement.gpu_stepped for g in engine.groups)
+    _train_offload.hosted = sum(g.placement.host_stepped for g in engine.groups)
     _train_offload.pinned_slots = engine.offload.swapper is not None and engine.offload.swapper.pool.pin
     return losses, {k: v.cpu() for k, v in engine.named_full_tensors("master").items()}, streamed
 

@@ -56,7 +56,7 @@ def parity_runs(rank, world, path):
 def memory_run(rank, world, path):
     """A pool of 2 buffers, more groups than that."""
     case, model, _, engine = _nvme_engine(2, path, buffer_count=2)
-    swapper, groups = engine.offload.swapper, [g for g in engine.trainable_groups if g.placement.offload_state]
+    swapper, groups = engine.offload.swapper, [g for g in engine.trainable_groups if g.placement.host_stepped]
     files = sorted(os.listdir(swapper.dir))
     resident = []
     for step in range(3):

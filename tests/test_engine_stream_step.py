@@ -175,7 +175,7 @@ def test_auto_steps_on_the_host_without_cuda_and_device_when_asked():
     assert _engine("auto").step_on == "host" and not isinstance(_engine("auto").mode, StreamStep)
     streamed = _engine("device")
     assert streamed.step_on == "device" and isinstance(streamed.mode, StreamStep)
-    assert all(g.placement.stream_state and not g.placement.offload_state for g in streamed.groups if g.trainable)
+    assert all(g.placement.gpu_stepped and not g.placement.host_stepped for g in streamed.groups if g.trainable)
     # the state lives apart from the parameters; the gradient stays with them
     g = streamed.groups[0]
     assert g.master.data_ptr() != g.param_shard.data_ptr()
@@ -279,7 +279,7 @@ def _nvme_rank(rank, world, root):
     engine = _engine("device", nvme_path=swap, buffer_count=2)
     swapper, issuer = engine.offload.swapper, engine.offload.gpu.issuer
     out["files"] = len(os.listdir(swapper.dir))
-    out["groups"] = sum(g.placement.stream_state for g in engine.groups)
+    out["groups"] = sum(g.placement.gpu_stepped for g in engine.groups)
     resident = []
     for seed in range(3):
         x = torch.randint(0, 37, (4, 5), generator=torch.Generator().manual_seed(seed))

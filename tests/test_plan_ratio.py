@@ -99,11 +99,11 @@ def _engine_state_bytes(rank: int, world: int, ratio: float, step_on: str = "hos
     out = {"device": 0, "host": 0, "padding": 0}
     for g in engine.trainable_groups:
         # GPU-stepped groups keep master and state on the host but the gradient shard on the device
-        state_side = "host" if g.placement.offload_state or g.placement.stream_state else "device"
+        state_side = "host" if g.placement.offloaded else "device"
         pieces = master_pieces(g)
         states = [t for q in pieces for t in state_of[q.data_ptr()].values() if t.dim() > 0]
         out[state_side] += g.master.nbytes + sum(t.nbytes for t in states)
-        out["host" if g.placement.offload_state else "device"] += g.grad_shard.nbytes
+        out["host" if g.placement.host_stepped else "device"] += g.grad_shard.nbytes
         out["padding"] += 2 * 4 * (g.layout.shard_numel - sum(q.numel() for q in pieces))
     e = estimate(counts, Setting(stage=2, offload_optimizer="cpu", offload_ratio=ratio, step_on=step_on),
                  Workload(world=world), None)

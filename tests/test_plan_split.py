@@ -18,7 +18,7 @@ from test_plan_ratio import Blocks
 
 from zerofit.config import load_config
 from zerofit.config.schema import AUTO, OffloadConfig, RunConfig, ZeroConfig
-from zerofit.engine.policy import host_share_for, host_stepped_units, offloaded_units
+from zerofit.engine.policy import StateHome, host_share_for, host_stepped_units, offloaded_units, state_homes
 from zerofit.errors import ConfigError
 from zerofit.frontend import auto_plan
 from zerofit.plan import bandwidth
@@ -119,3 +119,15 @@ def test_only_an_open_share_of_offload_that_may_be_gpu_stepped_is_planned():
         config = RunConfig(zero=ZeroConfig(stage=2, offload_optimizer=off))
         assert auto_plan.wants_host_share(config, cuda) is expected, off
         assert not auto_plan.wants_host_share(config, cpu)
+
+
+def test_state_homes_is_the_one_rule_for_where_each_units_state_lives():
+    numels = [5, 10, 10, 10]
+    off = offloaded_units(numels, 0.75)
+    hosted = host_stepped_units(numels, off, 0.5)
+    homes = state_homes(numels, ratio=0.75, step_on="device", host_share=0.5)
+    assert homes == [StateHome.HOST_STEPPED if i in hosted else StateHome.GPU_STEPPED if i in off
+                     else StateHome.DEVICE for i in range(4)]
+    assert StateHome.GPU_STEPPED in homes and StateHome.HOST_STEPPED in homes and StateHome.DEVICE in homes
+    assert state_homes(numels, ratio=0.75, step_on="host", host_share=0.0).count(StateHome.HOST_STEPPED) == len(off)
+    assert set(state_homes(numels, ratio=0.0, step_on="device", host_share=0.5)) == {StateHome.DEVICE}

@@ -77,10 +77,10 @@ def group_buffers(layout: FlatLayout, placement: GroupPlacement, *, trainable: b
     if not trainable:
         return GroupBuffers(Buffer(compute_dtype, n), released, param_shard, None, None, None, False,
                             None, None, None, None, None)
-    state_on_host = placement.offload_state or placement.stream_state
+    state_on_host = placement.offloaded
     master = Buffer(fp32, s, host=state_on_host) if compute_dtype != fp32 or state_on_host else None
-    grad_shard = Buffer(compute_dtype if compact else fp32, s, host=placement.offload_state)
-    is_shard = placement.shard_world == 1 and not placement.offload_state
+    grad_shard = Buffer(compute_dtype if compact else fp32, s, host=placement.host_stepped)
+    is_shard = placement.shard_world == 1 and not placement.host_stepped
     persistent = placement.keep_full_grads and not is_shard
     transient = not placement.keep_full_grads
     return GroupBuffers(
@@ -89,7 +89,7 @@ def group_buffers(layout: FlatLayout, placement: GroupPlacement, *, trainable: b
         grad_flat=Buffer(fp32, n) if persistent else None, grad_flat_is_shard=is_shard,
         grad_transient=Buffer(fp32, n) if transient else None,
         reduce_output=Buffer(fp32, s) if transient and placement.shard_world > 1 else None,
-        grad_staging=Buffer(fp32, s, host=True) if placement.offload_state and accumulates else None,
+        grad_staging=Buffer(fp32, s, host=True) if placement.host_stepped and accumulates else None,
         # GPU-stepped groups upcast chunk by chunk, in the streaming pool (`stream_pool_bytes`)
-        step_upcast=Buffer(fp32, s) if compact and not placement.stream_state else None,
+        step_upcast=Buffer(fp32, s) if compact and not placement.gpu_stepped else None,
         optimizer_state=Buffer(fp32, optimizer_states * s, host=state_on_host))

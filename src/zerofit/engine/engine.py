@@ -45,11 +45,11 @@ from zerofit.engine.optim import (
 from zerofit.engine.policy import (
     COMPUTE_DTYPES,
     StagePolicy,
+    StateHome,
     communication_dtype,
     host_share_for,
-    host_stepped_units,
     keeps_compact_grads,
-    offloaded_units,
+    state_homes,
     step_on_for,
 )
 from zerofit.engine.stage3 import Stage3Hooks
@@ -156,11 +156,11 @@ class ZeroEngine:
         """How the optimizer step runs (see [Note: step modes] in zerofit.engine.step_mode): the device's
         step of the groups kept there, wrapped by the offload parts (see [Note: offload parts] in
         zerofit.engine.offload.part), which it records in `self.offload`."""
-        hosted = [g for g in self.trainable_groups if g.placement.offload_state]
-        streamed = [g for g in self.trainable_groups if g.placement.stream_state]
+        hosted = [g for g in self.trainable_groups if g.placement.host_stepped]
+        streamed = [g for g in self.trainable_groups if g.placement.gpu_stepped]
         if self.optimizer is None or not (hosted or streamed):
             return self._device_step(PlainStep(self.optimizer, self.trainable_groups, self.comm))
-        on_device = [g for g in self.trainable_groups if not (g.placement.offload_state or g.placement.stream_state)]
+        on_device = [g for g in self.trainable_groups if not g.placement.offloaded]
         mode = self._device_step(PlainStep.part_of(self.optimizer, on_device, self.comm))
         gpu = host = None
         if streamed:
@@ -205,7 +205,7 @@ class ZeroEngine:
                               "model: build the optimizer from model.parameters()")
         units = []
         specs = plan_units(self.model, size_threshold=self.zero.unit_size_threshold)
-        offloaded, hosted = self._offloaded_units(specs)
+        homes = self._state_homes(specs)
         for spec in specs:
             if meta is not None:  # one unit at a time: never the whole model at once
                 real = meta.materialize([p for _, p in spec.params])
@@ -227,8 +227,7 @@ class ZeroEngine:
                 if not members:
                     continue
                 placement = self.policy.placement(trainable=trainable, unit_numel=spec.numel,
-                                                  offload_state=id(spec.module) in offloaded,
-                                                  step_on="host" if id(spec.module) in hosted else "device")
+                                                  state_home=homes[id(spec.module)])
                 groups.append(FlatGroup(
                     spec.name, [n for n, _ in members], [p for _, p in members],
                     [group_of[id(p)] if trainable else 0 for _, p in members], trainable=trainable,
@@ -241,19 +240,15 @@ class ZeroEngine:
             meta.finish(announce=self.comm.rank == 0)
         return units
 
-    def _offloaded_units(self, specs) -> tuple[set[int], set[int]]:
-        """Modules of the units whose optimizer state lives in host memory (see `offloaded_units`), and of
-        those stepped there by the CPU optimizer (see `host_stepped_units`); the others are GPU-stepped."""
+    def _state_homes(self, specs) -> dict[int, StateHome]:
+        """Per unit's module: where its optimizer state lives and who steps it (see `state_homes`)."""
         off = self.zero.offload_optimizer
-        if not off.enabled:
-            return set(), set()
-        if is_auto(off.ratio):
+        if off.enabled and is_auto(off.ratio):
             raise EngineError('zero_optimization.offload_optimizer.ratio "auto" is resolved by the planner at '
                               "Accelerator.prepare(): write a number in (0, 1] when building ZeroEngine directly")
-        numels = [s.numel for s in specs]
-        offloaded = offloaded_units(numels, off.ratio)
-        hosted = host_stepped_units(numels, offloaded, self.host_share)
-        return {id(specs[i].module) for i in offloaded}, {id(specs[i].module) for i in hosted}
+        homes = state_homes([s.numel for s in specs], ratio=off.ratio if off.enabled else 0.0,
+                            step_on=self.step_on, host_share=self.host_share)
+        return {id(spec.module): home for spec, home in zip(specs, homes)}
 
     def _cast_inputs(self, _module, args, kwargs):
         def cast(x):

@@ -75,7 +75,7 @@ class FlatGroup:
         self.grad_flat: torch.Tensor | None = None
         self._grad_staging: torch.Tensor | None = None
         self._grad_event = None
-        self._download = placement.offload_state and pin
+        self._download = placement.host_stepped and pin
         self.device_sumsq: torch.Tensor | None = None
         """Squared norm of this window's gradient shard, taken on the device on its way to the host
         (only while the window has had one micro-step): saves the norm a pass over host memory."""
@@ -225,7 +225,7 @@ class FlatGroup:
     def zero_grads(self) -> None:
         self._grad_fresh = True
         self.device_sumsq = None
-        if self.grad_shard is not None and not self.placement.offload_state and not self.step_in_flight:
+        if self.grad_shard is not None and not self.placement.host_stepped and not self.step_in_flight:
             self.grad_shard.zero_()  # host-stepped shards are overwritten by the window's first gradient
         if self.grad_flat is not None and self.grad_flat is not self.grad_shard:
             self.grad_flat.zero_()

@@ -49,7 +49,7 @@ def rebind_optimizer(optimizer: torch.optim.Optimizer, groups: list[FlatGroup], 
         for piece in fg.layout.pieces(fg.placement.rank):
             sl = slice(piece.shard_offset, piece.shard_offset + piece.length)
             master = fg.master[sl]
-            if not fg.compact and not fg.placement.stream_state:  # streamed: bound chunk by chunk
+            if not fg.compact and not fg.placement.gpu_stepped:  # streamed: bound chunk by chunk
                 master.grad = fg.grad_shard[sl]
             pieces[piece.group].append(master)
             fg.piece_masters.append((piece.index, master))

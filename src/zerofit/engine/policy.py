@@ -10,12 +10,13 @@ replicas, gradients all-reduced once per optimizer step. Each higher stage shard
 | 2     | sharded                  | reduce-scattered every micro-step  | replicated           |
 | 3     | sharded                  | reduce-scattered every micro-step  | sharded between uses |
 
-With optimizer offload, `offloaded_units` picks which units' state lives on the host (all of them,
-or a share under `offload_optimizer.ratio`); the planner's memory model calls it too.
+With optimizer offload, `state_homes` says where each unit's optimizer state lives and who steps it
+(a `StateHome`: on the device, host-stepped or GPU-stepped); the planner's memory model calls it too.
 """
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -47,6 +48,20 @@ def communication_dtype(precision: PrecisionConfig) -> torch.dtype:
     return COMMUNICATION_DTYPES[name]
 
 
+class StateHome(enum.Enum):
+    """Where a trainable group's fp32 master and optimizer state live, and who steps them. With
+    `offload_optimizer.device: nvme` an offloaded group's home is its file instead of host memory
+    (`NvmeSwapper`): the same two ways of stepping, so no members of their own."""
+
+    DEVICE = "device"
+    """On the device, stepped there (no offload, or a unit `offload_optimizer.ratio` leaves there)."""
+    HOST_STEPPED = "host-stepped"
+    """Master, gradient shard and state in host memory; the CPU optimizer steps them (zerofit.engine.offload.host)."""
+    GPU_STEPPED = "GPU-stepped"
+    """Master and state in host memory, streamed through the device and stepped there chunk by chunk; the
+    gradient shard stays on the device (see [Note: GPU-stepped offload] in zerofit.engine.offload.gpu)."""
+
+
 @dataclass(frozen=True)
 class GroupPlacement:
     """How one flat group is held, decided by the stage policy."""
@@ -58,15 +73,25 @@ class GroupPlacement:
     """Parameters exist only as shards between uses (stage 3, above the persistence threshold)."""
     keep_full_grads: bool
     """Full gradients persist across micro-steps (stages 0-1); else reduced every micro-step."""
-    offload_state: bool = False
-    """Host-stepped offload: fp32 master, gradient shard and optimizer state live in host memory; the
-    optimizer steps there."""
-    stream_state: bool = False
-    """GPU-stepped offload: fp32 master and optimizer state live in host memory and are streamed through
-    the device to be stepped there, chunk by chunk; the gradient shard stays on the device (see
-    [Note: GPU-stepped offload] in zerofit.engine.offload.gpu). Never together with `offload_state`."""
+    state_home: StateHome = StateHome.DEVICE
+    """Where the fp32 master and optimizer state live, and who steps them (frozen groups: DEVICE)."""
     offload_params: bool = False
     """The parameter shard lives in host memory and is uploaded for each gather (stage 3)."""
+
+    @property
+    def host_stepped(self) -> bool:
+        """Master, gradient shard and optimizer state in host memory, stepped there (`StateHome.HOST_STEPPED`)."""
+        return self.state_home is StateHome.HOST_STEPPED
+
+    @property
+    def gpu_stepped(self) -> bool:
+        """Master and optimizer state in host memory, stepped on the device (`StateHome.GPU_STEPPED`)."""
+        return self.state_home is StateHome.GPU_STEPPED
+
+    @property
+    def offloaded(self) -> bool:
+        """The optimizer state lives off the device, host-stepped or GPU-stepped."""
+        return self.state_home is not StateHome.DEVICE
 
 
 @dataclass(frozen=True)
@@ -96,20 +121,18 @@ class StagePolicy:
         return (self.stage == 3 and (self.world > 1 or self.offload_param)
                 and unit_numel >= self.persistence_threshold)
 
-    def placement(self, *, trainable: bool, unit_numel: int, offload_state: bool = False,
-                  step_on: str = "host") -> GroupPlacement:
-        """`offload_state`: this unit's optimizer state lives in host memory (chosen per unit by the offload
-        ratio); `step_on` ("host" or "device", see `step_on_for`): where that state is stepped."""
+    def placement(self, *, trainable: bool, unit_numel: int,
+                  state_home: StateHome = StateHome.DEVICE) -> GroupPlacement:
+        """`state_home`: where the unit's optimizer state lives (see `state_homes`); a frozen group has none."""
         shard_params = self.shards_params_of(unit_numel)
         shard_world = self.world if (shard_params or (trainable and self.shards_optimizer)) else 1
-        offloaded = trainable and offload_state
-        host_stepped = offloaded and step_on == "host"
+        home = state_home if trainable else StateHome.DEVICE
+        host_stepped = home is StateHome.HOST_STEPPED
         return GroupPlacement(shard_world=shard_world, rank=self.rank if shard_world > 1 else 0,
                               shard_params=shard_params,
                               # host-stepped gradients go to the host as soon as they are reduced
                               keep_full_grads=trainable and not self.reduces_every_micro_step and not host_stepped,
-                              offload_state=host_stepped, stream_state=offloaded and not host_stepped,
-                              offload_params=shard_params and self.offload_param)
+                              state_home=home, offload_params=shard_params and self.offload_param)
 
 
 STEP_ON = ("auto", "host", "device")
@@ -143,7 +166,7 @@ def keeps_compact_grads(placement: GroupPlacement, *, world: int, gradient_accum
     """True when a trainable group's gradient can stay in the compute dtype, exactly: one rank (nothing
     to reduce), one micro-step per step (nothing to add up), bf16/fp16 compute, state on the device
     (see [Note: compact gradients] in zerofit.engine.step_mode). The engine and the planner both ask this."""
-    return world == 1 and gradient_accumulation_steps == 1 and low_precision and not placement.offload_state
+    return world == 1 and gradient_accumulation_steps == 1 and low_precision and not placement.host_stepped
 
 
 def offloaded_units(unit_numels: Sequence[int], ratio: float) -> frozenset[int]:
@@ -190,3 +213,17 @@ def host_stepped_units(unit_numels: Sequence[int], offloaded: frozenset[int], ho
     order = sorted(offloaded)
     chosen = offloaded_units([unit_numels[i] for i in order], host_share)
     return frozenset(order[i] for i in chosen)
+
+
+def state_homes(unit_numels: Sequence[int], *, ratio: float, step_on: str, host_share: float) -> list[StateHome]:
+    """Where each unit's optimizer state lives: the one rule the engine and the planner both call.
+
+    `ratio`: `offload_optimizer.ratio` (0: no offload); `offloaded_units` picks the offloaded units.
+    `step_on` ("host" or "device", as `step_on_for` resolves it): "host" steps them all on the host;
+    "device" steps the share `host_share` of them on the host (`host_stepped_units`) and streams the
+    rest through the device (GPU-stepped).
+    """
+    offloaded = offloaded_units(unit_numels, ratio) if ratio > 0 else frozenset()
+    hosted = host_stepped_units(unit_numels, offloaded, host_share if step_on == "device" else 1.0)
+    return [StateHome.HOST_STEPPED if i in hosted else StateHome.GPU_STEPPED if i in offloaded else StateHome.DEVICE
+            for i in range(len(unit_numels))]

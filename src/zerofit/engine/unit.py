@@ -154,7 +154,7 @@ class Unit:
         world = self.comm.world
         for g in self.trainable:
             pl = g.placement
-            if pl.offload_state:
+            if pl.host_stepped:
                 out.extend(self._reduce_to_host(g))
                 continue
             if world == 1:

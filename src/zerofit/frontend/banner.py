@@ -54,8 +54,8 @@ def _optimizer_offload(engine: ZeroEngine) -> str | None:
     trained = [u for u in engine.units if u.trainable]
     if engine.optimizer is None:
         return None if engine.policy.stage in SHARDED_BY_STAGE else "no optimizer (frozen)"
-    host = [u for u in trained if any(g.placement.offload_state for g in u.trainable)]
-    streamed = [u for u in trained if any(g.placement.stream_state for g in u.trainable)]
+    host = [u for u in trained if any(g.placement.host_stepped for g in u.trainable)]
+    streamed = [u for u in trained if any(g.placement.gpu_stepped for g in u.trainable)]
     offloaded = len({id(u) for u in host + streamed})
     if offloaded == 0:
         return None

@@ -38,7 +38,7 @@ state in files and the swapper's host slots as host-stepped NVMe does, and on th
 and the streaming pool as GPU-stepped offload from host memory does.
 
 With GPU-stepped offload and `offload_optimizer.host_share` above 0, the offloaded units
-`host_stepped_units` picks are counted as host-stepped, the others as GPU-stepped.
+`host_stepped_units` picks are counted as host-stepped, the others as GPU-stepped (`state_homes`).
 
 With `offload_optimizer.ratio` below 1 only the units the engine's `offloaded_units` picks (whole
 units, the last ones first) have their "with the optimizer state" terms, transient gradients and
@@ -62,9 +62,9 @@ from zerofit.engine.offload.gpu import stream_pool_bytes
 from zerofit.engine.policy import (
     COMPUTE_DTYPES,
     StagePolicy,
-    host_stepped_units,
+    StateHome,
     keeps_compact_grads,
-    offloaded_units,
+    state_homes,
 )
 from zerofit.engine.units import UnitSpec, plan_units
 from zerofit.plan.activations import ActivationTrace
@@ -217,11 +217,7 @@ def estimate(counts: ModelCounts, setting: Setting, work: Workload, trace: Activ
     policy = StagePolicy(stage=setting.stage, world=work.world, rank=0,
                          persistence_threshold=work.persistence_threshold,
                          offload_param=setting.offload_param != "none")
-    offloaded, hosted = frozenset(), frozenset()
-    if setting.offload_optimizer != "none":
-        numels = [t + f for _, t, f in counts.units]
-        offloaded = offloaded_units(numels, setting.offload_ratio)
-        hosted = host_stepped_units(numels, offloaded, setting.host_share if setting.step_on == "device" else 1.0)
+    homes = unit_state_homes(counts, setting)
     gpu = dict(params=0, grads=0, optimizer=0, buffers=counts.buffer_bytes)
     host = dict(params=0, grads=0, optimizer=0, buffers=0)
     nvme = 0
@@ -238,8 +234,7 @@ def estimate(counts: ModelCounts, setting: Setting, work: Workload, trace: Activ
         for numel, is_trainable in ((trainable, True), (frozen, False)):
             if numel == 0:
                 continue
-            pl = policy.placement(trainable=is_trainable, unit_numel=unit_numel, offload_state=u in offloaded,
-                                  step_on="host" if u in hosted else "device")
+            pl = policy.placement(trainable=is_trainable, unit_numel=unit_numel, state_home=homes[u])
             lay = plan_layout([numel], pl.shard_world, align=SHARD_ALIGN)
             compact = is_trainable and keeps_compact_grads(pl, world=work.world, low_precision=c != 4,
                                                            gradient_accumulation_steps=work.gradient_accumulation_steps)
@@ -259,11 +254,11 @@ def estimate(counts: ModelCounts, setting: Setting, work: Workload, trace: Activ
             state["grads"] += b.grad_shard.nbytes
             if b.step_upcast is not None:  # compact: stepped from a transient fp32 copy, one group at a time
                 step_transient = max(step_transient, b.step_upcast.nbytes)
-            if pl.stream_state:
+            if pl.gpu_stepped:
                 largest_streamed = max(largest_streamed, lay.shard_numel)
                 streamed_compact = streamed_compact or compact
             master = b.master.nbytes if b.master is not None else 0
-            if setting.offload_optimizer == "nvme" and (pl.offload_state or pl.stream_state):  # in files
+            if setting.offload_optimizer == "nvme" and pl.offloaded:  # in files
                 nvme += master + b.optimizer_state.nbytes
                 largest_state = max(largest_state, master + b.optimizer_state.nbytes)
             else:  # with the gradient shard, except GPU-stepped: state on the host, gradient on the GPU
@@ -279,7 +274,8 @@ def estimate(counts: ModelCounts, setting: Setting, work: Workload, trace: Activ
                                             offload_params=setting.offload_param != "none", compute_bytes=c,
                                             split=master_travels_split(setting, work))
     if setting.offload_optimizer == "nvme":  # the swapper's pool: one slot per buffer, at most one per group
-        host["optimizer"] += max(1, min(work.nvme_buffer_count, len(offloaded))) * largest_state
+        offloaded = sum(h is not StateHome.DEVICE for h in homes)
+        host["optimizer"] += max(1, min(work.nvme_buffer_count, offloaded)) * largest_state
     activations, in_use = 0, sum(sorted(gathered)[-2:])
     if trace is not None:
         peak, in_use = trace.peak_parts(transient, gathered)
@@ -299,17 +295,20 @@ def master_travels_split(setting: Setting, work: Workload) -> bool:
             and setting.offload_optimizer == "cpu" and setting.step_on == "device")
 
 
+def unit_state_homes(counts: ModelCounts, setting: Setting) -> list[StateHome]:
+    """Where each unit's optimizer state lives under `setting`, by the engine's own rule (`state_homes`)."""
+    return state_homes([t + f for _, t, f in counts.units],
+                       ratio=setting.offload_ratio if setting.offload_optimizer != "none" else 0.0,
+                       step_on=setting.step_on, host_share=setting.host_share)
+
+
 def offloaded_split(counts: ModelCounts, setting: Setting) -> tuple[int, int]:
     """(GPU-stepped, host-stepped) trainable elements of `setting`'s offloaded units, as the engine picks
-    them (`offloaded_units`, then `host_stepped_units`)."""
-    if setting.offload_optimizer == "none":
-        return 0, 0
-    numels = [t + f for _, t, f in counts.units]
-    offloaded = offloaded_units(numels, setting.offload_ratio)
-    share = setting.host_share if setting.step_on == "device" else 1.0
-    hosted = host_stepped_units(numels, offloaded, share)
+    them (`unit_state_homes`)."""
+    homes = unit_state_homes(counts, setting)
     trainable = [t for _, t, _ in counts.units]
-    return sum(trainable[i] for i in offloaded - hosted), sum(trainable[i] for i in hosted)
+    return (sum(t for t, h in zip(trainable, homes) if h is StateHome.GPU_STEPPED),
+            sum(t for t, h in zip(trainable, homes) if h is StateHome.HOST_STEPPED))
 
 
 def all_settings(world: int, *, checkpointing: tuple[bool, ...] = (False, True),

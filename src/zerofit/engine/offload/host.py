@@ -101,7 +101,7 @@ class HostStep(OffloadPart):
         self._early_now = sync and self.early_off is None and self._steps_taken > 0 and not self._clip_seen
 
     def _reduced(self, unit: Unit, pendings: list[Pending]) -> None:
-        hosted = [g for g in unit.trainable if g.placement.offload_state]
+        hosted = [g for g in unit.trainable if g.placement.host_stepped]
         # Only a unit all of whose parameters got a gradient here starts early: none of them can be
         # left out of the step (see [Note: parameters without a gradient] in zerofit.engine.engine).
         if self._early_now and hosted and unit.all_reported:

@@ -1,4 +1,4 @@
-"""The loop of the engine's worker threads (the host stepper, the GPU-stepped groups' issuer)."""
+"""The loop of the offload threads (the host-stepped part's stepper, the GPU-stepped part's issuer)."""
 
 from __future__ import annotations
 
