@@ -3,13 +3,17 @@
 The engine at world > 1 on CUDA runs its collectives on a side stream, its host steps and GPU-stepped
 chunks on worker threads with their own streams; NCCL gives a collective no stream of its own (torch
 >= 2.8 launches it on the caller's current stream), so zerofit's waits and lifetimes are all that order
-it. The sanitizer checks every kernel's reads and writes against the streams' recorded waits, on the
-main thread and - through the engine's worker loop - on the worker threads. The fake group's
-collectives write nothing, so this checks order and lifetimes, never values (see tests/fake_world.py).
+it. The sanitizer checks every kernel the main thread launches (the compute, the collectives on their
+side stream, stage 3's gathers, the waits on the offload threads' events) against the streams'
+recorded waits. Not the offload threads' own kernels: entered on those threads too (torch 2.11), the
+sanitizer reported races in 10 of 14 offloaded runs, at random, some between two kernels of the main
+thread that wait_event orders, and none in 28 runs with the main thread alone: its tracking is shared
+by the threads without a lock. The fake group's collectives write nothing, so this checks order and
+lifetimes, never values (see tests/fake_world.py).
 
 One subprocess runs every case (tests/scripts/fake_world_sanitized.py): the sanitizer must be on before
 the first CUDA call, and importing it starts CUDA tracing for the whole process, which nothing stops.
-Its two controls plant a race, on the main thread and on a worker thread, and must see it caught.
+Its control plants a race on the main thread and must see it caught.
 """
 
 from __future__ import annotations
@@ -46,8 +50,8 @@ def sanitized():
 
 
 @requires_cuda
-def test_the_sanitizer_catches_a_planted_race_on_the_main_thread_and_a_worker_thread(sanitized):
-    assert sanitized["controls"] == {"main_thread": True, "worker_thread": True}
+def test_the_sanitizer_catches_a_planted_race_on_the_main_thread(sanitized):
+    assert sanitized["controls"] == {"main_thread": True}
 
 
 @requires_cuda
