@@ -175,3 +175,21 @@ def max_diff(a: dict, b: dict) -> float:
 def trainable(model) -> dict:
     """A copy of every trainable parameter of `model`, by name (what an unsharded reference ends with)."""
     return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+class TwoHeads(nn.Module):
+    """Blocks that a plan may skip, and a second head a plan may leave out of the loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList(Block(DIM) for _ in range(3))
+        self.head_a = nn.Linear(DIM, VOCAB)
+        self.head_b = nn.Linear(DIM, VOCAB)
+
+    def forward(self, x, skip=()):
+        h = self.emb(x)
+        for i, b in enumerate(self.blocks):
+            if i not in skip:
+                h = b(h)
+        return self.head_a(h), self.head_b(h)

@@ -22,8 +22,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-from engine_cases import DIM, SEQ, VOCAB, Block, loss_fn
-from torch import nn
+from engine_cases import SEQ, VOCAB, TwoHeads, loss_fn
 
 from zerofit.checkpoint import load_state, save_state
 from zerofit.config.schema import OffloadConfig, PrecisionConfig, ZeroConfig
@@ -34,24 +33,6 @@ from zerofit.testing.distributed import run_distributed
 TOL = 2e-6
 STEPS = 6
 BATCH = 8  # global batch per optimizer step
-
-
-class TwoHeads(nn.Module):
-    """Blocks that a plan may skip, and a second head a plan may leave out of the loss."""
-
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Embedding(VOCAB, DIM)
-        self.blocks = nn.ModuleList(Block(DIM) for _ in range(3))
-        self.head_a = nn.Linear(DIM, VOCAB)
-        self.head_b = nn.Linear(DIM, VOCAB)
-
-    def forward(self, x, skip=()):
-        h = self.emb(x)
-        for i, b in enumerate(self.blocks):
-            if i not in skip:
-                h = b(h)
-        return self.head_a(h), self.head_b(h)
 
 
 def plan(kind: str, step: int, rank: int) -> tuple[bool, tuple[int, ...], int]:
