@@ -247,6 +247,9 @@ class LoggingConfig:
     steps_per_print: int | None = None
     """Rank 0 prints one line (step, lr, fp16 loss scale, skipped steps) every this many optimizer steps; None
     (the default, also for a DeepSpeed file that leaves it out, where DeepSpeed would use 10): never."""
+    throughput: bool = True
+    """The progress line also carries tokens/s, samples/s, MFU and the GPU memory peak over the steps since
+    the previous line, and with trackers started logs them under `zerofit/` keys; false: step and lr only."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -248,7 +248,9 @@ class PrepareMixin:
             raise ValueError(f"the optimizer {type(real).__name__} was prepared without its model: pass the model "
                              "and its optimizer to the same prepare() call")
         wrapped = AcceleratedOptimizer(real, engine, self.gradient_state)
-        wrapped.progress = Progress.for_process(self.config.logging.steps_per_print, is_main=self.is_main_process)
+        wrapped.progress = Progress.for_process(self.config.logging, is_main=self.is_main_process, engine=engine,
+                                                world=self.num_processes, device=self.device,
+                                                log=lambda values, step: self.log(values, step=step))
         if self._probe is not None and self._probe.engine is engine:
             wrapped.after_step = self._probe.check
         self._prepared.built[id(opt)] = wrapped

@@ -17,8 +17,8 @@ checkpointed) and T the tokens of one micro-step:
   master's bytes split where it travels so (bf16 parameters on the GPU, zerofit.engine.offload.master_split);
 - parameter offload: the shard is uploaded for the forward's and again for the backward's gather, every
   micro-step;
-- checkpointing: a second forward of the layers, 2 FLOPs per parameter and token, at F = the measured
-  bf16 matmul rate (`Rates.gpu_tflops`) times `RECOMPUTE_EFFICIENCY`.
+- checkpointing: a second forward of the layers, 2 FLOPs per parameter and token (`flops.forward_flops`),
+  at F = the measured bf16 matmul rate (`Rates.gpu_tflops`) times `RECOMPUTE_EFFICIENCY`.
 Settings that add nothing (no offload, no checkpointing) tie at 0 and keep the fixed order (stage 0
 before sharding). Left out, on purpose: the overlap of a GPU-stepped update with the next forward
 (which flatters no setting more than another of the same kind) and communication between ranks (the
@@ -28,6 +28,7 @@ fixed order already puts fewer collectives first).
 from __future__ import annotations
 
 from zerofit.plan import bandwidth
+from zerofit.plan.flops import forward_flops
 from zerofit.plan.memory import (
     DTYPE_BYTES,
     ModelCounts,
@@ -71,6 +72,6 @@ def added_seconds(rates: bandwidth.Rates, counts: ModelCounts, setting: Setting,
     if setting.checkpointing:
         if rates.gpu_tflops is None:
             return None
-        flops = 2 * recomputed_params(counts) * work.micro_batch * work.seq
+        flops = forward_flops(recomputed_params(counts), work.micro_batch * work.seq)
         per_micro += flops / (rates.gpu_tflops * 1e12 * RECOMPUTE_EFFICIENCY)
     return seconds + max(1, work.gradient_accumulation_steps) * per_micro
