@@ -5,7 +5,7 @@
 # and, for contributors and CI:
 #   ./run.sh lint [ARGS...]    ruff over every Python file of the repository (settings in pyproject.toml)
 # On first use it creates a virtual environment ($ZEROFIT_VENV, default .venv) with torch, zerofit
-# (editable, with its dev, examples, bench and trainer extras); later runs reuse it.
+# (editable, with its dev, examples, bench, trainer and trackers extras); later runs reuse it.
 set -euo pipefail
 cd "$(dirname "$0")"
 VENV="${ZEROFIT_VENV:-.venv}"
@@ -26,9 +26,10 @@ if [ ! -x "$VENV/bin/zerofit" ]; then
     say "installing torch $TORCH_VERSION..."
     "${pip[@]}" install "torch==$TORCH_VERSION"
   fi
-  say "installing zerofit (editable) with its dev, examples, bench and trainer extras..."
-  # examples: transformers, datasets, sacrebleu, scikit-learn; bench: matplotlib; trainer: accelerate, peft, trl
-  "${pip[@]}" install -e '.[dev,examples,bench,trainer]'
+  say "installing zerofit (editable) with its dev, examples, bench, trainer and trackers extras..."
+  # examples: transformers, datasets, sacrebleu, scikit-learn; bench: matplotlib; trainer: accelerate, peft, trl;
+  # trackers: wandb, mlflow-skinny
+  "${pip[@]}" install -e '.[dev,examples,bench,trainer,trackers]'
   say "$VENV is ready; later runs reuse it"
 fi
 

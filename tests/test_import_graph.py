@@ -21,8 +21,8 @@ LAYERS = [
     ("zerofit.engine",),
     ("zerofit.checkpoint", "zerofit.plan"),
     ("zerofit.frontend",),
-    # the public spellings: zerofit.Accelerator, zerofit.utils.set_seed
-    ("zerofit.utils", "zerofit.local_sgd", "zerofit"),
+    # the public spellings: zerofit.Accelerator, zerofit.utils.set_seed, zerofit.tracking.GeneralTracker
+    ("zerofit.utils", "zerofit.tracking", "zerofit.local_sgd", "zerofit"),
     ("zerofit.integrations",),  # other libraries' training loops (transformers' Trainer, TRL) on the Accelerator
     ("zerofit.testing", "zerofit.bench"),
     ("zerofit.cli",),

@@ -180,6 +180,9 @@ _MONITORS = {
     ),
 }
 
+_MONITOR_TRACKERS = {"wandb": "wandb", "comet": "comet_ml"}
+"""DeepSpeed's monitors of a tracking service, and the zerofit tracker each becomes."""
+
 _DEPRECATED = {
     f"{_ZERO}.cpu_offload": f"{_OPT}.device",
     f"{_ZERO}.cpu_offload_param": f"{_PARAM}.device",
@@ -324,6 +327,8 @@ def _read_features(reading: Reading, data: Mapping[str, Any]) -> None:
 
 
 def _read_monitors(reading: Reading, data: Mapping[str, Any]) -> None:
+    """An enabled monitor becomes a tracker of `logging.log_with` (the script's `accelerator.log` reaches it);
+    the run settings of wandb and comet are the script's `init_trackers(init_kwargs=...)` in zerofit."""
     trackers: list[str] = []
     for name in _MONITORS:
         if not isinstance(data.get(name), Mapping):
@@ -334,10 +339,16 @@ def _read_monitors(reading: Reading, data: Mapping[str, Any]) -> None:
             trackers.append("tensorboard")
             if data[name].get("output_path"):
                 reading.set("logging.logging_dir", str(data[name]["output_path"]))
+        elif name == "csv_monitor":
+            reading.warn("csv_monitor.enabled is ignored: zerofit has no CSV tracker; the jsonl tracker writes "
+                         "one JSON line per accelerator.log call (logging.log_with: [jsonl])")
         else:
-            reading.warn(
-                f"{name}.enabled is ignored: zerofit logs to jsonl and tensorboard (set tensorboard.enabled)"
-            )
+            tracker = _MONITOR_TRACKERS[name]
+            trackers.append(tracker)
+            settings = sorted(k for k in data[name] if k != "enabled")
+            if settings:
+                reading.warn(f"{name}.{', '.join(settings)} ignored: zerofit starts {tracker} from the script's "
+                             f"accelerator.init_trackers(project_name, init_kwargs={{'{tracker}': {{...}}}})")
     if trackers:
         reading.set("logging.log_with", tuple(trackers))
 

@@ -241,7 +241,8 @@ class LoggingConfig:
     """What the run reports."""
 
     log_with: tuple[str, ...] = ()
-    """Trackers: jsonl (always available), tensorboard."""
+    """Trackers: jsonl (always available), tensorboard, wandb, mlflow, comet_ml, aim, clearml, dvclive, or all
+    (every installed one); a named tracker whose library is missing is an error at init_trackers."""
     logging_dir: str | None = None
     """Where trackers write."""
     steps_per_print: int | None = None

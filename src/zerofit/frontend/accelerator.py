@@ -48,6 +48,7 @@ from zerofit.frontend.script_config import (
     require_micro_batch,
 )
 from zerofit.frontend.state import AcceleratorState, DistributedType, GradientState, ProcessState
+from zerofit.frontend.tracker_base import BlankTracker
 from zerofit.frontend.utils import ProjectConfiguration
 
 # Accelerate arguments zerofit accepts and leaves alone (with a warning when given a value).
@@ -121,7 +122,8 @@ class Accelerator(PrepareMixin, PersistenceMixin, ProcessMethods):
             self.project_configuration.set_directories(str(project_dir))
         if logging_dir is not None:
             self.project_configuration.logging_dir = str(logging_dir)
-        self.log_with = tracking.requested(log_with if log_with is not None else list(self.config.logging.log_with))
+        self.log_with = (tracking.requested(log_with, "Accelerator(log_with=...)") if log_with is not None
+                         else tracking.requested(list(self.config.logging.log_with), "logging.log_with"))
         self.trackers: list[Any] = []
         self._facts = Facts()
         self._batch_waiting = True
@@ -338,21 +340,35 @@ class Accelerator(PrepareMixin, PersistenceMixin, ProcessMethods):
     # --- trackers -------------------------------------------------------------------------------
     def init_trackers(self, project_name: str, config: dict[str, Any] | None = None,
                       init_kwargs: dict[str, Any] | None = None) -> None:
-        """Start the trackers named by `log_with` (JSON lines always) on the main process."""
-        if not self.is_main_process or not self.log_with:
+        """Start the trackers `log_with` names (JSON lines always) on the main process: each built with the
+        project name and its entry of `init_kwargs` ({"wandb": {...}}), then `config` stored in each. A
+        tracker whose library is missing is an error here, on every process."""
+        if not self.log_with:
             return
-        logging_dir = self.logging_dir or self.config.logging.logging_dir or self.project_dir or "zerofit_logs"
-        self.trackers = tracking.start(self.log_with, project_name, str(logging_dir), config)
+        tracking.check_installed(self.log_with)
+        if not self.is_main_process:
+            return
+        logging_dir = str(self.logging_dir or self.config.logging.logging_dir or self.project_dir or "zerofit_logs")
+        self.trackers = tracking.start(self.log_with, project_name, logging_dir, config, init_kwargs or {})
         from zerofit.config import save_config
 
-        save_config(self.config, os.path.join(str(logging_dir), project_name, "zerofit_config.json"))
+        save_config(self.config, os.path.join(logging_dir, project_name, "zerofit_config.json"))
 
     def get_tracker(self, name: str, unwrap: bool = False) -> Any:
-        return next((t for t in self.trackers if t.name == name), None)
+        """The started tracker called `name` (its service's own object with `unwrap=True`); on a process
+        without trackers, a blank one whose calls do nothing."""
+        if not self.trackers:
+            return BlankTracker()
+        for tracker in self.trackers:
+            if tracker.name == name:
+                return tracker.tracker if unwrap else tracker
+        raise ValueError(f"get_tracker({name!r}): no tracker of that name was started (started: "
+                         f"{', '.join(t.name for t in self.trackers)}); add it to log_with")
 
     def log(self, values: dict[str, Any], step: int | None = None, log_kwargs: dict[str, Any] | None = None) -> None:
+        """`values` to every tracker (main process only), with that tracker's entry of `log_kwargs`."""
         for tracker in self.trackers:
-            tracker.log(values, step)
+            tracker.log(values, step=step, **(log_kwargs or {}).get(tracker.name, {}))
 
     def end_training(self) -> None:
         """Finish the trackers, wait for every rank, and have the process group destroyed when the script

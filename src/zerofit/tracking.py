@@ -1,0 +1,21 @@
+"""`zerofit.tracking`: what scripts import from `accelerate.tracking`, under the same names.
+
+A script's own tracker subclasses `GeneralTracker` (or only has its `name`, `store_init_configuration`,
+`log` and `finish`) and is passed as an object in `Accelerator(log_with=[...])`; the tracker classes are
+what `accelerator.get_tracker(name)` returns. The code lives in `zerofit.frontend.tracker_base`,
+`zerofit.frontend.tracking` and `zerofit.frontend.tracker_services`.
+"""
+
+from zerofit.frontend.tracker_base import GeneralTracker
+from zerofit.frontend.tracker_services import (
+    AimTracker,
+    ClearMLTracker,
+    CometMLTracker,
+    DVCLiveTracker,
+    MLflowTracker,
+    WandBTracker,
+)
+from zerofit.frontend.tracking import JsonlTracker, TensorBoardTracker
+
+__all__ = ["AimTracker", "ClearMLTracker", "CometMLTracker", "DVCLiveTracker", "GeneralTracker", "JsonlTracker",
+           "MLflowTracker", "TensorBoardTracker", "WandBTracker"]

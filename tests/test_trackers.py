@@ -1,0 +1,228 @@
+"""Experiment trackers (zerofit.frontend.tracking): what `log_with` selects, a script's own tracker object,
+the main-process-only rule, one error for a missing library, and wandb and MLflow through their own
+libraries in their offline / local modes (skipped when the `trackers` extra is not installed)."""
+
+from __future__ import annotations
+
+import json
+import struct
+import warnings
+from pathlib import Path
+
+import pytest
+
+from zerofit import Accelerator
+from zerofit.config import config_from_dict
+from zerofit.config.schema import RunConfig
+from zerofit.errors import ConfigError
+from zerofit.frontend import tracking
+from zerofit.frontend.tracker_base import BlankTracker
+from zerofit.frontend.tracker_services import Service
+from zerofit.testing.distributed import run_distributed
+from zerofit.tracking import GeneralTracker
+
+
+class Recording(GeneralTracker):
+    """A script's own tracker: remembers every call."""
+
+    name = "recording"
+    requires_logging_directory = False
+
+    def __init__(self):
+        self.calls: list[tuple] = []
+
+    def start(self):
+        self.calls.append(("start",))
+
+    @property
+    def tracker(self):
+        return self.calls
+
+    def store_init_configuration(self, values):
+        self.calls.append(("config", values))
+
+    def log(self, values, step=None, **kwargs):
+        self.calls.append(("log", values, step, kwargs))
+
+    def finish(self):
+        self.calls.append(("finish",))
+
+
+class Bare:
+    """Not a GeneralTracker: the four members a tracker object needs, nothing else."""
+
+    name = "bare"
+
+    def __init__(self):
+        self.logged = []
+
+    def store_init_configuration(self, values):
+        pass
+
+    def log(self, values, step=None, **kwargs):
+        self.logged.append((values, step))
+
+    def finish(self):
+        pass
+
+
+class _Kind:  # an enum member's shape (Accelerate's LoggerType has .value)
+    value = "JSONL"
+
+
+def test_log_with_names_lists_all_and_objects():
+    mine = Recording()
+    assert tracking.requested(None) == []
+    assert tracking.requested("jsonl") == ["jsonl"]
+    assert tracking.requested(["WandB", "jsonl", "wandb", _Kind()]) == ["wandb", "jsonl"]
+    assert tracking.requested(mine) == [mine]
+    every = tracking.requested(["all", mine])
+    assert every[0] == "jsonl" and every[-1] is mine
+    assert [n for n in every[:-1]] == [n for n in tracking.NAMES if tracking.installed(n)]
+
+
+def test_unknown_names_and_objects_missing_a_method_are_errors_at_construction():
+    with pytest.raises(ConfigError, match=r"Accelerator\(log_with=...\): 'wandbb' is not a tracker zerofit has; "
+                                          r"choose from jsonl, tensorboard, wandb, mlflow"):
+        Accelerator(config=RunConfig(), log_with=["wandbb"])
+    with pytest.raises(ConfigError, match=r"logging.log_with: 'csv' is not a tracker"):
+        Accelerator(config=config_from_dict({"logging": {"log_with": ["csv"]}}))
+    with pytest.raises(ConfigError, match=r"is not a tracker object: it has no name \(a non-empty str\), "
+                                          r"store_init_configuration\(\), log\(\), finish\(\)"):
+        tracking.requested([object()])
+
+
+def test_a_missing_library_is_one_error_at_init_trackers_naming_what_to_install(tmp_path, monkeypatch):
+    monkeypatch.setitem(tracking.LIBRARIES, "dvclive", Service("zerofit_absent_dvclive", "dvclive"))
+    monkeypatch.setitem(tracking.LIBRARIES, "aim", Service("zerofit_absent_aim", "aim"))
+    acc = Accelerator(config=RunConfig(), log_with=["jsonl", "dvclive", "aim"], logging_dir=tmp_path)
+    assert "dvclive" not in tracking.requested("all")
+    with pytest.raises(ModuleNotFoundError, match=r"log_with asks for dvclive, aim, whose client libraries are not "
+                                                  r"installed: pip install dvclive aim"):
+        acc.init_trackers("proj")
+    assert acc.trackers == [] and not (tmp_path / "proj").exists()
+
+
+def test_a_tracker_object_gets_accelerates_calls_beside_jsonl(tmp_path):
+    mine, bare = Recording(), Bare()
+    acc = Accelerator(config=RunConfig(), log_with=[mine, bare], logging_dir=tmp_path)
+    assert isinstance(acc.get_tracker("recording"), BlankTracker)  # before init_trackers: nothing started
+    acc.init_trackers("proj", config={"lr": 0.5}, init_kwargs={"recording": {"ignored": True}})
+    acc.log({"loss": 1.5}, step=3, log_kwargs={"recording": {"commit": False}})
+    assert acc.get_tracker("recording") is mine and acc.get_tracker("recording", unwrap=True) is mine.calls
+    assert acc.get_tracker("jsonl", unwrap=True) is acc.get_tracker("jsonl").tracker
+    with pytest.raises(ValueError, match=r"get_tracker\('wandb'\): no tracker of that name was started \(started: "
+                                         r"jsonl, recording, bare\)"):
+        acc.get_tracker("wandb")
+    acc.end_training()
+    assert mine.calls == [("start",), ("config", {"lr": 0.5}), ("log", {"loss": 1.5}, 3, {"commit": False}),
+                          ("finish",)]
+    assert bare.logged == [({"loss": 1.5}, 3)]
+    lines = [json.loads(x) for x in (tmp_path / "proj" / "metrics.jsonl").read_text().splitlines()]
+    assert [(x["step"], x["loss"]) for x in lines] == [(3, 1.5)]
+    assert json.loads((tmp_path / "proj" / "config.json").read_text()) == {"lr": 0.5}
+
+
+def _two_ranks(rank: int, world: int, logging_dir: str) -> dict:
+    mine = Recording()
+    acc = Accelerator(config=RunConfig(), log_with=mine, logging_dir=logging_dir)
+    acc.init_trackers("proj", config={"a": 1})
+    acc.log({"loss": 2.0}, step=1)
+    tracker = acc.get_tracker("recording")
+    tracker.log({"loss": 2.0})  # a script calling it on every rank: the blank one does nothing
+    acc.end_training()
+    tracking.LIBRARIES["dvclive"] = Service("zerofit_absent_dvclive", "dvclive")
+    try:
+        Accelerator(config=RunConfig(), log_with=[mine, "dvclive"], logging_dir=logging_dir).init_trackers("p")
+    except ModuleNotFoundError as error:
+        return {"calls": [c[0] for c in mine.calls], "tracker": type(tracker).__name__, "error": str(error)}
+    return {}
+
+
+def test_trackers_run_on_the_main_process_only_and_a_missing_library_stops_every_rank(tmp_path):
+    main, other = run_distributed(_two_ranks, 2, str(tmp_path))
+    assert main["calls"] == ["start", "config", "log", "log", "finish"] and main["tracker"] == "Recording"
+    assert other["calls"] == [] and other["tracker"] == "BlankTracker"
+    assert "pip install dvclive" in main["error"] and "pip install dvclive" in other["error"]
+
+
+def test_deepspeed_monitors_become_trackers():
+    with pytest.warns(UserWarning, match=r"wandb.group, project ignored: zerofit starts wandb from the script's "
+                                         r"accelerator.init_trackers\(project_name, init_kwargs="):
+        cfg = config_from_dict({"wandb": {"enabled": True, "project": "p", "group": "g"},
+                                "comet": {"enabled": True}, "tensorboard": {"enabled": False}})
+    assert cfg.logging.log_with == ("wandb", "comet_ml")
+
+
+# --- the services, through their own libraries ------------------------------------------------------
+
+
+def _wandb_records(run_file: Path) -> list:
+    """The records of a wandb run file (LevelDB's log format: 7-byte block headers after wandb's own
+    7-byte file header); wandb 0.2x-0.3x ships no reader of it."""
+    from wandb.proto import wandb_internal_pb2
+
+    data, pos, chunk, records = run_file.read_bytes(), 7, b"", []
+    while pos + 7 <= len(data):
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if length == 0 and kind == 0:  # block padding
+            pos += 32768 - pos % 32768
+            continue
+        chunk += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # a full record, or a fragmented one's last piece
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(chunk)
+            records.append(record)
+            chunk = b""
+    return records
+
+
+def test_wandb_offline_run_records_the_config_and_every_step(tmp_path, monkeypatch):
+    wandb = pytest.importorskip("wandb")
+    for var in ("WANDB_DIR", "WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(var, str(tmp_path))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_CONSOLE", "off")  # leave pytest's stdout and stderr alone
+    acc = Accelerator(config=RunConfig(), log_with="wandb", logging_dir=tmp_path / "logs")
+    acc.init_trackers("zf-proj", config={"lr": 0.25}, init_kwargs={"wandb": {"mode": "offline", "tags": ["t"]}})
+    run = acc.get_tracker("wandb", unwrap=True)
+    assert type(run).__name__ == "Run" and run.project == "zf-proj" and run.config["lr"] == 0.25
+    acc.log({"loss": 0.5}, step=1)
+    acc.log({"loss": 0.375, "note": "x"}, step=2, log_kwargs={"wandb": {"commit": True}})
+    acc.end_training()
+    wandb.teardown()
+    [run_file] = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
+    steps = {}
+    for record in _wandb_records(run_file):
+        if record.WhichOneof("record_type") == "history":
+            items = {i.key or ".".join(i.nested_key): json.loads(i.value_json) for i in record.history.item}
+            steps[record.history.step.num] = {k: v for k, v in items.items() if not k.startswith("_")}
+    assert steps == {1: {"loss": 0.5}, 2: {"loss": 0.375, "note": "x"}}
+    assert (tmp_path / "logs" / "zf-proj" / "metrics.jsonl").exists()
+
+
+def test_mlflow_file_store_run_records_params_and_metrics(tmp_path, monkeypatch):
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    store = f"file://{tmp_path / 'mlruns'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3.x refuses file stores otherwise
+    acc = Accelerator(config=RunConfig(), log_with=["mlflow"], logging_dir=tmp_path / "logs")
+    with pytest.warns(UserWarning, match="config value 'long' is 7000 characters long"):
+        acc.init_trackers("zf-exp", config={"lr": 0.25, "name": "tiny", "long": "x" * 7000},
+                          init_kwargs={"mlflow": {"run_name": "first", "tags": {"who": "zerofit"}}})
+    run_id = acc.get_tracker("mlflow", unwrap=True).info.run_id
+    with pytest.warns(UserWarning, match="'note' is a str, and MLflow metrics are numbers"):
+        acc.log({"loss": 0.5, "note": "x"}, step=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once per key
+        acc.log({"loss": 0.25, "note": "y"}, step=2)
+    acc.end_training()
+    client = MlflowClient(store)
+    run = client.get_run(run_id)
+    assert run.data.params == {"lr": "0.25", "name": "tiny"} and run.data.tags["who"] == "zerofit"
+    assert run.info.run_name == "first" and run.info.status == "FINISHED"
+    assert client.get_experiment(run.info.experiment_id).name == "zf-exp"
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "loss")] == [(1, 0.5), (2, 0.25)]
