@@ -84,8 +84,15 @@ def test_env_prints_a_paste_ready_block(capsys):
     out = capsys.readouterr().out
     assert out.count("```") == 2
     for line in (f"zerofit: {__version__}", "python: 3.", "torch: ", "NCCL: ", "transformers: ", "deepspeed: ",
-                 "GPUs: ", "CPUs: ", "host memory: ", "locked-memory limit"):
+                 "GPUs: ", "CPUs: ", "host memory: ", "locked-memory limit",
+                 "torch.utils.collect_env (took ", "PyTorch version: "):  # torch's own block, inside the fence
         assert line in out
+
+
+def test_torch_collect_env_running_over_its_bound_is_one_line():
+    from zerofit.cli.env import torch_env_lines
+
+    assert torch_env_lines.__wrapped__(0.0) == ("torch.utils.collect_env: not shown: still running after 0 s",)
 
 
 def test_env_can_show_a_resolved_config(capsys, tmp_path):

@@ -18,8 +18,8 @@ FROZEN = {
     "launch": {
         "--config_file": (), "--num_processes": (), "--num_machines": (), "--machine_rank": (),
         "--main_process_ip": (), "--main_process_port": (), "--mixed_precision": (), "--cpu": (),
-        "--max_restarts": (), "--resume": (), "--process_group_timeout": (), "--oom_backoff": (), "--dry_run": (),
-        "--module": (),
+        "--max_restarts": (), "--resume": (), "--process_group_timeout": (), "--oom_backoff": (), "--hostfile": (),
+        "--hostfile_print": (), "--dry_run": (), "--module": (),
     },
     "env": {"--config_file": (), "--probe": ()},
     "config": {
@@ -112,7 +112,7 @@ def test_launch_keeps_exactly_the_flags_that_mirror_accelerate_launch():
         "--main_process_ip", "--main-process-ip", "--main_process_port", "--main-process-port",
         "--mixed_precision", "--mixed-precision", "--cpu", "--max_restarts", "--max-restarts",
         "--resume", "--process_group_timeout", "--process-group-timeout", "--dry-run", "--dry_run", "-m", "--module",
-        "--oom_backoff", "--oom-backoff",
+        "--oom_backoff", "--oom-backoff", "--hostfile", "--hostfile_print", "--hostfile-print",
     }
 
 

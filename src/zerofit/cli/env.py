@@ -1,16 +1,21 @@
 """`zerofit env`: versions, devices and limits, as one block to paste into a bug report.
 
 The block ends its machine rows with the offload rates cached for this machine's GPU
-(`zerofit.plan.bandwidth`); `--probe` measures them first (a few seconds) and caches them.
+(`zerofit.plan.bandwidth`); `--probe` measures them first (a few seconds) and caches them. Then comes
+torch's own report (`torch.utils.collect_env`, about 1.5 s on a CPU machine: it runs lscpu, pip and
+the compilers), timed and bounded (`TORCH_ENV_TIMEOUT_S`); when it fails or runs over, one line says so.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.metadata
 import os
 import platform
 import sys
+import threading
+import time
 
 import zerofit
 from zerofit.cli.flags import add_flag
@@ -80,6 +85,36 @@ def offload_rates(*, probe: bool = False) -> str:
     return rates.summary() + saved
 
 
+TORCH_ENV_TIMEOUT_S = 30.0
+"""How long torch's collect_env may run before the report goes without it."""
+
+
+@functools.cache
+def torch_env_lines(timeout_s: float = TORCH_ENV_TIMEOUT_S) -> tuple[str, ...]:
+    """torch.utils.collect_env's report, led by a line with its run time; one line when it fails or runs
+    longer than `timeout_s` (it is left running in a daemon thread then). Once per process."""
+    found: dict[str, str] = {}
+
+    def work() -> None:
+        try:
+            from torch.utils import collect_env
+
+            found["text"] = collect_env.get_pretty_env_info()
+        except Exception as e:  # noqa: BLE001 - torch's report is a bonus: the rest must print whatever it does
+            found["error"] = (f"{type(e).__name__}: {e}".splitlines() or ["?"])[0]
+
+    start = time.perf_counter()
+    thread = threading.Thread(target=work, name="zerofit-collect-env", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    took = time.perf_counter() - start
+    if thread.is_alive():
+        return (f"torch.utils.collect_env: not shown: still running after {timeout_s:.0f} s",)
+    if "error" in found:
+        return (f"torch.utils.collect_env: failed after {took:.1f} s: {found['error']}",)
+    return (f"torch.utils.collect_env (took {took:.1f} s):", *found["text"].rstrip().splitlines())
+
+
 def collect(*, probe: bool = False) -> list[tuple[str, str]]:
     """(name, value) pairs in report order; `probe` measures the offload rates instead of reading the cache."""
     import torch
@@ -114,7 +149,7 @@ def collect(*, probe: bool = False) -> list[tuple[str, str]]:
 def report(config_file: str | None = None, *, probe: bool = False) -> str:
     lines = ["Paste everything below, fences included, into your zerofit issue:", "", "```text"]
     lines += [f"{name}: {value}" for name, value in collect(probe=probe)]
-    lines.append("```")
+    lines += ["", *torch_env_lines(), "```"]
     if config_file:
         from zerofit.cli.launch import config_yaml
         from zerofit.config import load_config

@@ -39,10 +39,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from zerofit.cli import failure_report, flight_recorder, rendezvous
+from zerofit.cli import failure_report, flight_recorder, hostfile, rendezvous, slurm
 from zerofit.cli.flags import add_flag
 from zerofit.config import load_config, save_config, validate_config
-from zerofit.config.schema import RunConfig
+from zerofit.config.schema import LaunchConfig, RunConfig
 from zerofit.distributed.runtime import CONFIG_FILE_ENV, backend_for
 from zerofit.errors import ConfigError
 
@@ -65,7 +65,12 @@ FLAG_TO_KEY = {
     "process_group_timeout": "launch.process_group_timeout",
     "resume": "checkpoint.resume",
     "oom_backoff": "batch.oom_backoff",
+    "hostfile": "launch.hostfile",
 }
+CLUSTER_KEYS = ("launch.num_machines", "launch.machine_rank", "launch.main_process_ip", "launch.num_processes")
+"""The settings SLURM or a hostfile can derive (`cluster_overrides`)."""
+MACHINE_FACTS = CLUSTER_KEYS[:2]
+"""Settings SLURM or a hostfile states as facts: a flag that disagrees is an error, not a choice."""
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -104,6 +109,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_flag(p, "--oom_backoff", choices=("on", "off"), type=str.lower,
              help="on a CUDA out-of-memory error in a step, halve the micro-batch and double accumulation "
                   "(default: on; the flag reaches DeepSpeed JSON and Accelerate YAML runs too)")
+    add_flag(p, "--hostfile", metavar="PATH",
+             help="DeepSpeed hostfile (`host slots=N` lines): start every other host's launch over ssh "
+                  "(with --machine_rank: be that machine of it)")
+    add_flag(p, "--hostfile_print", action="store_true",
+             help="with a hostfile: print the command to run on each machine, start nothing")
     add_flag(p, "--dry_run", action="store_true",
              help="validate, print the resolved config and the launch plan, start nothing")
     add_target_arguments(p)
@@ -489,10 +499,84 @@ def config_file_of(args: argparse.Namespace) -> tuple[str | os.PathLike[str] | N
     return None, "config: built-in defaults"
 
 
+def cluster_overrides(config: RunConfig, derived: dict[str, tuple[Any, str]],
+                      flags: dict[str, object]) -> dict[str, object]:
+    """The settings SLURM or a hostfile derived (`derived`: key -> (value, origin)) that apply: not where a
+    flag or the config file set the key, which win, except that a flag or file value contradicting a
+    machine fact (`MACHINE_FACTS`) is an error naming both."""
+    out, problems, defaults = {}, [], LaunchConfig()
+    for key, (value, origin) in derived.items():
+        field = key.split(".", 1)[1]
+        if key == "launch.num_processes" and config.launch.use_cpu and origin.startswith("SLURM_GPUS"):
+            continue  # a GPU count says nothing about CPU processes
+        if key in flags:
+            if flags[key] != value and key in MACHINE_FACTS:
+                problems.append(f"--{field} {flags[key]} contradicts {origin}: drop --{field} (it is derived)")
+            continue
+        current = getattr(config.launch, field)
+        if current not in (getattr(defaults, field), value):
+            if key in MACHINE_FACTS:
+                problems.append(f"{key} is {current} in {config.source} but {origin}: remove {field} from the file "
+                                "(it is derived)")
+            continue
+        out[key] = value
+    if problems:
+        raise ConfigError(problems, source=config.source)
+    return out
+
+
+def launch_argv(args: argparse.Namespace, config_file: str | os.PathLike[str] | None) -> list[str]:
+    """This launch's arguments (after `launch`) as the other machines of a hostfile run get them: without
+    --hostfile_print, and naming the config file this machine read when the command line did not."""
+    argv = list(getattr(args, "argv", None) or sys.argv[1:])[1:]
+    head, tail = argv[: len(argv) - 1 - len(args.target_args)], argv[len(argv) - 1 - len(args.target_args):]
+    head = [a for a in head if a not in ("--hostfile_print", "--hostfile-print")]
+    if args.config_file is None and config_file is not None:
+        head = ["--config_file", os.path.abspath(config_file), *head]
+    return [*head, *tail]
+
+
+def _load_without_machine_flags(config_file: str | os.PathLike[str] | None, flags: dict[str, object],
+                                from_slurm: dict[str, tuple[Any, str]] | None) -> RunConfig:
+    base = {k: v for k, v in flags.items() if k not in CLUSTER_KEYS}
+    if from_slurm and "launch.main_process_ip" in from_slurm:
+        try:
+            return load_config(config_file, overrides=base)
+        except ConfigError:  # the one rule SLURM's values settle: a file of several machines without an address
+            base["launch.main_process_ip"] = from_slurm["launch.main_process_ip"][0]
+    return load_config(config_file, overrides=base)
+
+
 def run(args: argparse.Namespace) -> int:
     target = ("-m", args.target, *args.target_args) if args.module else (args.target, *args.target_args)
     config_file, origin = config_file_of(args)
-    config = load_config(config_file, overrides=overrides_from_args(args))
+    flags = overrides_from_args(args)
+    if args.hostfile_print and args.dry_run:
+        raise ConfigError("--hostfile_print and --dry_run both print instead of running: pass one of them")
+    from_slurm = slurm.launch_values(os.environ) if "launch.hostfile" not in flags else None
+    try:
+        config = load_config(config_file, overrides=flags)
+    except ConfigError as full:
+        # The machine settings may hold only with the cluster's: --machine_rank 1 with a hostfile's machine
+        # count, a file of several machines without the address SLURM gives.
+        try:
+            config = _load_without_machine_flags(config_file, flags, from_slurm)
+        except ConfigError:
+            raise full from None
+        if not (from_slurm or config.launch.hostfile):
+            raise full from None
+    hosts = hostfile.read(config.launch.hostfile) if config.launch.hostfile else None
+    if args.hostfile_print and not hosts:
+        raise ConfigError("--hostfile_print prints the command of each machine of a hostfile, and there is none: "
+                          "pass --hostfile PATH (or set deepspeed_config.deepspeed_hostfile)")
+    # [Note: one launch per node under SLURM] and [Note: one command line, every machine]
+    derived = hostfile.launch_values(hosts, config.launch.hostfile) if hosts else from_slurm
+    applied = cluster_overrides(config, derived, flags) if derived else {}
+    if applied or flags.keys() & set(CLUSTER_KEYS):
+        config = load_config(config_file, overrides={**flags, **applied})
+    if hosts and args.hostfile_print:
+        sys.stdout.write(hostfile.print_lines(hosts, launch_argv(args, config_file)))
+        return 0
     import torch
 
     plan = plan_launch(config, target, gpu_count=torch.cuda.device_count())
@@ -502,5 +586,14 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if config_file is not None and args.config_file is None:  # a file nobody named on this command line
         print(f"zerofit launch: {origin}", file=sys.stderr, flush=True)
-    return execute(plan)
-
+    if not hosts or args.machine_rank is not None or len(hosts) == 1:
+        return execute(plan)
+    print(f"zerofit launch: starting machines 1..{len(hosts) - 1} over ssh: "
+          f"{', '.join(h.name for h in hosts[1:])}", file=sys.stderr, flush=True)
+    fleet = hostfile.Fleet(hosts, launch_argv(args, config_file))
+    code = 128 + signal.SIGINT
+    try:
+        code = execute(plan)
+    finally:
+        code = fleet.finish(code)
+    return code

@@ -49,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     if extra and not getattr(args, "accepts_extra", False):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.extra = extra
+    args.argv = argv  # as given: `zerofit launch --hostfile` hands its own to the other machines
     try:
         return args.func(args)
     except ZerofitError as e:

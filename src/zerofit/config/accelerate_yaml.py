@@ -308,21 +308,37 @@ def _read_plugin(reading: Reading, plugin: Mapping[str, Any], *, uses_file: bool
         reading.warn(
             f"{_DS}.deepspeed_moe_layer_cls_names is ignored: zerofit picks its own communication units"
         )
-    if any(plugin.get(key) for key in _MULTINODE_KEYS):
+    if any(plugin.get(key) for key in _MULTINODE_KEYS[1:]):
         reading.warn(
-            f"{_DS}.deepspeed_hostfile and the host filters are ignored: run `zerofit launch` on every machine "
-            "with its machine_rank"
+            f"{_DS}.deepspeed_inclusion_filter and deepspeed_exclusion_filter are ignored: list only the machines "
+            "to use in the hostfile"
         )
     launcher = plugin.get("deepspeed_multinode_launcher")
     if launcher is not None:
         launcher = reading.coerce(
             f"{_DS}.deepspeed_multinode_launcher", launcher, lambda v: to_choice(v, _LAUNCHERS)
         )
-        if launcher not in (INVALID, "standard") and reading.values.get("launch.num_machines", 1) > 1:
+    hostfile = plugin.get("deepspeed_hostfile")
+    if hostfile in (None, "", "none", "None"):
+        if launcher not in (None, INVALID, "standard") and reading.values.get("launch.num_machines", 1) > 1:
             reading.warn(
-                f"{_DS}.deepspeed_multinode_launcher {launcher} is ignored: zerofit starts each machine like "
-                "'standard' (torchrun), one `zerofit launch` per machine"
+                f"{_DS}.deepspeed_multinode_launcher {launcher} has no deepspeed_hostfile to start machines from: "
+                "run `zerofit launch` on every machine with its --machine_rank (under SLURM: srun, docs/cli.md), "
+                "or set deepspeed_hostfile"
             )
+        return
+    if launcher == "standard":  # Accelerate too runs torchrun on each machine then, and reads no hostfile
+        reading.warn(
+            f"{_DS}.deepspeed_hostfile is ignored with deepspeed_multinode_launcher standard (each machine runs "
+            "its own launch, as in Accelerate): remove the launcher key to start the hostfile's machines over ssh"
+        )
+        return
+    reading.put("launch.hostfile", f"{_DS}.deepspeed_hostfile", hostfile)
+    if launcher not in (None, INVALID, "pdsh"):
+        reading.warn(
+            f"{_DS}.deepspeed_multinode_launcher {launcher}: zerofit starts the hostfile's machines over ssh (as "
+            "pdsh does); `zerofit launch --hostfile_print` prints each machine's command to run by hand instead"
+        )
 
 
 def _merge_file(

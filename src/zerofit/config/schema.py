@@ -219,6 +219,9 @@ class LaunchConfig:
     """Seconds a collective (and joining the process group) may wait for a peer before it raises."""
     main_training_function: str = "main"
     """Kept from Accelerate configs; scripts are run as __main__."""
+    hostfile: str | None = None
+    """DeepSpeed hostfile (`host slots=N` lines): the run's machines; the launch without --machine_rank
+    starts the others over ssh (docs/cli.md, several machines)."""
 
 
 @dataclass(frozen=True, kw_only=True)

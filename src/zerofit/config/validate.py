@@ -234,7 +234,7 @@ def _launch(c: _Checker) -> None:
                 f"{c.name('launch.num_machines')} ({machines}): every machine runs the same number of processes",
                 "launch.num_processes",
             )
-        if not c.values["launch.main_process_ip"]:
+        if not c.values["launch.main_process_ip"] and not c.values.get("launch.hostfile"):  # else its first host
             c.add(
                 f"{c.name('launch.main_process_ip')} is required when {c.name('launch.num_machines')} > 1: "
                 "set it to the address of machine 0",
