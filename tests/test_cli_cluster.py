@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from zerofit.cli import hostfile, slurm
-from zerofit.cli.launch import cluster_overrides, free_loopback_port, plan_launch
+from zerofit.cli.cluster import cluster_overrides
+from zerofit.cli.launch import free_loopback_port, plan_launch
 from zerofit.cli.main import main
 from zerofit.config import load_config
 from zerofit.errors import ConfigError

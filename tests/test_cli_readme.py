@@ -211,7 +211,7 @@ def test_run_sh_says_what_it_does_while_it_installs(tmp_path):
     assert first.stderr.splitlines() == [
         f"run.sh: creating {tmp_path / 'venv'} with torch {torch_pin} and zerofit (first run only, a few minutes)...",
         f"run.sh: installing torch {torch_pin}...",
-        "run.sh: installing zerofit (editable) with its dev, examples, bench and trainer extras...",
+        "run.sh: installing zerofit (editable) with its dev, examples, bench, trainer and trackers extras...",
         f"run.sh: {tmp_path / 'venv'} is ready; later runs reuse it",
     ]
     assert first.stdout == "zerofit demo --steps 1\n"

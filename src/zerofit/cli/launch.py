@@ -40,9 +40,10 @@ from pathlib import Path
 from typing import Any
 
 from zerofit.cli import failure_report, flight_recorder, hostfile, rendezvous, slurm
+from zerofit.cli.cluster import cluster_overrides, load_without_machine_flags
 from zerofit.cli.flags import add_flag
 from zerofit.config import load_config, save_config, validate_config
-from zerofit.config.schema import LaunchConfig, RunConfig
+from zerofit.config.schema import RunConfig
 from zerofit.distributed.runtime import CONFIG_FILE_ENV, backend_for
 from zerofit.errors import ConfigError
 
@@ -67,12 +68,6 @@ FLAG_TO_KEY = {
     "oom_backoff": "batch.oom_backoff",
     "hostfile": "launch.hostfile",
 }
-CLUSTER_KEYS = ("launch.num_machines", "launch.machine_rank", "launch.main_process_ip", "launch.num_processes")
-"""The settings SLURM or a hostfile can derive (`cluster_overrides`)."""
-MACHINE_FACTS = CLUSTER_KEYS[:2]
-"""Settings SLURM or a hostfile states as facts: a flag that disagrees is an error, not a choice."""
-
-
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "launch", allow_abbrev=False,
@@ -499,32 +494,6 @@ def config_file_of(args: argparse.Namespace) -> tuple[str | os.PathLike[str] | N
     return None, "config: built-in defaults"
 
 
-def cluster_overrides(config: RunConfig, derived: dict[str, tuple[Any, str]],
-                      flags: dict[str, object]) -> dict[str, object]:
-    """The settings SLURM or a hostfile derived (`derived`: key -> (value, origin)) that apply: not where a
-    flag or the config file set the key, which win, except that a flag or file value contradicting a
-    machine fact (`MACHINE_FACTS`) is an error naming both."""
-    out, problems, defaults = {}, [], LaunchConfig()
-    for key, (value, origin) in derived.items():
-        field = key.split(".", 1)[1]
-        if key == "launch.num_processes" and config.launch.use_cpu and origin.startswith("SLURM_GPUS"):
-            continue  # a GPU count says nothing about CPU processes
-        if key in flags:
-            if flags[key] != value and key in MACHINE_FACTS:
-                problems.append(f"--{field} {flags[key]} contradicts {origin}: drop --{field} (it is derived)")
-            continue
-        current = getattr(config.launch, field)
-        if current not in (getattr(defaults, field), value):
-            if key in MACHINE_FACTS:
-                problems.append(f"{key} is {current} in {config.source} but {origin}: remove {field} from the file "
-                                "(it is derived)")
-            continue
-        out[key] = value
-    if problems:
-        raise ConfigError(problems, source=config.source)
-    return out
-
-
 def launch_argv(args: argparse.Namespace, config_file: str | os.PathLike[str] | None) -> list[str]:
     """This launch's arguments (after `launch`) as the other machines of a hostfile run get them: without
     --hostfile_print, and naming the config file this machine read when the command line did not."""
@@ -536,17 +505,6 @@ def launch_argv(args: argparse.Namespace, config_file: str | os.PathLike[str] | 
     return [*head, *tail]
 
 
-def _load_without_machine_flags(config_file: str | os.PathLike[str] | None, flags: dict[str, object],
-                                from_slurm: dict[str, tuple[Any, str]] | None) -> RunConfig:
-    base = {k: v for k, v in flags.items() if k not in CLUSTER_KEYS}
-    if from_slurm and "launch.main_process_ip" in from_slurm:
-        try:
-            return load_config(config_file, overrides=base)
-        except ConfigError:  # the one rule SLURM's values settle: a file of several machines without an address
-            base["launch.main_process_ip"] = from_slurm["launch.main_process_ip"][0]
-    return load_config(config_file, overrides=base)
-
-
 def run(args: argparse.Namespace) -> int:
     target = ("-m", args.target, *args.target_args) if args.module else (args.target, *args.target_args)
     config_file, origin = config_file_of(args)
@@ -554,13 +512,15 @@ def run(args: argparse.Namespace) -> int:
     if args.hostfile_print and args.dry_run:
         raise ConfigError("--hostfile_print and --dry_run both print instead of running: pass one of them")
     from_slurm = slurm.launch_values(os.environ) if "launch.hostfile" not in flags else None
+    partial = False  # loaded without the machine flags, which hold only with the cluster's values
     try:
         config = load_config(config_file, overrides=flags)
     except ConfigError as full:
         # The machine settings may hold only with the cluster's: --machine_rank 1 with a hostfile's machine
         # count, a file of several machines without the address SLURM gives.
         try:
-            config = _load_without_machine_flags(config_file, flags, from_slurm)
+            config = load_without_machine_flags(config_file, flags, from_slurm)
+            partial = True
         except ConfigError:
             raise full from None
         if not (from_slurm or config.launch.hostfile):
@@ -572,7 +532,7 @@ def run(args: argparse.Namespace) -> int:
     # [Note: one launch per node under SLURM] and [Note: one command line, every machine]
     derived = hostfile.launch_values(hosts, config.launch.hostfile) if hosts else from_slurm
     applied = cluster_overrides(config, derived, flags) if derived else {}
-    if applied or flags.keys() & set(CLUSTER_KEYS):
+    if applied or partial:  # loaded again only when needed: a load prints the file's warnings again
         config = load_config(config_file, overrides={**flags, **applied})
     if hosts and args.hostfile_print:
         sys.stdout.write(hostfile.print_lines(hosts, launch_argv(args, config_file)))
