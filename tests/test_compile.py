@@ -108,3 +108,11 @@ def test_uncompiled_looks_through_the_compile_wrapper_only():
     model = torch.nn.Linear(2, 2)
     assert uncompiled(model) is model
     assert uncompiled(torch.compile(model, backend="eager")) is model
+
+
+def test_fullgraph_with_engine_hooks_in_the_forward_is_an_error_naming_the_fix():
+    config = RunConfig(zero=ZeroConfig(stage=2, offload_optimizer=OffloadConfig(device="cpu")))
+    acc = Accelerator(config=config, dynamo_plugin={"backend": "eager", "fullgraph": True})
+    model = TinyLM()
+    with pytest.raises(ValueError, match=r"fullgraph=True cannot hold an offloaded optimizer .* set fullgraph=False"):
+        acc.prepare(model, torch.optim.AdamW(model.parameters()))

@@ -24,6 +24,8 @@ from typing import Any
 
 from torch import nn
 
+from zerofit.engine import ZeroEngine
+
 # Accelerate's `DynamoBackend` names that mean "do not compile".
 _OFF = (None, "", "no", "none")
 
@@ -58,7 +60,13 @@ def uncompiled(model: nn.Module) -> nn.Module:
     return inner if isinstance(inner, nn.Module) and type(model).__name__ == "OptimizedModule" else model
 
 
-def compile_prepared(model: nn.Module, options: dict[str, Any]) -> None:
-    """Compile `model` in place (`nn.Module.compile`), after the engine installed its hooks
+def compile_prepared(model: nn.Module, options: dict[str, Any], engine: ZeroEngine) -> None:
+    """Compile `model` in place (`nn.Module.compile`), after `engine` installed its hooks
     (see [Note: compiling a prepared model])."""
+    hooked = ("zero_optimization stage 3 (its parameter gathers)" if engine.shards_parameters
+              else "an offloaded optimizer (its wait before a unit runs)" if engine.offload.host or engine.offload.gpu
+              else None)
+    if options.get("fullgraph") and hooked is not None:
+        raise ValueError(f"dynamo_plugin fullgraph=True cannot hold {hooked}: the engine's hooks run between "
+                         "graphs; set fullgraph=False (the model's code is compiled between the hooks)")
     model.compile(**options)

@@ -235,7 +235,7 @@ class PrepareMixin:
                 if hasattr(module, "generate") or module is model:
                     module._is_fsdp_managed_module = True
         if self._compile is not None:  # Accelerator(dynamo_backend=...): after every hook is in place
-            compiling.compile_prepared(model, self._compile)
+            compiling.compile_prepared(model, self._compile, engine)
 
     def _checkpointing_turned_on(self) -> None:
         """The first training forward turned activation checkpointing on (see first_batch.py): the config says so."""
