@@ -126,10 +126,18 @@ def test_deepspeed_fsdp_and_auto_find_batch_size_arguments_are_refused_with_the_
     assert "zerofit launch --config_file ds.json" in text and "--fsdp" in text and "per_device_train_batch_size" in text
 
 
-def test_torch_compile_is_named_as_not_applied():
-    args = SimpleNamespace(deepspeed=None, fsdp="", auto_find_batch_size=False, torch_compile=True)
-    with pytest.warns(UserWarning, match="torch_compile"):
-        ours._refuse_other_engines(args)
+def test_torch_compile_arguments_reach_the_accelerator_which_compiles_at_prepare(tmp_path):
+    """The compiling itself is tests/test_compile.py's (Accelerator(dynamo_plugin=...) at every stage)."""
+    import transformers
+    from trainer_cases import tiny_gpt2
+
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True,
+                                          torch_compile_backend="aot_eager", torch_compile_mode="reduce-overhead")
+    trainer = ours.Trainer(model=tiny_gpt2(), args=args)
+    assert trainer.accelerator._compile == {"backend": "aot_eager", "mode": "reduce-overhead"}
+    plain = ours.Trainer(model=tiny_gpt2(), args=transformers.TrainingArguments(output_dir=str(tmp_path),
+                                                                                  report_to=[], use_cpu=True))
+    assert plain.accelerator._compile is None
 
 
 def test_config_json_names_the_dtype_of_the_weights_written(tmp_path):

@@ -274,7 +274,8 @@ def _read_ignored(reading: Reading, data: Mapping[str, Any], kind: str) -> None:
     backend = dig(data, "dynamo_config.dynamo_backend", data.get("dynamo_backend"))
     if not _is_off(backend):
         reading.warn(
-            f"dynamo_config.dynamo_backend {backend} is ignored: call torch.compile in the script if wanted"
+            f"dynamo_config.dynamo_backend {backend} is ignored by the launcher: pass "
+            f"Accelerator(dynamo_backend={str(backend).lower()!r}) in the script, or call model.compile() there"
         )
     if reading.coerce("enable_cpu_affinity", data.get("enable_cpu_affinity", False), to_bool) is True:
         reading.warn("enable_cpu_affinity is ignored: zerofit leaves CPU affinity to the system")

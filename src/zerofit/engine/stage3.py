@@ -37,6 +37,14 @@ The rule misses a gradient that leaves the unit through a tensor that is neither
 argument, or inside a tuple, list or dict argument) nor a trainable parameter of its own, e.g. one
 hidden in an object: if such a path still needs the unit's frozen weights after the rule released
 them, backward fails with a storage of size 0.
+
+[Note: hooks under torch.compile]
+A compiled model (`model.compile()`, `torch.compile`) runs its module hooks inside dynamo's frame.
+The engine's hooks are registered through `opaque`, `torch.compiler.disable`: dynamo breaks the graph
+at each call and runs the hook eagerly instead of tracing into it. Traced, the hooks broke the graph
+deeper anyway (collectives with `async_op`, storage resizing, `register_multi_grad_hook`), and their
+resume frames guarded on which unit they served, so they recompiled per unit until dynamo's
+recompile limit (8) sent them back to eager. The model's code between two hooks is compiled either way.
 """
 
 from __future__ import annotations
@@ -49,6 +57,11 @@ from torch.autograd.graph import register_multi_grad_hook
 
 from zerofit.engine.gather_order import GatherOrder
 from zerofit.engine.unit import Unit
+
+
+def opaque(hook: Callable) -> Callable:
+    """`hook`, run eagerly when a compiled model calls it (see [Note: hooks under torch.compile])."""
+    return torch.compiler.disable(hook, recursive=True)
 
 
 def tensors_in(obj: Any) -> list[torch.Tensor]:
@@ -142,20 +155,20 @@ class Stage3Hooks:
         self._handles = []
 
     def install(self) -> None:
-        self._handles.append(self.root.module.register_forward_pre_hook(self._root_pre))
-        self._handles.append(self.root.module.register_forward_hook(self._root_post))
+        self._handles.append(self.root.module.register_forward_pre_hook(opaque(self._root_pre)))
+        self._handles.append(self.root.module.register_forward_hook(opaque(self._root_post)))
         if self.root.sharded:
             # Submodules may be called without the root's forward (generate() runs the encoder of an
             # encoder-decoder model directly): the modules holding root parameters gather them too.
             root_ids = {id(p) for g in self.root.groups for p in g.params}
             for m in self.root.module.modules():
                 if m is not self.root.module and any(id(p) in root_ids for p in m.parameters(recurse=False)):
-                    self._handles.append(m.register_forward_pre_hook(lambda *_a: self.root.wait_gathered()))
+                    self._handles.append(m.register_forward_pre_hook(opaque(lambda *_a: self.root.wait_gathered())))
         for unit in self.hooked:
             self._handles.append(unit.module.register_forward_pre_hook(
-                lambda _m, args, kwargs, u=unit: self._pre_forward(u, args, kwargs), with_kwargs=True))
+                opaque(lambda _m, args, kwargs, u=unit: self._pre_forward(u, args, kwargs)), with_kwargs=True))
             self._handles.append(unit.module.register_forward_hook(
-                lambda _m, _a, out, u=unit: self._post_forward(u, out)))
+                opaque(lambda _m, _a, out, u=unit: self._post_forward(u, out))))
 
     def remove(self) -> None:
         for h in self._handles:

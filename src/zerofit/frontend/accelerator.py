@@ -34,7 +34,7 @@ from zerofit.config import load_config
 from zerofit.config.schema import RunConfig, is_auto
 from zerofit.distributed import arrival, process_group, runtime
 from zerofit.engine.loss_scale import LossScaler
-from zerofit.frontend import ops, plugins, tracking
+from zerofit.frontend import compiling, ops, plugins, tracking
 from zerofit.frontend.backoff import OomBackoff
 from zerofit.frontend.data import ShardedDataLoader
 from zerofit.frontend.persistence import PersistenceMixin
@@ -52,9 +52,8 @@ from zerofit.frontend.tracker_base import BlankTracker
 from zerofit.frontend.utils import ProjectConfiguration
 
 # Accelerate arguments zerofit accepts and leaves alone (with a warning when given a value).
-_IGNORED = ("device_placement", "rng_types", "dynamo_backend", "dynamo_plugin",
-            "deepspeed_plugins", "fsdp_plugin", "megatron_lm_plugin", "torch_tp_plugin",
-            "parallelism_config", "even_batches", "dispatch_batches")
+_IGNORED = ("device_placement", "rng_types", "deepspeed_plugins", "fsdp_plugin", "megatron_lm_plugin",
+            "torch_tp_plugin", "parallelism_config", "even_batches", "dispatch_batches")
 # What the warning for an ignored argument says zerofit does instead (default: _DECIDED_BY_ZEROFIT).
 _DECIDED_BY_ZEROFIT = "its engine and config decide this"
 _INSTEAD = {
@@ -96,6 +95,8 @@ class Accelerator(PrepareMixin, PersistenceMixin, ProcessMethods):
             dataloader_config = dataclasses.replace(dataloader_config, use_seedable_sampler=bool(use_seedable_sampler))
         split_batches = bool(getattr(dataloader_config, "split_batches", split_batches))
         timeout = plugins.process_group_timeout(kwargs_handlers)
+        self._compile = compiling.compile_options(dynamo_backend, dynamo_plugin)
+        """`model.compile` arguments applied at the end of `prepare()` (see zerofit.frontend.compiling)."""
         self._profile_kwargs = next((h for h in kwargs_handlers or () if isinstance(h, plugins.ProfileKwargs)), None)
         _check_accumulation_steps(gradient_accumulation_steps)
         if mixed_precision not in (None, "no", "fp16", "bf16"):
@@ -382,8 +383,9 @@ class Accelerator(PrepareMixin, PersistenceMixin, ProcessMethods):
     # --- models and checkpoints -----------------------------------------------------------------
     def unwrap_model(self, model: nn.Module, keep_fp32_wrapper: bool = True,
                      keep_torch_compile: bool = True) -> nn.Module:
-        """The model itself: prepare() changes it in place rather than wrapping it."""
-        return model
+        """The model itself: prepare() changes it in place rather than wrapping it; with
+        `keep_torch_compile=False`, the module inside a `torch.compile` wrapper."""
+        return model if keep_torch_compile else compiling.uncompiled(model)
 
     def _warn_once(self, message: str) -> None:
         if message not in self._warned:

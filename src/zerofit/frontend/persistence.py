@@ -21,7 +21,7 @@ from zerofit.checkpoint import resume
 from zerofit.distributed import arrival, process_group
 from zerofit.engine import ZeroEngine
 from zerofit.errors import CheckpointError, ConfigError
-from zerofit.frontend import ops
+from zerofit.frontend import compiling, ops
 
 
 class PersistenceMixin:
@@ -45,7 +45,7 @@ class PersistenceMixin:
         return max((opt.steps_taken for opt in self._prepared.optimizers), default=0)
 
     def _engine_of(self, model: nn.Module) -> ZeroEngine:
-        engine = self._prepared.engines.get(id(model))
+        engine = self._prepared.engines.get(id(compiling.uncompiled(model)))
         if engine is None:
             raise ValueError(f"this {type(model).__name__} was not prepared by this Accelerator: pass the model "
                              "returned by prepare()")
@@ -64,6 +64,7 @@ class PersistenceMixin:
         """
         from zerofit.checkpoint import full_state_dict
 
+        model = compiling.uncompiled(model)  # names without torch.compile's `_orig_mod.`
         return full_state_dict(self._engine_of(model), model, every_tied_key=True)
 
     def save_model(self, model: nn.Module, save_directory: str | os.PathLike, max_shard_size: str | int = "10GB",
@@ -71,6 +72,7 @@ class PersistenceMixin:
         """Consolidated weights (`model.safetensors`, sharded with an index above `max_shard_size`)."""
         from zerofit.checkpoint import save_consolidated
 
+        model = compiling.uncompiled(model)
         save_consolidated(self._engine_of(model), model, str(save_directory), max_shard_size=max_shard_size,
                           safe_serialization=safe_serialization)
 

@@ -23,7 +23,7 @@ from zerofit.config.naming import key_name
 from zerofit.config.schema import SchedulerConfig
 from zerofit.engine import ZeroEngine
 from zerofit.errors import ConfigError
-from zerofit.frontend import engine_surface, ops
+from zerofit.frontend import compiling, engine_surface, ops
 from zerofit.frontend.auto_plan import (
     apply_checkpointing,
     keep_checkpointing_effective,
@@ -182,7 +182,8 @@ class PrepareMixin:
                               "or pass zerofit.utils.DummyOptim(params, lr=...) in the script", self.config.source)
         return opt
 
-    def _prepare_model(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    def _prepare_model(self, wrapper: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+        model = compiling.uncompiled(wrapper)  # torch.compile(model) before prepare(): shard the module inside
         if id(model) in self._prepared.engines:
             raise ValueError(f"this {type(model).__name__} was prepared already: prepare each model once, "
                              "together with its optimizer")
@@ -213,7 +214,7 @@ class PrepareMixin:
         engine = ZeroEngine(model, optimizer, zero=cfg.zero, precision=cfg.precision,
                             gradient_accumulation_steps=self.gradient_state.window,
                             gradient_clipping=cfg.gradient_clipping, device=self.device)
-        self._prepared.engines[id(model)] = engine
+        self._prepared.engines[id(model)] = engine  # the wrapper's calls look through it (compiling.uncompiled)
         if self.is_main_process and not planned:  # the planner's line already said what runs
             print(describe_engine(engine, num_processes=self.num_processes, backend=self.process.backend,
                                   spell=lambda key: key_name(cfg.source_format, key)), flush=True)
@@ -233,6 +234,8 @@ class PrepareMixin:
             for module in model.modules():
                 if hasattr(module, "generate") or module is model:
                     module._is_fsdp_managed_module = True
+        if self._compile is not None:  # Accelerator(dynamo_backend=...): after every hook is in place
+            compiling.compile_prepared(model, self._compile, engine)
 
     def _checkpointing_turned_on(self) -> None:
         """The first training forward turned activation checkpointing on (see first_batch.py): the config says so."""
@@ -240,7 +243,7 @@ class PrepareMixin:
 
     def is_prepared(self, model: nn.Module) -> bool:
         """True once `model` went through `prepare()` (its weights are then the engine's: save through it)."""
-        return id(model) in self._prepared.engines
+        return id(compiling.uncompiled(model)) in self._prepared.engines
 
     def _wrap_optimizer(self, opt: Any, real: torch.optim.Optimizer) -> AcceleratedOptimizer:
         engine = next((e for e in self._prepared.engines.values() if e.optimizer is real), None)

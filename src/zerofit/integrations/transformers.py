@@ -30,7 +30,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import warnings
 from typing import Any
 
 import torch
@@ -62,8 +61,10 @@ class ZerofitTrainerMixin:
         ac = args.accelerator_config
         loaders = DataLoaderConfiguration(split_batches=bool(ac.split_batches), even_batches=bool(ac.even_batches),
                                           use_seedable_sampler=bool(ac.use_seedable_sampler), data_seed=args.data_seed)
+        compiled = ({"backend": args.torch_compile_backend or "inductor", "mode": args.torch_compile_mode}
+                    if getattr(args, "torch_compile", False) else None)  # compiled in place at prepare()
         self.accelerator = TrainerAccelerator(config=config, gradient_accumulation_steps=1, dataloader_config=loaders,
-                                              cpu=bool(getattr(args, "use_cpu", False)))
+                                              cpu=bool(getattr(args, "use_cpu", False)), dynamo_plugin=compiled)
         self.accelerator.trained_model = self.model
         self.accelerator.planning_accumulation = facts.accumulation  # [Note: Trainer owns the loop]
         self.gather_function = functools.partial(self.accelerator.gather_for_metrics,
@@ -236,9 +237,6 @@ def _refuse_other_engines(args: Any) -> None:
                         "zerofit choose the stage and offload that fit (zero_optimization.stage: auto)")
     if problems:
         raise ConfigError(problems)
-    if getattr(args, "torch_compile", False):
-        warnings.warn("TrainingArguments(torch_compile=True) is not applied under zerofit yet: the model trains "
-                      "uncompiled", stacklevel=3)
 
 
 class Trainer(ZerofitTrainerMixin, transformers.Trainer):

@@ -33,6 +33,7 @@ from zerofit.engine.comm import Collectives, Pending
 from zerofit.engine.flat_group import FlatGroup
 from zerofit.engine.offload.nvme import NvmeSwapper
 from zerofit.engine.optim import mark_stepped
+from zerofit.engine.stage3 import opaque
 from zerofit.engine.step_mode import StepFactors, StepMode, publish_bounds
 from zerofit.engine.timing import StepTimes
 from zerofit.engine.unit import Unit
@@ -67,8 +68,9 @@ class OffloadPart(StepMode):
             if any(id(g) in mine for g in unit.trainable):
                 unit.before_use = partial(self._await, unit)
                 target = model if unit is units[0] else unit.module
-                # registered before the stage-3 hooks, so a unit is stepped before it is gathered
-                hooks.append(target.register_forward_pre_hook(lambda *_a, u=unit: self._await(u)))
+                # registered before the stage-3 hooks, so a unit is stepped before it is gathered; opaque to
+                # torch.compile: see [Note: hooks under torch.compile] in zerofit.engine.stage3
+                hooks.append(target.register_forward_pre_hook(opaque(lambda *_a, u=unit: self._await(u))))
         return hooks
 
     def _nvme_swapper(self, offload: OffloadConfig | None, aio: AioConfig | None) -> NvmeSwapper | None:
