@@ -146,11 +146,12 @@ class GatherOrder:
             self._last_grad_visits = self._unlearned[1]
 
     def _stand_in_forward(self, j: int) -> None:
-        units = self._now.units
-        unit = units[j]
+        """What a rank running the unit at `j` issues on entering it: its gather, and the prefetch `enter` makes."""
+        unit = self._now.units[j]
         unit.wait_gathered()
-        if j + 1 < len(units):
-            units[j + 1].gather()
+        nxt = self._now.after(j)
+        if nxt is not None:
+            nxt.gather()
         unit.release()
         self._visits.append((unit, False))
 
