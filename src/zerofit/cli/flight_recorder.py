@@ -19,10 +19,10 @@ cannot be read becomes one line saying so.
 
 from __future__ import annotations
 
+import glob
 import io
 import os
 import pickle
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -161,7 +161,7 @@ def read(prefix: str, *, since: float = 0.0) -> tuple[dict[int, list[Call]], lis
     calls: dict[int, list[Call]] = {}
     problems = []
     try:
-        paths = sorted(Path(folder or ".").glob(f"{glob_escape(stem)}*"))
+        paths = sorted(Path(folder or ".").glob(f"{glob.escape(stem)}*"))
     except OSError as e:
         return {}, [f"could not list the flight-recorder dumps in {folder}: {e}"]
     for path in paths:
@@ -175,10 +175,6 @@ def read(prefix: str, *, since: float = 0.0) -> tuple[dict[int, list[Call]], lis
         except Exception as e:  # noqa: BLE001 - a damaged dump must not hide the failure summary
             problems.append(f"could not read the flight-recorder dump {path} ({type(e).__name__}: {e})")
     return calls, problems
-
-
-def glob_escape(text: str) -> str:
-    return re.sub(r"([*?\[])", r"[\1]", text)
 
 
 def traces(calls: dict[int, list[Call]]) -> list[RankTrace]:

@@ -171,7 +171,6 @@ class Fleet:
             except subprocess.TimeoutExpired:
                 proc.terminate()  # ssh ends, the remote launch is hung up and stops its workers
             except KeyboardInterrupt:
-                self.stopping = True
                 driver_code = driver_code or 128 + signal.SIGINT
         for _, proc in self.procs:
             if proc.poll() is None:

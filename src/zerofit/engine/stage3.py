@@ -9,8 +9,9 @@ backward never ends that way (a trainable parameter without a gradient, an unuse
 when `ZeroEngine.backward` returns.
 
 [Note: prefetch order]
-Each forward records the order in which units ran (`GatherOrder.schedule`, which with several ranks
-also keeps every rank's gathers in one order: see [Note: one gather order]). The next forward
+Each forward records the order in which units ran (`GatherOrder`: one schedule for training forwards,
+which with several ranks also keeps every rank's gathers in one order, see [Note: one gather order];
+one for forwards without gradients). The next forward of the same kind
 prefetches, on entering a unit, the unit that followed it last time; backward prefetches the one that
 preceded it. The first forward has no record and gathers on demand. A changed order costs only a
 missed prefetch.

@@ -95,7 +95,7 @@ class FirstBatchCheck:
         work = workload_for(self.config, world=self.world, shape=shape)
         counts = ModelCounts.of(model, unit_size_threshold=work.unit_size_threshold)
         on = has_checkpointing(model)
-        choices = (True,) if on else checkpointing_choices(self.config, model)  # the planner's own rule
+        choices = checkpointing_choices(self.config, model)  # the planner's own rule: (True,) when on
         traces = activation_traces(model, shape, choices, precision, work)
         if traces.get(on) is None:
             return  # no trace (a model the planner cannot replicate): nothing to hold the batch against

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,10 +42,22 @@ SERVICES = {
 }
 
 
-def _warn_once(seen: set[str], message: str) -> None:
+def _warn_once(seen: set[str], message: str, *, stacklevel: int = 4) -> None:
     if message not in seen:
         seen.add(message)
-        warnings.warn(message, stacklevel=4)
+        warnings.warn(message, stacklevel=stacklevel)
+
+
+def _metrics(values: dict[str, Any], seen: set[str], why_not: Callable[[str, Any], str]) -> dict[str, int | float]:
+    """The numbers among `values` (as `numbers` converts them), for a service whose metrics are numbers only; each
+    other value is left out with a warning, once per message (`why_not(key, value)` says it)."""
+    out = {}
+    for key, value in numbers(values).items():
+        if isinstance(value, (int, float)):
+            out[key] = value
+        else:
+            _warn_once(seen, why_not(key, value), stacklevel=5)  # the frame calling the tracker's log
+    return out
 
 
 class WandBTracker(GeneralTracker):
@@ -135,14 +148,9 @@ class MLflowTracker(GeneralTracker):
     def log(self, values: dict[str, Any], step: int | None = None, **kwargs: Any) -> None:
         import mlflow
 
-        metrics = {}
-        for key, value in numbers(values).items():
-            if isinstance(value, (int, float)):
-                metrics[key] = value
-            else:
-                _warn_once(self._warned, f"mlflow: {key!r} is a {type(value).__name__}, and MLflow metrics are "
-                                         "numbers, so it is not recorded (log a number; mlflow.log_param or "
-                                         "mlflow.set_tag take text)")
+        metrics = _metrics(values, self._warned, lambda key, value: (
+            f"mlflow: {key!r} is a {type(value).__name__}, and MLflow metrics are numbers, so it is not recorded "
+            "(log a number; mlflow.log_param or mlflow.set_tag take text)"))
         mlflow.log_metrics(metrics, step=step, **kwargs)
 
     def finish(self) -> None:
@@ -251,11 +259,10 @@ class ClearMLTracker(GeneralTracker):
     def log(self, values: dict[str, Any], step: int | None = None, **kwargs: Any) -> None:
         """With a step, as scalars at that iteration; without one, as single values."""
         logger = self.task.get_logger()
-        for key, value in numbers(values).items():
-            if not isinstance(value, (int, float)):
-                _warn_once(self._warned, f"clearml: {key!r} is a {type(value).__name__}, not a number, so it is "
-                                         "not reported")
-            elif step is None:
+        metrics = _metrics(values, self._warned, lambda key, value: (
+            f"clearml: {key!r} is a {type(value).__name__}, not a number, so it is not reported"))
+        for key, value in metrics.items():
+            if step is None:
                 logger.report_single_value(name=key, value=value, **kwargs)
             else:
                 series = next((p for p in ("train", "eval", "test") if key.startswith(p + "_")), None)
@@ -294,12 +301,10 @@ class DVCLiveTracker(GeneralTracker):
     def log(self, values: dict[str, Any], step: int | None = None, **kwargs: Any) -> None:
         if step is not None:
             self.live.step = step
-        for key, value in numbers(values).items():
-            if isinstance(value, (int, float)):
-                self.live.log_metric(key, value, **kwargs)
-            else:
-                _warn_once(self._warned, f"dvclive: {key!r} is a {type(value).__name__}, not a number, so it is "
-                                         "not logged")
+        metrics = _metrics(values, self._warned, lambda key, value: (
+            f"dvclive: {key!r} is a {type(value).__name__}, not a number, so it is not logged"))
+        for key, value in metrics.items():
+            self.live.log_metric(key, value, **kwargs)
         self.live.next_step()
 
     def finish(self) -> None:

@@ -172,7 +172,7 @@ def plan(counts: ModelCounts, work: Workload, budget: Budget, traces: dict[bool,
     else the first in [Note: speed order]. They are priced at one process's share of them where
     `budget.ranks_per_host` processes share the host ([Note: rates shared on one host]).
     """
-    measured, rates = rates, shared_rates(rates, budget.ranks_per_host) if rates else None
+    rates = shared_rates(rates, budget.ranks_per_host) if rates else None
     if settings is None:
         settings = all_settings(work.world, checkpointing=tuple(sorted(traces)))
     settings = sorted(settings, key=speed_rank)
@@ -204,7 +204,7 @@ def plan(counts: ModelCounts, work: Workload, budget: Budget, traces: dict[bool,
     if faster:
         why += f"; faster ones do not fit ({faster[-1].setting.label} needs {faster[-1].gpu_total / GIB:.1f} GiB GPU)"
     if seconds is not None and seconds.get(choice.setting) is not None:
-        why += f"; it adds {seconds[choice.setting]:.3f} s a step {sharing_said(measured, budget.ranks_per_host)}"
+        why += f"; it adds {seconds[choice.setting]:.3f} s a step {sharing_said(rates, budget.ranks_per_host)}"
     if not any(traces.values()):
         why += "; activations unknown (not counted)"
     return Plan(estimates, choice, why + _host_said(budget), None, seconds)

@@ -67,11 +67,11 @@ def shared_rates(rates: Rates, processes_per_host: int) -> Rates:
         both_gbs=each_way(rates.both_gbs), both_busy_gbs=each_way(rates.both_busy_gbs))
 
 
-def sharing_said(rates: Rates, processes_per_host: int) -> str:
+def sharing_said(own: Rates, processes_per_host: int) -> str:
     """How the plan's text says its seconds were priced: on the rates as measured, or, with several
-    processes per host, on one process's share of them (the shared CPU AdamW and link rates named)."""
+    processes per host, on one process's share of them (`own`, from `shared_rates`: its CPU AdamW and link
+    rates named)."""
     if processes_per_host <= 1:
         return "on this machine's measured rates"
-    own = shared_rates(rates, processes_per_host)
     return (f"on this machine's measured rates shared by {processes_per_host} processes per host (each: CPU AdamW "
             f"{own.cpu_adam_s:.2f} s per 1e9 params, link {own.both_gbs:.1f} GB/s each way)")

@@ -87,7 +87,7 @@ class HostStep(OffloadPart):
         # Units this forward skipped publish now, in unit order: a skipped last unit would otherwise
         # publish only at step(), after this backward's reductions, and not where the other ranks do
         # (see [Note: one collective order] in zerofit.engine.engine).
-        self._await(self.units[-1])
+        self._await_all()
         if self._window_closed:  # a second backward after the one that closed the window, before step()
             if self._early_groups:
                 raise EngineError(
