@@ -34,21 +34,22 @@ def compile_options(dynamo_backend: Any = None, dynamo_plugin: Any = None) -> di
     """`model.compile` keyword arguments from Accelerate's `dynamo_backend` (a name or its `DynamoBackend`
     enum) or a `TorchDynamoPlugin`-like object (`backend`, `mode`, `fullgraph`, `dynamic`, `options`);
     None when neither asks for compiling."""
-    source = dynamo_plugin
-    if source is not None and not isinstance(source, dict):
-        source = dataclasses.asdict(source) if dataclasses.is_dataclass(source) else vars(source)
-    backend = (source or {}).get("backend", dynamo_backend) if source is not None else dynamo_backend
+    plugin = dynamo_plugin
+    if plugin is not None and not isinstance(plugin, dict):
+        plugin = dataclasses.asdict(plugin) if dataclasses.is_dataclass(plugin) else vars(plugin)
+    source = plugin or {}
+    backend = source.get("backend", dynamo_backend) if plugin is not None else dynamo_backend
     backend = getattr(backend, "value", backend)  # an enum member: its name string
     if isinstance(backend, str):
         backend = backend.lower()
-    if backend in _OFF or (source or {}).get("disable"):
+    if backend in _OFF or source.get("disable"):
         return None
     if not isinstance(backend, str) and not callable(backend):
         raise ValueError(f"Accelerator(dynamo_backend={backend!r}): name a torch.compile backend (for example "
                          "'inductor' or 'aot_eager'), or 'no' to run uncompiled")
     out: dict[str, Any] = {"backend": backend}
     for key in ("mode", "fullgraph", "dynamic", "options"):
-        value = (source or {}).get(key)
+        value = source.get(key)
         if value is not None and not (key == "mode" and value == "default") and not (key == "fullgraph" and not value):
             out[key] = value
     return out

@@ -28,7 +28,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
@@ -76,7 +75,6 @@ class Throughput:
         self.forwards = 0
         self._since: float | None = None
         """When the window began (the end of a step); None until the first `lap`."""
-        self._handle: Any = None
 
     @classmethod
     def for_engine(cls, engine: ZeroEngine, *, world: int, device: torch.device) -> Throughput:
@@ -92,12 +90,8 @@ class Throughput:
         return out
 
     def install(self, model: nn.Module) -> None:
-        self._handle = model.register_forward_pre_hook(self._on_forward, with_kwargs=True)
-
-    def remove(self) -> None:
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
+        """Count `model`'s training forwards, for as long as the model lives."""
+        model.register_forward_pre_hook(self._on_forward, with_kwargs=True)
 
     def _on_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if module.training and torch.is_grad_enabled():  # a training forward: evaluation is not throughput

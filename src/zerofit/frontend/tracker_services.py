@@ -66,7 +66,7 @@ class WandBTracker(GeneralTracker):
 
     name = "wandb"
     requires_logging_directory = False
-    main_process_only = False  # as Accelerate's: direct calls on any rank reach the run
+    main_process_only = False  # Accelerate's value; zerofit builds trackers on the main process only anyway
 
     def __init__(self, run_name: str, **kwargs: Any):
         self.run_name, self.init_kwargs, self.run = run_name, kwargs, None
