@@ -10,7 +10,7 @@ At stage 3 `get_state_dict` holds the saved weights on the main process alone (o
 nothing on the others): 8 ranks saving a 13 B bf16 model hold 26 GB of host memory, not 208 GB.
 
 Four gloo ranks on CPU, where the engine's "device" buffers are host memory too (they are counted in
-what the engine holds). Stage 3, with optimizer and parameter offload, and `stage: auto` (stage 0 here), in one launch.
+what the engine holds). Every stage, optimizer and parameter offload, and `stage: auto`, in one launch.
 `ZEROFIT_PSS_MODEL=1b` runs the ~1 B model of the issue instead of the small one (minutes, ~20 GB).
 PSS is read after `malloc_trim(0)`: on CPU the engine's transient unit buffers (stage 3 gathers) are
 host allocations, and glibc keeps freed ones in its arenas (stage 3 of the small model: 1691 MiB
@@ -36,16 +36,14 @@ SHAPES = {  # hidden, layers, heads, MLP, vocab
     "small": (640, 8, 10, 1728, 16000),  # 60 M parameters, 120 MB in bf16: a copy per rank stands out
     "1b": (2048, 18, 16, 5504, 32000),  # 1.0 B parameters, 2 GB in bf16
 }
-SETTINGS = {  # stage 0 is what `stage: auto` picks for the small model here: replicated parameters, as at
-    # stages 1-2 (stage 2 is in ON_REQUEST, for the suite's time)
+SETTINGS = {  # stage 0 is what `stage: auto` picks for the small model here
+    "stage 2": {"stage": 2},
     "stage 3": {"stage": 3, "param_persistence_threshold": 0},
     "stage 3 + optimizer and parameter offload": {"stage": 3, "param_persistence_threshold": 0,
                                                    "offload_optimizer": {"device": "cpu"},
                                                    "offload_param": {"device": "cpu"}},
     "stage auto": {"stage": "auto"},
 }
-ON_REQUEST = {"stage 2": {"stage": 2}}
-"""Settings run only when ZEROFIT_PSS_SETTINGS names them (see `_settings`)."""
 MARGIN = 0.20
 
 
@@ -86,7 +84,7 @@ def _held_by_engine(engine, optimizer) -> int:
 def _settings() -> dict[str, dict]:
     """`ZEROFIT_PSS_SETTINGS="stage 3,stage auto"` picks some (the 1 B model at stage 0-2 needs ~70 GB)."""
     names = os.environ.get("ZEROFIT_PSS_SETTINGS")
-    return {n: {**SETTINGS, **ON_REQUEST}[n] for n in names.split(",")} if names else SETTINGS
+    return {n: SETTINGS[n] for n in names.split(",")} if names else SETTINGS
 
 
 def _one_rank(rank: int, world: int, checkpoint: str) -> dict[str, tuple[int, int, int]]:
