@@ -57,6 +57,10 @@ class Prepared:
     built: dict[int, Any] = field(default_factory=dict)
     """id(DummyOptim / DummyScheduler / raw optimizer) -> what replaced it."""
 
+    def engine_of(self, model: nn.Module) -> ZeroEngine | None:
+        """The engine that shards `model`, looked up through a `torch.compile` wrapper; None: not prepared."""
+        return self.engines.get(id(compiling.uncompiled(model)))
+
     def trained_engine(self) -> ZeroEngine | None:
         """The engine of the one model prepared with an optimizer (None before that)."""
         trained = [e for e in self.engines.values() if e.optimizer is not None]
@@ -184,7 +188,7 @@ class PrepareMixin:
 
     def _prepare_model(self, wrapper: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
         model = compiling.uncompiled(wrapper)  # torch.compile(model) before prepare(): shard the module inside
-        if id(model) in self._prepared.engines:
+        if self._prepared.engine_of(model) is not None:
             raise ValueError(f"this {type(model).__name__} was prepared already: prepare each model once, "
                              "together with its optimizer")
         probe = None
@@ -214,7 +218,7 @@ class PrepareMixin:
         engine = ZeroEngine(model, optimizer, zero=cfg.zero, precision=cfg.precision,
                             gradient_accumulation_steps=self.gradient_state.window,
                             gradient_clipping=cfg.gradient_clipping, device=self.device)
-        self._prepared.engines[id(model)] = engine  # the wrapper's calls look through it (compiling.uncompiled)
+        self._prepared.engines[id(model)] = engine  # the wrapper's calls look through it (Prepared.engine_of)
         if self.is_main_process and not planned:  # the planner's line already said what runs
             print(describe_engine(engine, num_processes=self.num_processes, backend=self.process.backend,
                                   spell=lambda key: key_name(cfg.source_format, key)), flush=True)
@@ -243,7 +247,7 @@ class PrepareMixin:
 
     def is_prepared(self, model: nn.Module) -> bool:
         """True once `model` went through `prepare()` (its weights are then the engine's: save through it)."""
-        return id(compiling.uncompiled(model)) in self._prepared.engines
+        return self._prepared.engine_of(model) is not None
 
     def _wrap_optimizer(self, opt: Any, real: torch.optim.Optimizer) -> AcceleratedOptimizer:
         engine = next((e for e in self._prepared.engines.values() if e.optimizer is real), None)
