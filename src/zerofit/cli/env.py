@@ -64,12 +64,7 @@ def _locked_memory_limit() -> str:
 
 
 def _cpus() -> str:
-    total = os.cpu_count() or 0
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except AttributeError:
-        usable = total
-    return f"{usable} usable of {total}"
+    return f"{bandwidth.usable_cpus()} usable of {os.cpu_count() or 0}"
 
 
 def offload_rates(*, probe: bool = False) -> str:

@@ -46,6 +46,7 @@ from zerofit.config import load_config, save_config, validate_config
 from zerofit.config.schema import RunConfig
 from zerofit.distributed.runtime import CONFIG_FILE_ENV, backend_for
 from zerofit.errors import ConfigError
+from zerofit.plan.bandwidth import usable_cpus
 
 WORKER_MODULE = "zerofit.cli.worker"
 """Every worker starts here; it runs the user's target as __main__ and records its traceback."""
@@ -254,13 +255,6 @@ def free_loopback_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def usable_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 def plan_launch(config: RunConfig, target: tuple[str, ...], *, gpu_count: int) -> LaunchPlan:

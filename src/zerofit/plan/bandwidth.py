@@ -202,7 +202,8 @@ def _cuda_device(device: torch.device | str | int | None) -> torch.device:
     return torch.device("cuda", index)
 
 
-def _usable_cpus() -> int:
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask; where there is none, every CPU)."""
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:
@@ -240,7 +241,7 @@ def _measure(dev: torch.device) -> Rates:
     both = _copy_gbs([upload, download])
     gpu_adam_s = _gpu_adam_seconds(dev)
     gpu_tflops = _gemm_tflops(dev)
-    with _threads(_usable_cpus()):  # the machine's rate, whichever process measures it
+    with _threads(usable_cpus()):  # the machine's rate, whichever process measures it
         cpu_step = _cpu_adam_stepper(CPU_ADAM_NUMEL)
         cpu_alone = statistics.median(cpu_step() for _ in range(TRIALS))
         cpu_busy = _busy_step_seconds(cpu_step, [upload, download], both_gbs=both, alone_s=cpu_alone)
@@ -251,7 +252,7 @@ def _measure(dev: torch.device) -> Rates:
     return Rates(h2d_gbs=h2d, d2h_gbs=d2h, both_gbs=both, cpu_adam_s=cpu_alone * per,
                  cpu_adam_busy_s=None if cpu_busy is None else cpu_busy * per, gpu_adam_s=gpu_adam_s,
                  device_name=torch.cuda.get_device_name(dev), torch_version=torch.__version__,
-                 host=socket.gethostname(), cpus=_usable_cpus(),
+                 host=socket.gethostname(), cpus=usable_cpus(),
                  measured_at=datetime.now(timezone.utc).isoformat(timespec="seconds"), both_busy_gbs=both_busy,
                  gpu_tflops=gpu_tflops, host_copy_gbs=host_copy)
 
