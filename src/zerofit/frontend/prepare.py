@@ -26,8 +26,8 @@ from zerofit.errors import ConfigError
 from zerofit.frontend import compiling, engine_surface, ops
 from zerofit.frontend.auto_plan import (
     apply_checkpointing,
+    host_share_of,
     keep_checkpointing_effective,
-    machine_host_share,
     machine_rates,
     plan_for,
     wants_host_share,
@@ -191,12 +191,14 @@ class PrepareMixin:
         if self._prepared.engine_of(model) is not None:
             raise ValueError(f"this {type(model).__name__} was prepared already: prepare each model once, "
                              "together with its optimizer")
-        probe = None
-        share = None
-        if wants_host_share(self.config, self.device):  # a split of GPU-stepped offload, from measured rates
-            share = machine_host_share(self.device, self.num_processes,
-                                       2 if self.config.precision.mixed_precision in ("bf16", "fp16") else 4)
-        planned = needs_planning(self.config) or share is not None
+        probe = rates = share = None
+        planning, wants_share = needs_planning(self.config), wants_host_share(self.config, self.device)
+        if planning or wants_share:  # read once: the split and the planner's ranking see the same rates
+            rates = machine_rates(self.device, self.num_processes, measure=planning)
+        if wants_share:  # a split of GPU-stepped offload, from measured rates
+            share = host_share_of(rates, self.num_processes,
+                                  2 if self.config.precision.mixed_precision in ("bf16", "fp16") else 4)
+        planned = planning or share is not None
         if planned:  # "auto": the planner picks (zerofit.frontend.auto_plan) and prints its choice
             batch = self.config.batch
             planning = self.config
@@ -205,8 +207,7 @@ class PrepareMixin:
                     batch, gradient_accumulation_steps=self.planning_accumulation))
             planned_config, probe, check = plan_for(planning, model, loaders=self._prepared.dataloaders,
                                                     micro_batch=self._facts.micro_batch_size, process=self.process,
-                                                    host_share=share,
-                                                    rates=machine_rates(self.device, self.num_processes))
+                                                    host_share=share, rates=rates)
             self.config = planned_config.replace(batch=batch)
             if check is not None:  # [Note: planned without the batch]
                 check.on_checkpointing = self._checkpointing_turned_on
