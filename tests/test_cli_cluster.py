@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from zerofit.cli import hostfile, slurm
-from zerofit.cli.cluster import cluster_overrides
+from zerofit.cli.cluster import MachineSettings
 from zerofit.cli.launch import free_loopback_port, plan_launch
 from zerofit.cli.main import main
 from zerofit.config import load_config
@@ -57,8 +57,7 @@ def job(node_id: int, **extra: str) -> dict[str, str]:
 
 def plan_under(environ: dict[str, str], flags: dict | None = None, gpus: int = 4):
     flags = flags or {}
-    config = load_config(None, overrides=flags)
-    config = load_config(None, overrides={**flags, **cluster_overrides(config, slurm.launch_values(environ), flags)})
+    config = load_config(None, overrides=flags, settle=MachineSettings(flags, slurm.launch_values(environ)))
     return plan_launch(config, ("train.py",), gpu_count=gpus)
 
 
@@ -107,6 +106,24 @@ def test_a_hostfile_reads_hosts_slots_and_comments_and_names_bad_lines():
     assert "host 'a' is listed twice" in str(info.value)
     with pytest.raises(ConfigError, match="same slots=N"):
         hostfile.launch_values(hostfile.parse("a slots=1\nb slots=2\n", "hf"), "hf")
+
+
+def test_a_cluster_launch_reads_its_file_once_and_warns_once(tmp_path, capsys, monkeypatch):
+    """SLURM's values and a hostfile's settle the config as it is read: no second load repeats its warnings,
+    and a --machine_rank 1 that holds only with the hostfile's machine count is no problem."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "hosts").write_text("node-a slots=2\nnode-b slots=2\n")
+    for name, env, args in (("slurm.json", job(1), ["--num_processes", "6"]),
+                            ("hostfile.json", {}, ["--hostfile", "hosts", "--machine_rank", "1"])):
+        (tmp_path / name).write_text(json.dumps({"zero_optimization": {"stage": 2, "reduce_bucket_size": 2e8}}))
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+        assert main(["launch", "--dry-run", "--cpu", "--config_file", name, *args, str(CHECK)]) == 0
+        captured = capsys.readouterr()
+        assert captured.err.count("zerofit: warning: zero_optimization.reduce_bucket_size") == 1, captured.err
+        assert "this is machine 1" in captured.out
+        for key in env:
+            monkeypatch.delenv(key)
 
 
 def test_an_accelerate_yaml_hands_its_deepspeed_hostfile_to_the_launch(tmp_path):

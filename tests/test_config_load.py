@@ -329,3 +329,17 @@ def test_unreadable_file_is_a_config_error(tmp_path):
         load_config(bad)
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "missing.yaml")
+
+
+def test_settle_adds_overrides_before_the_rules_and_only_to_a_file_read_without_problems():
+    seen = []
+
+    def settle(draft: RunConfig) -> dict[str, object]:
+        seen.append(draft.launch.machine_rank)
+        return {"launch.num_machines": 2, "launch.main_process_ip": "10.0.0.1"}
+
+    config = config_from_dict({}, overrides={"launch.machine_rank": 1}, settle=settle)  # alone: rank 1 of 1 machine
+    assert (config.launch.num_machines, config.launch.machine_rank, seen) == (2, 1, [1])
+    with pytest.raises(ConfigError, match="zero.stag is not a known key"):
+        config_from_dict({"zero": {"stag": 2}}, settle=settle)
+    assert seen == [1]  # a file with problems is reported as it is, not settled

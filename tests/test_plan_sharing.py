@@ -99,13 +99,11 @@ def test_processes_per_host_reads_the_launchers_local_world_size(monkeypatch):
 
 
 def test_the_machines_host_share_is_one_processes_share(monkeypatch):
-    monkeypatch.setattr(bandwidth, "cached", lambda device=None: BUSY)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     want = bandwidth.best_host_share(shared_rates(BUSY, 8), 10**9, param_bytes=2)
-    got = auto_plan.machine_host_share(torch.device("cpu"), 8, 2)  # no process group: no broadcast
-    assert got == (want if want > 0 else None)
+    assert auto_plan.host_share_of(BUSY, 8, 2) == (want if want > 0 else None)
     alone = bandwidth.best_host_share(BUSY, 10**9, param_bytes=2)
-    assert auto_plan.machine_host_share(torch.device("cpu"), 1, 2) == (alone if alone > 0 else None)
+    assert auto_plan.host_share_of(BUSY, 1, 2) == (alone if alone > 0 else None)
 
 
 def test_the_probe_steps_cpu_adamw_on_every_usable_cpu_and_gives_the_threads_back():

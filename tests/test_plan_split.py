@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import socket
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -97,15 +98,30 @@ H200 = bandwidth.Rates(h2d_gbs=55.3, d2h_gbs=55.4, both_gbs=50.2, cpu_adam_s=0.2
                        host=socket.gethostname(), cpus=16, measured_at="2026-12-03T18:00:00+00:00")
 
 
-def test_the_machines_share_comes_from_its_cached_rates(monkeypatch):
-    monkeypatch.setattr(bandwidth, "cached", lambda device=None: None)
-    assert auto_plan.machine_host_share(torch.device("cpu"), 1, 2) is None  # nothing measured: no split
-    monkeypatch.setattr(bandwidth, "cached", lambda device=None: H200)
-    share = auto_plan.machine_host_share(torch.device("cpu"), 1, 2)
+def test_the_machines_share_comes_from_its_measured_rates():
+    assert auto_plan.host_share_of(None, 1, 2) is None  # nothing measured: no split
+    share = auto_plan.host_share_of(H200, 1, 2)
     assert share == bandwidth.best_host_share(H200, 10**9, param_bytes=2) and 0 < share < 1
     slow_cpu = dataclasses.replace(H200, cpu_adam_s=50.0, cpu_adam_busy_s=50.0)
-    monkeypatch.setattr(bandwidth, "cached", lambda device=None: slow_cpu)
-    assert auto_plan.machine_host_share(torch.device("cpu"), 1, 2) is None  # no split pays
+    assert auto_plan.host_share_of(slow_cpu, 1, 2) is None  # no split pays
+
+
+def test_the_rates_are_measured_only_where_planning_needs_them_or_the_cached_ones_are_stale(monkeypatch):
+    """machine_rates on a CUDA device (a stand-in: nothing runs on it): nothing cached is measured only with
+    `measure`; an entry an older zerofit cached is measured again either way, so the split and the
+    planner's ranking read the same current rates."""
+    now = dataclasses.replace(H200, gpu_tflops=600.0, host_copy_gbs=20.0)
+    measured = []
+    monkeypatch.setattr(bandwidth, "probe", lambda device=None, refresh=False: measured.append(device) or now)
+    cuda = SimpleNamespace(type="cuda")
+    monkeypatch.setattr(bandwidth, "cached", lambda device=None: None)
+    assert auto_plan.machine_rates(cuda, 1, measure=False) is None and measured == []
+    assert auto_plan.machine_rates(cuda, 1) is now and len(measured) == 1
+    assert not H200.current  # no matmul rate: an older zerofit's entry
+    monkeypatch.setattr(bandwidth, "cached", lambda device=None: H200)
+    assert auto_plan.machine_rates(cuda, 1, measure=False) is now and len(measured) == 2
+    monkeypatch.setattr(bandwidth, "cached", lambda device=None: now)
+    assert auto_plan.machine_rates(cuda, 1, measure=False) is now and len(measured) == 2
 
 
 def test_only_an_open_share_of_offload_that_may_be_gpu_stepped_is_planned():

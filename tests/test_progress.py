@@ -119,7 +119,7 @@ def test_fp16_lines_carry_the_loss_scale_and_the_skipped_steps(capsys):
         "zerofit: step 2 | lr 0.00025 | loss scale 32768 | skipped 1",
         "zerofit: step 4 | lr 0.00025 | loss scale 32768 | skipped 2",
     ]
-    assert progress_line(7, torch.tensor(1e-3), None, 0) == "zerofit: step 7 | lr 0.001"
+    assert progress_line(7, torch.tensor(1e-3), {}) == "zerofit: step 7 | lr 0.001"
 
 
 def test_a_gpu_run_adds_mfu_and_the_memory_peak(capsys):

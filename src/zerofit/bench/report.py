@@ -190,6 +190,7 @@ def environment() -> dict[str, Any]:
     import torch
 
     import zerofit
+    from zerofit.plan.host_memory import meminfo
 
     env: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
                            "zerofit": zerofit.__version__, "cuda": torch.version.cuda, "cpus": os.cpu_count(),
@@ -203,11 +204,9 @@ def environment() -> dict[str, Any]:
         props = torch.cuda.get_device_properties(0)
         env.update(gpu=props.name, gpu_memory_gib=round(props.total_memory / 2**30, 1),
                    gpus=torch.cuda.device_count())
-    try:
-        with open("/proc/meminfo") as f:
-            env["host_memory_gib"] = round(int(f.readline().split()[1]) / 2**20, 1)
-    except OSError:
-        pass
+    total = meminfo().get("MemTotal")
+    if total is not None:
+        env["host_memory_gib"] = round(total / 2**30, 1)
     return env
 
 

@@ -7,10 +7,9 @@ except that one contradicting a machine fact (the count, the rank) is an error n
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
-from zerofit.config import load_config
+from zerofit.cli import hostfile
 from zerofit.config.schema import LaunchConfig, RunConfig
 from zerofit.errors import ConfigError
 
@@ -46,14 +45,20 @@ def cluster_overrides(config: RunConfig, derived: dict[str, tuple[Any, str]],
     return out
 
 
-def load_without_machine_flags(config_file: str | os.PathLike[str] | None, flags: dict[str, object],
-                                from_slurm: dict[str, tuple[Any, str]] | None) -> RunConfig:
-    """The config without the machine flags (`CLUSTER_KEYS`), which may hold only with the cluster's values (a
-    --machine_rank 1 beside a hostfile's machine count); with SLURM's address where the file needs one."""
-    base = {k: v for k, v in flags.items() if k not in CLUSTER_KEYS}
-    if from_slurm and "launch.main_process_ip" in from_slurm:
-        try:
-            return load_config(config_file, overrides=base)
-        except ConfigError:  # the one rule SLURM's values settle: a file of several machines without an address
-            base["launch.main_process_ip"] = from_slurm["launch.main_process_ip"][0]
-    return load_config(config_file, overrides=base)
+class MachineSettings:
+    """`load_config`'s `settle` for a launch: what SLURM (`from_slurm`) or the hostfile the config names
+    derives, applied as `cluster_overrides` says, before the config's rules are checked - some hold only
+    with the cluster's values (a --machine_rank 1 beside a hostfile's machine count, a file of several
+    machines without the address SLURM gives) - so the file is read, and warns, once. A hostfile wins over
+    SLURM ([Note: one launch per node under SLURM], [Note: one command line, every machine])."""
+
+    def __init__(self, flags: dict[str, object], from_slurm: dict[str, tuple[Any, str]] | None):
+        self.flags, self.from_slurm = flags, from_slurm
+        self.hosts: list[hostfile.Host] | None = None
+        """The hostfile's machines, once the config was read (None: it names no hostfile)."""
+
+    def __call__(self, draft: RunConfig) -> dict[str, object]:
+        path = draft.launch.hostfile
+        self.hosts = hostfile.read(path) if path else None
+        derived = hostfile.launch_values(self.hosts, path) if self.hosts else self.from_slurm
+        return cluster_overrides(draft, derived, self.flags) if derived else {}

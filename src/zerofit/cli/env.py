@@ -20,6 +20,7 @@ import time
 import zerofit
 from zerofit.cli.flags import add_flag
 from zerofit.plan import bandwidth
+from zerofit.plan.host_memory import meminfo
 
 OPTIONAL_PACKAGES = ("transformers", "accelerate", "deepspeed", "safetensors", "numpy")
 # Environment variables that change how a run behaves, shown when set.
@@ -45,13 +46,11 @@ def _version(package: str) -> str:
 
 
 def _host_memory() -> str:
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            info = {line.split(":")[0]: int(line.split()[1]) for line in f if line.split()[1:2]}
-        return f"{info['MemTotal'] / 2**20:.1f} GiB total, {info.get('MemAvailable', 0) / 2**20:.1f} GiB available"
-    except (OSError, KeyError, ValueError):
-        pages, page_size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
-        return f"{pages * page_size / 2**30:.1f} GiB total"
+    info = meminfo()
+    if "MemTotal" in info:
+        return f"{info['MemTotal'] / 2**30:.1f} GiB total, {info.get('MemAvailable', 0) / 2**30:.1f} GiB available"
+    pages, page_size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+    return f"{pages * page_size / 2**30:.1f} GiB total"
 
 
 def _locked_memory_limit() -> str:
@@ -65,12 +64,7 @@ def _locked_memory_limit() -> str:
 
 
 def _cpus() -> str:
-    total = os.cpu_count() or 0
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except AttributeError:
-        usable = total
-    return f"{usable} usable of {total}"
+    return f"{bandwidth.usable_cpus()} usable of {os.cpu_count() or 0}"
 
 
 def offload_rates(*, probe: bool = False) -> str:

@@ -40,12 +40,13 @@ from pathlib import Path
 from typing import Any
 
 from zerofit.cli import failure_report, flight_recorder, hostfile, rendezvous, slurm
-from zerofit.cli.cluster import cluster_overrides, load_without_machine_flags
+from zerofit.cli.cluster import MachineSettings
 from zerofit.cli.flags import add_flag
 from zerofit.config import load_config, save_config, validate_config
 from zerofit.config.schema import RunConfig
 from zerofit.distributed.runtime import CONFIG_FILE_ENV, backend_for
 from zerofit.errors import ConfigError
+from zerofit.plan.bandwidth import usable_cpus
 
 WORKER_MODULE = "zerofit.cli.worker"
 """Every worker starts here; it runs the user's target as __main__ and records its traceback."""
@@ -254,13 +255,6 @@ def free_loopback_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def usable_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 def plan_launch(config: RunConfig, target: tuple[str, ...], *, gpu_count: int) -> LaunchPlan:
@@ -511,29 +505,12 @@ def run(args: argparse.Namespace) -> int:
     flags = overrides_from_args(args)
     if args.hostfile_print and args.dry_run:
         raise ConfigError("--hostfile_print and --dry_run both print instead of running: pass one of them")
-    from_slurm = slurm.launch_values(os.environ) if "launch.hostfile" not in flags else None
-    partial = False  # loaded without the machine flags, which hold only with the cluster's values
-    try:
-        config = load_config(config_file, overrides=flags)
-    except ConfigError as full:
-        # The machine settings may hold only with the cluster's: --machine_rank 1 with a hostfile's machine
-        # count, a file of several machines without the address SLURM gives.
-        try:
-            config = load_without_machine_flags(config_file, flags, from_slurm)
-            partial = True
-        except ConfigError:
-            raise full from None
-        if not (from_slurm or config.launch.hostfile):
-            raise full from None
-    hosts = hostfile.read(config.launch.hostfile) if config.launch.hostfile else None
+    machines = MachineSettings(flags, slurm.launch_values(os.environ) if "launch.hostfile" not in flags else None)
+    config = load_config(config_file, overrides=flags, settle=machines)
+    hosts = machines.hosts
     if args.hostfile_print and not hosts:
         raise ConfigError("--hostfile_print prints the command of each machine of a hostfile, and there is none: "
                           "pass --hostfile PATH (or set deepspeed_config.deepspeed_hostfile)")
-    # [Note: one launch per node under SLURM] and [Note: one command line, every machine]
-    derived = hostfile.launch_values(hosts, config.launch.hostfile) if hosts else from_slurm
-    applied = cluster_overrides(config, derived, flags) if derived else {}
-    if applied or partial:  # loaded again only when needed: a load prints the file's warnings again
-        config = load_config(config_file, overrides={**flags, **applied})
     if hosts and args.hostfile_print:
         sys.stdout.write(hostfile.print_lines(hosts, launch_argv(args, config_file)))
         return 0

@@ -29,8 +29,10 @@ from torch.distributed.elastic.rendezvous import (
 from torch.distributed.elastic.rendezvous.api import RendezvousError
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
+from zerofit.distributed.loopback import LOOPBACK
+from zerofit.distributed.loopback import listen_on_loopback as _listen
+
 BACKEND = "zerofit-loopback"
-LOOPBACK = "127.0.0.1"
 _STORE_TIMEOUT = timedelta(seconds=600)
 """How long a worker may take to reach the store (the same bound torchrun's static rendezvous uses)."""
 
@@ -40,20 +42,15 @@ class PortInUse(RendezvousError):
 
 
 def listen_on_loopback(port: int) -> socket.socket:
-    """A TCP socket listening on 127.0.0.1:`port` (0: a port the OS picks)."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    """A TCP socket listening on 127.0.0.1:`port` (0: a port the OS picks); PortInUse where it is taken."""
     try:
-        sock.bind((LOOPBACK, port))
+        return _listen(port)
     except OSError as e:
-        sock.close()
         if e.errno != errno.EADDRINUSE:
             raise
         raise PortInUse(f"port {port} on {LOOPBACK} is already in use (another run, or another program, listens "
                         "there): pass another with --main_process_port PORT (launch.main_process_port), or leave "
                         "it unset and zerofit picks a free one") from e
-    sock.listen(128)
-    return sock
 
 
 class LoopbackRendezvous(RendezvousHandler):

@@ -17,10 +17,11 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, get_args
 
 from .coerce import BadValue, is_auto_text, to_bool, to_choice, to_float, to_int
 from .reading import INVALID, Reading, dig, has
+from .schema import CommunicationDataType
 
 _Z = "zero_optimization"
 _OPT = f"{_Z}.offload_optimizer"
@@ -39,7 +40,7 @@ _NO_ZERO_INIT = "zerofit shards the model at prepare() from the model as built: 
 
 
 def _comm_type(value: Any) -> Any:
-    return None if value is None else to_choice(value, ("fp32", "fp16", "bf16"))
+    return None if value is None else to_choice(value, get_args(CommunicationDataType))
 
 
 def _optional_int(value: Any) -> Any:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -70,16 +70,24 @@ def _parse(path: Path) -> Any:
         ) from None
 
 
+Settle = Callable[[RunConfig], Mapping[str, Any]]
+"""More overrides computed from the config as read (the file and `overrides`), before its rules are checked."""
+
+
 def load_config(
-    path: str | os.PathLike[str] | None, *, overrides: Mapping[str, Any] | None = None
+    path: str | os.PathLike[str] | None, *, overrides: Mapping[str, Any] | None = None,
+    settle: Settle | None = None,
 ) -> RunConfig:
     """The RunConfig in the file at `path` (None: defaults), with `overrides` applied and validated.
 
     `overrides` maps dotted zerofit keys to command-line values (`{"launch.num_processes": 2}`); a None
     value means the flag was not given. Warnings about accepted-but-ignored keys go through `warnings`.
+    `settle(draft)`: more overrides from the config as read, before the cross-field rules are checked and
+    only where it was read without problems (`zerofit launch` derives a cluster's machine settings this
+    way, some of which a rule needs: the file is read, and warns, once).
     """
     if path is None:
-        return config_from_dict({}, overrides=overrides)
+        return config_from_dict({}, overrides=overrides, settle=settle)
     path = Path(path)
     data = _parse(path)
     if data is None:
@@ -89,7 +97,7 @@ def load_config(
             [f"a config file must hold a mapping of keys to values (got {type(data).__name__})"], str(path)
         )
     return config_from_dict(
-        data, overrides=overrides, source=str(path), base_dir=path.parent, suffix=path.suffix
+        data, overrides=overrides, source=str(path), base_dir=path.parent, suffix=path.suffix, settle=settle
     )
 
 
@@ -100,6 +108,7 @@ def config_from_dict(
     source: str | None = None,
     base_dir: str | os.PathLike[str] | None = None,
     suffix: str = "",
+    settle: Settle | None = None,
 ) -> RunConfig:
     """`load_config` for an already parsed file; `config_from_dict(to_dict(cfg)) == cfg`."""
     kind = detect_format(data, suffix=suffix) if data else "zerofit"
@@ -117,6 +126,8 @@ def config_from_dict(
     if kind != "zerofit" or "source" not in data:
         reading.values["source"] = reading.source
     reading.emit_warnings()
+    if settle is not None and not reading.problems:
+        _apply_overrides(reading, settle(tree.build_config(reading.values)))
     config = tree.build_config(reading.values)
     problems = reading.problems + list(
         validate.messages(validate.find_problems(config), skip_keys=reading.invalid)

@@ -13,14 +13,23 @@ import math
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, get_args
 
 from ..errors import ConfigError
 from . import catalog
 from .naming import key_name, turn_off
 from .reading import did_you_mean
-from .schema import RunConfig, is_auto
+from .schema import CommunicationDataType, MixedPrecision, OffloadDevice, RunConfig, is_auto
 from .tree import flatten
+
+_OFFLOAD_DEVICES = get_args(OffloadDevice)
+_MIXED_PRECISIONS = get_args(MixedPrecision)
+_COMMUNICATION_DATA_TYPES = get_args(CommunicationDataType)
+
+
+def _one_of(choices: tuple[str, ...]) -> str:
+    """`("a", "b", "c")` as "a, b or c"."""
+    return f"{', '.join(choices[:-1])} or {choices[-1]}" if len(choices) > 1 else choices[0]
 
 
 @dataclass(frozen=True)
@@ -68,8 +77,8 @@ def _offload(c: _Checker) -> None:
         device = c.values[f"{key}.device"]
         if is_auto(device):
             continue  # the planner picks none or cpu at prepare()
-        if device not in ("none", "cpu", "nvme"):
-            c.add(f"{c.name(key + '.device')} must be none, cpu or nvme (got {device!r})", f"{key}.device")
+        if device not in _OFFLOAD_DEVICES:
+            c.add(f"{c.name(key + '.device')} must be {_one_of(_OFFLOAD_DEVICES)} (got {device!r})", f"{key}.device")
             continue
         if device == "none":
             continue
@@ -250,16 +259,16 @@ def _launch(c: _Checker) -> None:
 
 def _precision(c: _Checker) -> None:
     mode = c.values["precision.mixed_precision"]
-    if not is_auto(mode) and mode not in ("no", "fp16", "bf16"):
+    if not is_auto(mode) and mode not in _MIXED_PRECISIONS:
         c.add(
-            f"{c.name('precision.mixed_precision')} must be no, fp16 or bf16 (got {mode!r})",
+            f"{c.name('precision.mixed_precision')} must be {_one_of(_MIXED_PRECISIONS)} (got {mode!r})",
             "precision.mixed_precision",
         )
     wire = c.values["precision.communication_data_type"]
-    if wire not in ("fp32", "bf16", "fp16"):
+    if wire not in _COMMUNICATION_DATA_TYPES:
         c.add(
-            f"{c.name('precision.communication_data_type')} must be fp32, bf16 or fp16 (got {wire!r}): fp32 reduces "
-            "gradients exactly; bf16 halves the bytes sent",
+            f"{c.name('precision.communication_data_type')} must be {_one_of(_COMMUNICATION_DATA_TYPES)} "
+            f"(got {wire!r}): fp32 reduces gradients exactly; bf16 halves the bytes sent",
             "precision.communication_data_type",
         )
     scale, least = c.known("precision.loss_scale.loss_scale"), c.known("precision.loss_scale.min_loss_scale")

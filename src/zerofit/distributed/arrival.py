@@ -387,10 +387,9 @@ def _connect() -> dist.Store | None:
     if not addr or not (port or "").isdigit():
         return None
     try:
-        client = dist.TCPStore(addr, int(port), is_master=False, timeout=_CONNECT_TIMEOUT, wait_for_workers=False)
+        return process_group.agent_store(_CONNECT_TIMEOUT)
     except (RuntimeError, ValueError):
         return None
-    return dist.PrefixStore(process_group.attempt_prefix(), client)
 
 
 def check_in(place: Place) -> None:

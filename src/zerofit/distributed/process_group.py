@@ -65,6 +65,15 @@ def joined_store() -> dist.Store | None:
     return _joined_store
 
 
+def agent_store(timeout: timedelta, world_size: int | None = None) -> dist.Store:
+    """A client of the store at MASTER_ADDR:MASTER_PORT (torchrun's agent store, or rank 0's), in this
+    attempt's key space (see the module note). `world_size`: count this client among the store's workers.
+    Raises what TCPStore raises (RuntimeError, ValueError) where the store cannot be reached."""
+    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                           is_master=False, timeout=timeout)
+    return dist.PrefixStore(attempt_prefix(), client)
+
+
 def join(config: RunConfig, backend: str, device: torch.device) -> None:
     """Create the default process group from the launcher's environment (see the module note)."""
     global _joined_timeout_s, _joined_store
@@ -78,9 +87,7 @@ def join(config: RunConfig, backend: str, device: torch.device) -> None:
         dist.init_process_group(backend, timeout=timeout, device_id=device_id)
         return
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    agent_store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                                is_master=False, timeout=timeout)
-    store = dist.PrefixStore(attempt_prefix(), agent_store)
+    store = agent_store(timeout, world)
     _joined_store = store
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout,
                             device_id=device_id)

@@ -69,30 +69,16 @@ def wants_host_share(config: RunConfig, device: torch.device) -> bool:
             and (is_auto(off.device) or off.device == "cpu"))
 
 
-def machine_host_share(device: torch.device, world: int, compute_bytes: int) -> float | None:
-    """The share of GPU-stepped offload to step on the host at the same time that this machine's cached
-    offload rates favour (`zerofit.plan.bandwidth.best_host_share`; `zerofit env --probe` measures them),
-    at one process's share of them ([Note: rates shared on one host]), rank 0's for every rank (one
-    broadcast); None: no rates cached, or no split pays."""
-    rates = bandwidth.cached(device)
-    share = -1.0 if rates is None else bandwidth.best_host_share(shared_rates(rates, processes_per_host(world)),
-                                                                 10**9, param_bytes=compute_bytes)
-    if world > 1 and dist.is_initialized():
-        value = torch.tensor([share], dtype=torch.float64, device=device)
-        with named("broadcast of the host share (host_share: auto)", dist.get_rank()):
-            dist.broadcast(value, src=0)
-        share = float(value[0])
-    return share if share > 0 else None
-
-
-def machine_rates(device: torch.device, world: int) -> bandwidth.Rates | None:
-    """This machine's measured rates for the planner, rank 0's for every rank (one broadcast): the cached
-    ones, or measured now and cached when none are (once per machine, a few seconds, printed); None
-    without CUDA or where they cannot be measured (the planner then keeps its fixed order)."""
+def machine_rates(device: torch.device, world: int, *, measure: bool = True) -> bandwidth.Rates | None:
+    """This machine's measured rates, rank 0's for every rank (one broadcast): the cached ones, measured
+    again where an older zerofit cached them (not `current`) and, with `measure`, measured now where none
+    are cached (once per machine, a few seconds, printed) and cached; None without CUDA, where none are
+    cached and `measure` is off, or where they cannot be measured (the planner then keeps its fixed order).
+    `prepare()` reads them once, for the split (`host_share_of`) and the planner's ranking alike."""
     rates = None
     if device.type == "cuda" and (not dist.is_initialized() or dist.get_rank() == 0):
         rates = bandwidth.cached(device)
-        if rates is None or not rates.current:
+        if (rates is None and measure) or (rates is not None and not rates.current):
             print(f"zerofit: measuring this machine's offload and matmul rates once for the planner "
                   f"(cached in {bandwidth.cache_path()}; `zerofit env` shows them)", flush=True)
             try:
@@ -106,6 +92,17 @@ def machine_rates(device: torch.device, world: int) -> bandwidth.Rates | None:
             dist.broadcast_object_list(box, src=0)
         rates = box[0]
     return rates
+
+
+def host_share_of(rates: bandwidth.Rates | None, world: int, compute_bytes: int) -> float | None:
+    """The share of GPU-stepped offload to step on the host at the same time that `rates` (`machine_rates`:
+    the same on every rank) favour (`zerofit.plan.bandwidth.best_host_share`; `zerofit env --probe` measures
+    them), at one process's share of them ([Note: rates shared on one host]); None: no rates, or no split pays."""
+    if rates is None:
+        return None
+    share = bandwidth.best_host_share(shared_rates(rates, processes_per_host(world)), 10**9,
+                                      param_bytes=compute_bytes)
+    return share if share > 0 else None
 
 
 def apply_checkpointing(config: RunConfig, model: nn.Module) -> None:
@@ -191,7 +188,7 @@ def plan_for(config: RunConfig, model: nn.Module, *, loaders: list[Any], micro_b
 
     `loaders` are the DataLoaders prepared so far (the first gives the batch shape), `micro_batch` the
     script's micro-batch if known, `process` this process's place in the run (`ProcessState`),
-    `host_share` the split `machine_host_share` found (tried where it fits), `rates` this machine's
+    `host_share` the split `host_share_of` found (tried where it fits), `rates` this machine's
     measured rates (`machine_rates`), which rank the settings that fit."""
     shape = first_batch_shape(loaders[0], micro_batch) if loaders else None
     world, device = process.num_processes, process.device

@@ -45,7 +45,7 @@ class PersistenceMixin:
         return max((opt.steps_taken for opt in self._prepared.optimizers), default=0)
 
     def _engine_of(self, model: nn.Module) -> ZeroEngine:
-        engine = self._prepared.engines.get(id(compiling.uncompiled(model)))
+        engine = self._prepared.engine_of(model)
         if engine is None:
             raise ValueError(f"this {type(model).__name__} was not prepared by this Accelerator: pass the model "
                              "returned by prepare()")

@@ -26,8 +26,8 @@ from zerofit.errors import ConfigError
 from zerofit.frontend import compiling, engine_surface, ops
 from zerofit.frontend.auto_plan import (
     apply_checkpointing,
+    host_share_of,
     keep_checkpointing_effective,
-    machine_host_share,
     machine_rates,
     plan_for,
     wants_host_share,
@@ -56,6 +56,10 @@ class Prepared:
     """Objects given to `register_for_checkpointing`, in order."""
     built: dict[int, Any] = field(default_factory=dict)
     """id(DummyOptim / DummyScheduler / raw optimizer) -> what replaced it."""
+
+    def engine_of(self, model: nn.Module) -> ZeroEngine | None:
+        """The engine that shards `model`, looked up through a `torch.compile` wrapper; None: not prepared."""
+        return self.engines.get(id(compiling.uncompiled(model)))
 
     def trained_engine(self) -> ZeroEngine | None:
         """The engine of the one model prepared with an optimizer (None before that)."""
@@ -184,15 +188,17 @@ class PrepareMixin:
 
     def _prepare_model(self, wrapper: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
         model = compiling.uncompiled(wrapper)  # torch.compile(model) before prepare(): shard the module inside
-        if id(model) in self._prepared.engines:
+        if self._prepared.engine_of(model) is not None:
             raise ValueError(f"this {type(model).__name__} was prepared already: prepare each model once, "
                              "together with its optimizer")
-        probe = None
-        share = None
-        if wants_host_share(self.config, self.device):  # a split of GPU-stepped offload, from measured rates
-            share = machine_host_share(self.device, self.num_processes,
-                                       2 if self.config.precision.mixed_precision in ("bf16", "fp16") else 4)
-        planned = needs_planning(self.config) or share is not None
+        probe = rates = share = None
+        planning, wants_share = needs_planning(self.config), wants_host_share(self.config, self.device)
+        if planning or wants_share:  # read once: the split and the planner's ranking see the same rates
+            rates = machine_rates(self.device, self.num_processes, measure=planning)
+        if wants_share:  # a split of GPU-stepped offload, from measured rates
+            share = host_share_of(rates, self.num_processes,
+                                  2 if self.config.precision.mixed_precision in ("bf16", "fp16") else 4)
+        planned = planning or share is not None
         if planned:  # "auto": the planner picks (zerofit.frontend.auto_plan) and prints its choice
             batch = self.config.batch
             planning = self.config
@@ -201,8 +207,7 @@ class PrepareMixin:
                     batch, gradient_accumulation_steps=self.planning_accumulation))
             planned_config, probe, check = plan_for(planning, model, loaders=self._prepared.dataloaders,
                                                     micro_batch=self._facts.micro_batch_size, process=self.process,
-                                                    host_share=share,
-                                                    rates=machine_rates(self.device, self.num_processes))
+                                                    host_share=share, rates=rates)
             self.config = planned_config.replace(batch=batch)
             if check is not None:  # [Note: planned without the batch]
                 check.on_checkpointing = self._checkpointing_turned_on
@@ -214,7 +219,7 @@ class PrepareMixin:
         engine = ZeroEngine(model, optimizer, zero=cfg.zero, precision=cfg.precision,
                             gradient_accumulation_steps=self.gradient_state.window,
                             gradient_clipping=cfg.gradient_clipping, device=self.device)
-        self._prepared.engines[id(model)] = engine  # the wrapper's calls look through it (compiling.uncompiled)
+        self._prepared.engines[id(model)] = engine  # the wrapper's calls look through it (Prepared.engine_of)
         if self.is_main_process and not planned:  # the planner's line already said what runs
             print(describe_engine(engine, num_processes=self.num_processes, backend=self.process.backend,
                                   spell=lambda key: key_name(cfg.source_format, key)), flush=True)
@@ -243,7 +248,7 @@ class PrepareMixin:
 
     def is_prepared(self, model: nn.Module) -> bool:
         """True once `model` went through `prepare()` (its weights are then the engine's: save through it)."""
-        return id(compiling.uncompiled(model)) in self._prepared.engines
+        return self._prepared.engine_of(model) is not None
 
     def _wrap_optimizer(self, opt: Any, real: torch.optim.Optimizer) -> AcceleratedOptimizer:
         engine = next((e for e in self._prepared.engines.values() if e.optimizer is real), None)

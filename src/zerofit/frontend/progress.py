@@ -56,11 +56,8 @@ def progress_values(window: Window | None, peak_bytes: int | None, loss_scale: f
     return out
 
 
-def progress_line(step: int, lr: Any, loss_scale: float | None = None, skipped: int = 0, *,
-                  values: dict[str, float] | None = None) -> str:
-    """The printed line: step and lr, then `values` (from `progress_values`), or the fp16 loss scale alone."""
-    if values is None:
-        values = progress_values(None, None, loss_scale, skipped)
+def progress_line(step: int, lr: Any, values: dict[str, float]) -> str:
+    """The printed line: step and lr, then `values` (from `progress_values`)."""
     parts = [f"zerofit: step {step}", f"lr {float(lr):.3g}"]
     if "tokens_per_s" in values:
         parts.append(f"{_rate(values['tokens_per_s'])} tokens/s")
@@ -113,10 +110,8 @@ class Progress:
         scaler = optimizer.engine.scaler
         lr = optimizer.optimizer.param_groups[0]["lr"]
         scale = scaler.scale if scaler.enabled else None
-        if self.throughput is None:
-            print(progress_line(optimizer.steps_taken, lr, scale, self.skipped), flush=True)
-            return
-        values = progress_values(window, self.throughput.peak_bytes(), scale, self.skipped)
-        print(progress_line(optimizer.steps_taken, lr, values=values), flush=True)
+        peak = self.throughput.peak_bytes() if self.throughput is not None else None
+        values = progress_values(window, peak, scale, self.skipped)
+        print(progress_line(optimizer.steps_taken, lr, values), flush=True)
         if self.log is not None and values:
             self.log({TRACKER_KEYS[k]: v for k, v in values.items()}, optimizer.steps_taken)

@@ -65,7 +65,7 @@ def checkpointing_choices(config: RunConfig, model: nn.Module) -> tuple[bool, ..
 def candidates(config: RunConfig, world: int, checkpointing: bool, *, host_share: float | None = None) -> list[Setting]:
     """The settings the config leaves open (a written stage or device is kept). GPU-stepped offload is
     listed with the written `host_share`, or under "auto" with `host_share` (the split this machine's
-    rates favour, `zerofit.frontend.auto_plan.machine_host_share`) and without a split."""
+    rates favour, `zerofit.frontend.auto_plan.host_share_of`) and without a split."""
     z = config.zero
     ratio = offload_ratio(config)
     out: list[Setting] = []

@@ -49,7 +49,7 @@ import statistics
 import tempfile
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import MISSING, asdict, dataclass, fields
 from datetime import datetime, timezone
 from pathlib import Path
@@ -202,7 +202,8 @@ def _cuda_device(device: torch.device | str | int | None) -> torch.device:
     return torch.device("cuda", index)
 
 
-def _usable_cpus() -> int:
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask; where there is none, every CPU)."""
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:
@@ -240,7 +241,7 @@ def _measure(dev: torch.device) -> Rates:
     both = _copy_gbs([upload, download])
     gpu_adam_s = _gpu_adam_seconds(dev)
     gpu_tflops = _gemm_tflops(dev)
-    with _threads(_usable_cpus()):  # the machine's rate, whichever process measures it
+    with _threads(usable_cpus()):  # the machine's rate, whichever process measures it
         cpu_step = _cpu_adam_stepper(CPU_ADAM_NUMEL)
         cpu_alone = statistics.median(cpu_step() for _ in range(TRIALS))
         cpu_busy = _busy_step_seconds(cpu_step, [upload, download], both_gbs=both, alone_s=cpu_alone)
@@ -251,7 +252,7 @@ def _measure(dev: torch.device) -> Rates:
     return Rates(h2d_gbs=h2d, d2h_gbs=d2h, both_gbs=both, cpu_adam_s=cpu_alone * per,
                  cpu_adam_busy_s=None if cpu_busy is None else cpu_busy * per, gpu_adam_s=gpu_adam_s,
                  device_name=torch.cuda.get_device_name(dev), torch_version=torch.__version__,
-                 host=socket.gethostname(), cpus=_usable_cpus(),
+                 host=socket.gethostname(), cpus=usable_cpus(),
                  measured_at=datetime.now(timezone.utc).isoformat(timespec="seconds"), both_busy_gbs=both_busy,
                  gpu_tflops=gpu_tflops, host_copy_gbs=host_copy)
 
@@ -343,17 +344,7 @@ def _gpu_adam_seconds(dev: torch.device) -> float:
     opt = torch.optim.AdamW([param], lr=1e-3, fused=True)
     opt.step()  # creates the state
     opt.step()
-    stream = torch.cuda.current_stream(dev)  # the one the steps run on
-    times = []
-    for _ in range(TRIALS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record(stream)
-        for _ in range(GPU_STEPS_PER_TRIAL):
-            opt.step()
-        end.record(stream)
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / GPU_STEPS_PER_TRIAL)
-    return statistics.median(times) * GB / GPU_ADAM_NUMEL
+    return _gpu_seconds(dev, opt.step) * GB / GPU_ADAM_NUMEL
 
 
 def _gemm_tflops(dev: torch.device) -> float:
@@ -362,17 +353,23 @@ def _gemm_tflops(dev: torch.device) -> float:
     a = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
     b = torch.randn(k, n, device=dev, dtype=torch.bfloat16)
     out = torch.mm(a, b)  # warm-up: cuBLAS picks its kernel
-    stream = torch.cuda.current_stream(dev)  # the one the products run on
+    return 2 * m * k * n / _gpu_seconds(dev, lambda: torch.mm(a, b, out=out)) / 1e12
+
+
+def _gpu_seconds(dev: torch.device, run: Callable[[], object]) -> float:
+    """Seconds per call of `run`, which issues its work on `dev`'s current stream: the median of TRIALS
+    timings, each of GPU_STEPS_PER_TRIAL calls between two CUDA events on that stream."""
+    stream = torch.cuda.current_stream(dev)
     times = []
     for _ in range(TRIALS):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record(stream)
         for _ in range(GPU_STEPS_PER_TRIAL):
-            torch.mm(a, b, out=out)
+            run()
         end.record(stream)
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3 / GPU_STEPS_PER_TRIAL)
-    return 2 * m * k * n / statistics.median(times) / 1e12
+    return statistics.median(times)
 
 
 def _cpu_adam_stepper(numel: int):

@@ -66,14 +66,14 @@ def read_host_memory(root: str | os.PathLike[str] = "/") -> HostMemory:
        balloon holds (`Balloon:` of `/proc/meminfo`).
     Never raises: a file missing or malformed is a source that says nothing."""
     base = Path(root)
-    meminfo = _meminfo(base / "proc/meminfo")
-    total, source = meminfo.get("MemTotal"), "MemTotal"
+    lines = meminfo(base)
+    total, source = lines.get("MemTotal"), "MemTotal"
     if total is None and base == Path("/"):
         total, source = _sysconf_memory(), "SC_PHYS_PAGES"
     limit = _cgroup_limit(base)
     if limit is not None and (total is None or limit[0] < total):
         return HostMemory(total_bytes=limit[0], source=limit[1])
-    growth = _growth_signs(base, meminfo)
+    growth = _growth_signs(base, lines)
     ceiling = limit[0] if limit is not None and growth else None
     return HostMemory(total_bytes=total, source=source, growth=growth, ceiling_bytes=ceiling)
 
@@ -85,10 +85,11 @@ def _read(path: Path) -> str | None:
         return None
 
 
-def _meminfo(path: Path) -> dict[str, int]:
-    """/proc/meminfo's "Name: N kB" lines, in bytes."""
+def meminfo(root: str | os.PathLike[str] = "/") -> dict[str, int]:
+    """`/proc/meminfo` under `root`: its "Name: N kB" lines, in bytes (`MemTotal`, `MemAvailable`, ...);
+    empty where it cannot be read. Never raises."""
     out = {}
-    for line in (_read(path) or "").splitlines():
+    for line in (_read(Path(root) / "proc/meminfo") or "").splitlines():
         name, _, rest = line.partition(":")
         words = rest.split()
         if words and words[0].isdigit():

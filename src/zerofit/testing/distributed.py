@@ -18,7 +18,6 @@ from __future__ import annotations
 import os
 import pickle
 import queue
-import socket
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -30,6 +29,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from zerofit.distributed import arrival
+from zerofit.distributed.loopback import LOOPBACK, listen_on_loopback
 
 
 class DistributedTestError(AssertionError):
@@ -61,17 +61,12 @@ def stop_forkserver() -> None:
         server._stop()
 
 
-_LOOPBACK = "127.0.0.1"
-
-
 def _host_store(timeout_s: float) -> tuple[dist.TCPStore, int]:
     """The ranks' rendezvous store and its port, hosted here as torchrun's agent hosts its own: the server
     listens on a socket bound to loopback (torch's TCPStore alone would listen on every interface)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((_LOOPBACK, 0))
-        sock.listen(128)
+    with listen_on_loopback(0) as sock:
         port = sock.getsockname()[1]
-        store = dist.TCPStore(_LOOPBACK, port, None, True, timedelta(seconds=timeout_s),
+        store = dist.TCPStore(LOOPBACK, port, None, True, timedelta(seconds=timeout_s),
                               wait_for_workers=False, master_listen_fd=sock.fileno())
         sock.detach()  # the server owns the socket now and closes it when it stops
     return store, port
@@ -84,14 +79,14 @@ def _worker(rank: int, world_size: int, port: int, backend: str, timeout_s: floa
     os.environ.clear()
     os.environ.update(environ)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR=_LOOPBACK, MASTER_PORT=str(port))
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR=LOOPBACK, MASTER_PORT=str(port))
     # torch reads TORCH_DISTRIBUTED_DEBUG when torch.distributed is imported, which a forked rank did in the
     # fork server, with the server's environment: read it again from this one.
     dist.set_debug_level_from_env()
     torch.set_num_threads(threads)
     try:
         timeout = timedelta(seconds=timeout_s)
-        store = dist.TCPStore(_LOOPBACK, port, None, False, timeout, wait_for_workers=False)
+        store = dist.TCPStore(LOOPBACK, port, None, False, timeout, wait_for_workers=False)
         dist.init_process_group(backend, store=dist.PrefixStore("run_distributed", store), rank=rank,
                                 world_size=world_size, timeout=timeout)
         out = fn(rank, world_size, *args)
