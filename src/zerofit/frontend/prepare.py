@@ -192,13 +192,13 @@ class PrepareMixin:
             raise ValueError(f"this {type(model).__name__} was prepared already: prepare each model once, "
                              "together with its optimizer")
         probe = rates = share = None
-        planning, wants_share = needs_planning(self.config), wants_host_share(self.config, self.device)
-        if planning or wants_share:  # read once: the split and the planner's ranking see the same rates
-            rates = machine_rates(self.device, self.num_processes, measure=planning)
+        auto, wants_share = needs_planning(self.config), wants_host_share(self.config, self.device)
+        if auto or wants_share:  # read once: the split and the planner's ranking see the same rates
+            rates = machine_rates(self.device, self.num_processes, measure=auto)
         if wants_share:  # a split of GPU-stepped offload, from measured rates
             share = host_share_of(rates, self.num_processes,
                                   2 if self.config.precision.mixed_precision in ("bf16", "fp16") else 4)
-        planned = planning or share is not None
+        planned = auto or share is not None
         if planned:  # "auto": the planner picks (zerofit.frontend.auto_plan) and prints its choice
             batch = self.config.batch
             planning = self.config
