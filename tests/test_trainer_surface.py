@@ -134,10 +134,27 @@ def test_torch_compile_arguments_reach_the_accelerator_which_compiles_at_prepare
     args = transformers.TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True,
                                           torch_compile_backend="aot_eager", torch_compile_mode="reduce-overhead")
     trainer = ours.Trainer(model=tiny_gpt2(), args=args)
-    assert trainer.accelerator._compile == {"backend": "aot_eager", "mode": "reduce-overhead"}
+    assert trainer.accelerator._compile.options == {"backend": "aot_eager", "mode": "reduce-overhead"}
     plain = ours.Trainer(model=tiny_gpt2(), args=transformers.TrainingArguments(output_dir=str(tmp_path),
                                                                                   report_to=[], use_cpu=True))
     assert plain.accelerator._compile is None
+
+
+def test_a_config_that_compiles_and_torch_compile_give_one_compile_the_arguments(tmp_path, monkeypatch):
+    """An Accelerate YAML's dynamo_config (the config's compile section) compiles a Trainer's model when
+    --torch_compile is not given; with both, Trainer's dynamo_plugin replaces the section: one compile."""
+    from trainer_cases import tiny_gpt2
+
+    from zerofit.distributed.runtime import CONFIG_FILE_ENV
+
+    (tmp_path / "zerofit.yaml").write_text("compile:\n  backend: eager\n  mode: max-autotune\n")
+    monkeypatch.setenv(CONFIG_FILE_ENV, str(tmp_path / "zerofit.yaml"))
+    plain = ours.Trainer(model=tiny_gpt2(), args=transformers.TrainingArguments(output_dir=str(tmp_path),
+                                                                                  report_to=[], use_cpu=True))
+    assert plain.accelerator._compile.options == {"backend": "eager", "mode": "max-autotune"}
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True,
+                                          torch_compile_backend="aot_eager")
+    assert ours.Trainer(model=tiny_gpt2(), args=args).accelerator._compile.options == {"backend": "aot_eager"}
 
 
 def test_config_json_names_the_dtype_of_the_weights_written(tmp_path):

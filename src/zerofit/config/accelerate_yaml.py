@@ -8,6 +8,8 @@ worse than stopping.
 Like Accelerate, the batch sizes and gradient accumulation of a plugin config are "auto" (filled
 from the script's DataLoader and `Accelerator(...)` at `prepare()`), and `deepspeed_config_file`
 replaces the plugin keys: setting both is an error that lists the keys to move into the JSON file.
+`dynamo_config` becomes the `compile` section, which the workers' Accelerator compiles with as Accelerate's
+does with what `accelerate launch` hands it (zerofit.frontend.compiling).
 Keys Accelerate knows but zerofit has no use for (TPU, SageMaker, IPEX...) are accepted; the few
 whose value would change behaviour zerofit does not reproduce give one warning. Unknown keys are
 errors, as they are in Accelerate.
@@ -45,6 +47,16 @@ TABLE: dict[str, str] = {
 }
 """Accelerate key -> zerofit key, for every key that maps one to one."""
 
+_DYNAMO = "dynamo_config"
+DYNAMO_KEYS = {
+    "dynamo_backend": "compile.backend",
+    "dynamo_mode": "compile.mode",
+    "dynamo_use_fullgraph": "compile.fullgraph",
+    "dynamo_use_dynamic": "compile.dynamic",
+    "dynamo_use_regional_compilation": "compile.regional",
+}
+"""`dynamo_config` key -> zerofit key (`accelerate launch` also takes each without its `dynamo_` prefix)."""
+
 SECTION_NAMES = {
     "launch.num_processes": "num_processes",
     "precision.mixed_precision": "mixed_precision",
@@ -52,6 +64,7 @@ SECTION_NAMES = {
     "zero.offload_param": f"{_DS}.offload_param_device",
     "zero.offload_optimizer.nvme_path": f"{_DS}.offload_optimizer_nvme_path",
     "zero.offload_param.nvme_path": f"{_DS}.offload_param_nvme_path",
+    **{key: f"{_DYNAMO}.{name}" for name, key in DYNAMO_KEYS.items()},
 }
 """Names of keys read by hand and of zerofit sections, for messages (see `naming`)."""
 
@@ -104,7 +117,7 @@ _SECTIONS_READ_BY_HAND = (
     "megatron_lm_config",
     "ipex_config",
     "mpirun_config",
-    "dynamo_config",
+    _DYNAMO,
     "dynamo_backend",
     "fp16",
     "num_processes",
@@ -177,6 +190,7 @@ def read(
     _read_processes(reading, data)
     _read_mixed_precision(reading, data)
     _read_ignored(reading, data, kind)
+    _read_dynamo(reading, data)
     if kind == "DEEPSPEED" and isinstance(plugin, Mapping):
         _read_plugin(reading, plugin, uses_file=bool(ds_file))
         if not ds_file:
@@ -271,16 +285,33 @@ def _read_ignored(reading: Reading, data: Mapping[str, Any], kind: str) -> None:
             reading.error(
                 f"parallelism_config.{size} = {value} asks for a kind of parallelism zerofit lacks: set it to 1"
             )
-    backend = dig(data, "dynamo_config.dynamo_backend", data.get("dynamo_backend"))
-    if not _is_off(backend):
-        reading.warn(
-            f"dynamo_config.dynamo_backend {backend} is ignored by the launcher: pass "
-            f"Accelerator(dynamo_backend={str(backend).lower()!r}) in the script, or call model.compile() there"
-        )
     if reading.coerce("enable_cpu_affinity", data.get("enable_cpu_affinity", False), to_bool) is True:
         reading.warn("enable_cpu_affinity is ignored: zerofit leaves CPU affinity to the system")
     if reading.values.get("launch.main_training_function", "main") != "main":
         reading.warn("main_training_function is ignored: zerofit runs the script as __main__")
+
+
+def _read_dynamo(reading: Reading, data: Mapping[str, Any]) -> None:
+    """`dynamo_config` (and the older top-level `dynamo_backend`) into the `compile` section: what
+    `accelerate launch` hands its workers as ACCELERATE_DYNAMO_* for the script's Accelerator to compile with."""
+    section = data.get(_DYNAMO)
+    if section in (None, {}):
+        section = {}
+    elif not isinstance(section, Mapping):
+        reading.error(f"{_DYNAMO} must be a mapping of dynamo_* keys (got {section!r}): write it as "
+                      "`accelerate config` does (dynamo_backend: INDUCTOR, ...) or remove it", key="compile.backend")
+        return
+    given = {}
+    for key, value in section.items():
+        name = str(key) if str(key).startswith("dynamo_") else f"dynamo_{key}"
+        if name not in DYNAMO_KEYS:
+            reading.error(unknown_key(f"{_DYNAMO}.{key}", str(key), DYNAMO_KEYS))
+        elif value is not None:
+            given[name] = (f"{_DYNAMO}.{key}", value)
+    if "dynamo_backend" not in given and data.get("dynamo_backend") is not None:
+        given["dynamo_backend"] = ("dynamo_backend", data["dynamo_backend"])  # before dynamo_config existed
+    for name, (spelled, value) in given.items():  # a backend as Accelerate spells it (INDUCTOR, NO) stays so
+        reading.put(DYNAMO_KEYS[name], spelled, value)
 
 
 def _read_plugin(reading: Reading, plugin: Mapping[str, Any], *, uses_file: bool) -> None:

@@ -1,4 +1,5 @@
-"""The optimizers and learning-rate schedules a config may name, and the arguments each takes.
+"""The optimizers, learning-rate schedules and torch.compile backends a config may name, and the arguments
+each takes.
 
 Configs name them as DeepSpeed does (`"type": "AdamW"`, `"type": "WarmupDecayLR"`). Knowing each
 one's arguments lets validation catch a misspelt `warmup_num_step` before a run starts rather than
@@ -115,3 +116,18 @@ def optimizer_arguments(cls: type) -> set[str] | None:
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values()):
         return None
     return {name for name in signature.parameters if name not in ("self", "params")}
+
+
+_DEBUG_BACKENDS = ("eager", "aot_eager")
+"""Backends `torch._dynamo.list_backends()` hides as debugging aids that are worth naming: they compile
+nothing, so they show what dynamo captures (and test it) at eager speed."""
+
+
+@functools.cache
+def compile_backends() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(every `torch.compile` backend name this torch knows, the ones to suggest): imported here, and only
+    for a config that compiles, because `torch._dynamo` takes about a second to import."""
+    import torch._dynamo
+
+    suggested = sorted({*torch._dynamo.list_backends(), *_DEBUG_BACKENDS})
+    return tuple(torch._dynamo.list_backends(exclude_tags=())), tuple(suggested)

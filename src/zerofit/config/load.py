@@ -26,7 +26,7 @@ from .schema import AUTO, RunConfig, is_auto
 _ACCELERATE_MARKERS = ("distributed_type", "compute_environment")
 _ZEROFIT_MARKERS = ("launch", "zero", "precision", "batch", "logging", "source_format")
 # Keys both DeepSpeed and zerofit spell the same way; alone they decide nothing.
-_SHARED = frozenset({"optimizer", "scheduler", "gradient_clipping", "checkpoint", "source"})
+_SHARED = frozenset({"optimizer", "scheduler", "gradient_clipping", "checkpoint", "source", "compile"})
 
 
 def detect_format(data: Mapping[str, Any], *, suffix: str = "") -> str:

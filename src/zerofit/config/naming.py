@@ -27,13 +27,13 @@ def _chains() -> dict[str, tuple[dict[str, str], ...]]:
     deepspeed = _inverse(deepspeed_json.TABLE, deepspeed_json.SECTION_NAMES)
     accelerate = _inverse(accelerate_yaml.TABLE, accelerate_yaml.SECTION_NAMES)
     launch_only = {
-        k: v for k, v in accelerate.items() if k.startswith("launch.") or k.startswith("precision.")
+        k: v for k, v in accelerate.items() if k.startswith(("launch.", "precision.", "compile."))
     }
     return {
         "zerofit": (),
         "deepspeed": (deepspeed,),
         "accelerate": (accelerate,),
-        # With deepspeed_config_file, the JSON holds everything but the launch keys and the YAML's precision.
+        # With deepspeed_config_file, the JSON holds everything but the launch keys, the YAML's precision and dynamo.
         "accelerate+deepspeed": (deepspeed, launch_only),
     }
 

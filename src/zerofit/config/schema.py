@@ -256,6 +256,27 @@ class LoggingConfig:
     the previous line, and with trackers started logs them under `zerofit/` keys; false: step and lr only."""
 
 
+CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class CompileConfig:
+    """`torch.compile` of each prepared model, at the end of `prepare()` (an Accelerate YAML's `dynamo_config`);
+    a script's `Accelerator(dynamo_backend=...)` or `dynamo_plugin=...` replaces the whole section."""
+
+    backend: str = "no"
+    """A `torch._dynamo.list_backends()` name (inductor, cudagraphs; eager or aot_eager to debug); no: eager."""
+    mode: CompileMode = "default"
+    """torch.compile's mode: default, reduce-overhead, max-autotune or max-autotune-no-cudagraphs."""
+    fullgraph: bool = False
+    """One graph or an error; stages 0-2 without offload only (the engine's hooks break the graph)."""
+    dynamic: bool | None = None
+    """Trace with dynamic shapes (true), never (false), or as torch decides after a shape changes (unset)."""
+    regional: bool = False
+    """Compile each communication unit (the repeated blocks, large modules) and the modules around them one by
+    one instead of the whole model: the blocks share one compiled graph, so the first step compiles faster."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class RunConfig:
     """Everything a zerofit run needs, after loading and before `auto` resolution."""
@@ -272,6 +293,7 @@ class RunConfig:
     scheduler: SchedulerConfig | None = None
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    compile: CompileConfig = field(default_factory=CompileConfig)
     source: str | None = None
     """The file(s) this config was loaded from, for messages."""
     source_format: Literal["zerofit", "accelerate", "deepspeed", "accelerate+deepspeed"] = "zerofit"

@@ -405,6 +405,16 @@ def _scheduler(c: _Checker) -> None:
             )
 
 
+def _compile(c: _Checker) -> None:
+    backend = c.values["compile.backend"]
+    if not isinstance(backend, str) or backend.lower() in ("no", "none", ""):
+        return
+    known, suggested = catalog.compile_backends()
+    if backend.lower() not in known:
+        c.add(f"{c.name('compile.backend')} {backend!r} is not a torch.compile backend of this torch: choose one of "
+              f"{', '.join(suggested)} (torch._dynamo.list_backends()), or no to run uncompiled", "compile.backend")
+
+
 _RULES: tuple[Callable[[_Checker], None], ...] = (
     _stage,
     _offload,
@@ -416,6 +426,7 @@ _RULES: tuple[Callable[[_Checker], None], ...] = (
     _optimizer,
     _optimizer_values,
     _scheduler,
+    _compile,
 )
 
 

@@ -95,8 +95,6 @@ class Accelerator(PrepareMixin, PersistenceMixin, ProcessMethods):
             dataloader_config = dataclasses.replace(dataloader_config, use_seedable_sampler=bool(use_seedable_sampler))
         split_batches = bool(getattr(dataloader_config, "split_batches", split_batches))
         timeout = plugins.process_group_timeout(kwargs_handlers)
-        self._compile = compiling.compile_options(dynamo_backend, dynamo_plugin)
-        """`model.compile` arguments applied at the end of `prepare()` (see zerofit.frontend.compiling)."""
         self._profile_kwargs = next((h for h in kwargs_handlers or () if isinstance(h, plugins.ProfileKwargs)), None)
         _check_accumulation_steps(gradient_accumulation_steps)
         if mixed_precision not in (None, "no", "fp16", "bf16"):
@@ -109,6 +107,8 @@ class Accelerator(PrepareMixin, PersistenceMixin, ProcessMethods):
             config = plugins.with_deepspeed_plugin(config, deepspeed_plugin)
         if timeout is not None:  # InitProcessGroupKwargs(timeout=...)
             config = config.replace(launch=dataclasses.replace(config.launch, process_group_timeout=timeout))
+        self._compile = compiling.requested(dynamo_backend, dynamo_plugin, config)
+        """How `prepare()` compiles each model: the script's arguments, else the config (zerofit.frontend.compiling)."""
         self.process = ProcessState.create(config, cpu=cpu)
         self._before_script = (config, mixed_precision)  # for a later `gradient_accumulation_steps = n`
         self.config = apply_script_arguments(config, gradient_accumulation_steps=gradient_accumulation_steps,

@@ -239,8 +239,8 @@ class PrepareMixin:
             for module in model.modules():
                 if hasattr(module, "generate") or module is model:
                     module._is_fsdp_managed_module = True
-        if self._compile is not None:  # Accelerator(dynamo_backend=...): after every hook is in place
-            compiling.compile_prepared(model, self._compile, engine)
+        if self._compile is not None:  # dynamo_backend / dynamo_config: after every hook is in place
+            compiling.compile_prepared(wrapper, model, self._compile, engine)
 
     def _checkpointing_turned_on(self) -> None:
         """The first training forward turned activation checkpointing on (see first_batch.py): the config says so."""
