@@ -223,3 +223,57 @@ def test_a_process_past_its_timeout_is_stopped_and_says_so():
                       dict(os.environ), timeout=2)
     assert out["timed_out"] == 2 and out["rc"] != 0 and "started" in out["stdout"]
     assert out["stderr"].endswith("timed out after 2 s")
+
+
+def _eager_and_compiled_rows(rank: int, world: int, events: str, steps: int) -> None:
+    """The bench worker's equal-batch phase for an eager and a compiled zerofit row, one after the other in this
+    process (the CLI starts a process per row: this is what each of them runs, without two more interpreters)."""
+    from zerofit.bench import worker
+
+    for method in ("zerofit-s2", "zerofit-s2-compiled"):
+        os.makedirs(os.path.join(events, method))
+        worker.main(["--events", os.path.join(events, method), "--table", "clm", "--method", method, "--tiny",
+                     "--device", "cpu", "--precision", "no", "--equal-only", "--equal-batch", "2", "--warmup", "1",
+                     "--steps", str(steps), "--eval-steps", "0", "--compile-backend", "aot_eager"])
+
+
+def test_a_compiled_row_trains_as_its_eager_row_and_the_table_says_so(tmp_path):
+    """`zerofit-s2-compiled` (Accelerator(dynamo_backend="aot_eager")) against `zerofit-s2`: the same losses,
+    the first step (the compile) timed apart, and the table's compiled columns; MFU is "-" on CPU."""
+    from zerofit.bench.run import RowState, read_events
+    from zerofit.bench.workloads import WORKLOADS
+    from zerofit.cli.bench import table_record
+    from zerofit.testing.distributed import run_distributed
+
+    run_distributed(_eager_and_compiled_rows, 1, str(tmp_path), 2, timeout=120)
+    table = table_record(WORKLOADS["clm"], True, 2) | {"rows": []}
+    for method in ("zerofit-s2", "zerofit-s2-compiled"):
+        state = RowState(method=method, table="clm")
+        for event in read_events(str(tmp_path / method)):
+            state.record(event)
+        table["rows"].append(state.as_record())
+    eager, compiled = (r["equal"] for r in table["rows"])
+    assert len(eager["losses"]) == 3 and compiled["losses"] == eager["losses"]  # aot_eager: the same kernels
+    assert table["rows"][1]["config"]["compile"] == "Accelerator(dynamo_backend='aot_eager')"
+    assert compiled["first_s"] > compiled["train_s"]  # the compile is in the first step, not in the timed ones
+    record = {"options": {"nproc": 1, "precision": "no", "clip": 1.0, "steps": 2, "warmup": 1, "device": "cpu",
+                          "equal_only": True, "compile_backend": "aot_eager"},
+              "environment": {"gpu_bf16_tflops": 500.0}, "tables": [table]}
+    md = "\n".join(report.markdown(record))
+    assert "Compiled rows: backend aot_eager" in md and "MFU: - (no measured bf16 matmul rate" in md
+    line = next(ln for ln in md.splitlines() if ln.startswith("| zerofit-s2-compiled |")).split(" | ")
+    assert line[3] == "-" and line[-1] == "0.00e+00 |" and line[-2].endswith("x")  # MFU, loss gap, vs eager
+    with pytest.raises(ValueError, match="DeepSpeed rows are not compiled here"):
+        parse("deepspeed-s2-compiled")
+    assert parse("zerofit-s3-offload-compiled") == ("zerofit", 3, True)
+
+
+def test_mfu_is_the_progress_lines_formula_against_the_probed_rate():
+    from zerofit.plan.flops import mfu
+
+    table = {"params": 10**9, "tokens_per_sample": 128, "train_examples": 100, "eval_examples": 10}
+    row = {"equal": {"fits": True, "batch": 8, "train_s": 0.5, "losses": [1.0]}}
+    x = report.derive(row, table, world=2, peak_tflops=400.0)
+    per_gpu = 8 * 128 / 0.5
+    assert x["equal_tokens_per_s"] == 2 * per_gpu and x["equal_mfu"] == pytest.approx(mfu(6e9, per_gpu, 400.0))
+    assert report.derive(row, table, world=2)["equal_mfu"] is None  # no rate (CPU, never probed): no MFU

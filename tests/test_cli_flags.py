@@ -40,7 +40,8 @@ FROZEN = {
         "--headroom": (), "--json": (),
     },
     "bench": {
-        "--tables": (), "--methods": (), "--num_processes": ("--nproc",), "--gpu_memory_gib": (), "--steps": (),
+        "--tables": (), "--methods": (), "--compile_backend": (), "--num_processes": ("--nproc",),
+        "--gpu_memory_gib": (), "--steps": (),
         "--eval_steps": (), "--warmup": (), "--max_batch": (), "--equal_batch": (), "--equal_only": (),
         "--mixed_precision": ("--precision",), "--clip": (), "--tiny": (), "--cpu": (), "--timeout": (),
         "--budget": (), "--process_group_timeout": (), "--out": (), "--report": (), "--merge": (),

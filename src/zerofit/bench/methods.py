@@ -8,6 +8,10 @@ Methods (the row names of the tables):
 - `deepspeed-sN[-offload]`: DeepSpeed's own engine with that same JSON.
 - `fsdp2[-offload]`: `fully_shard` on every repeated block and the root, bf16 parameters with fp32
   reductions, optionally `CPUOffloadPolicy`.
+- `...-compiled` (not DeepSpeed): the same set-up compiled the way its users compile it, with
+  `--compile_backend` (default inductor): `torch.compile` around the DDP (or FSDP2) model, as torch's
+  documentation does; for zerofit, `Accelerator(dynamo_backend=...)`, which compiles the prepared model in
+  place (the way docs/accelerate.md recommends). The first step pays the compile: the worker times it apart.
 
 Every set-up builds the workload's model on the compute device under the same seed (see
 [Note: same start, same data] in `zerofit.bench.workloads`).
@@ -33,9 +37,21 @@ LR = 1e-4
 WEIGHT_DECAY = 0.01
 
 
+COMPILED = "-compiled"
+
+
+def split_compiled(method: str) -> tuple[str, bool]:
+    """("zerofit-s2", True) for "zerofit-s2-compiled"; (method, False) for an eager row."""
+    if method.endswith(COMPILED):
+        return method[:-len(COMPILED)], True
+    return method, False
+
+
 def parse(method: str) -> tuple[str, int, bool]:
-    """("zerofit", 3, True) for "zerofit-s3-offload"; stage 0 for ddp, 3 for fsdp2."""
-    parts = method.split("-")
+    """("zerofit", 3, True) for "zerofit-s3-offload" (and for "zerofit-s3-offload-compiled": see
+    `split_compiled`); stage 0 for ddp, 3 for fsdp2."""
+    base, compiled = split_compiled(method)
+    parts = base.split("-")
     family = parts[0]
     if family not in ("ddp", "zerofit", "deepspeed", "fsdp2"):
         raise ValueError(f"unknown method {method!r}: use ddp, zerofit-sN[-offload], deepspeed-sN[-offload] or "
@@ -48,6 +64,10 @@ def parse(method: str) -> tuple[str, int, bool]:
     offload = parts[-1] == "offload"
     if offload and stage < 2 and family != "fsdp2":
         raise ValueError(f"method {method!r}: optimizer offload needs stage 2 or 3")
+    if compiled and family == "deepspeed":
+        raise ValueError(f"method {method!r}: DeepSpeed rows are not compiled here (DeepSpeed compiles through "
+                         f"its own engine.compile()); drop {COMPILED!r}, or compare ddp{COMPILED}, "
+                         f"zerofit-sN{COMPILED} or fsdp2{COMPILED}")
     return family, stage, offload
 
 
@@ -68,6 +88,8 @@ class Runner:
     """A prepared model and optimizer: `train(batch)` one step, `evaluate(batch)` one forward."""
 
     model: nn.Module
+    compiled: str | None = None
+    """How a `-compiled` row compiled its model (for the record); None: eager."""
 
     def train(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         raise NotImplementedError
@@ -136,7 +158,8 @@ class PlainRunner(TorchLoopRunner):
 
 
 class ZerofitRunner(Runner):
-    def __init__(self, model: nn.Module, ds_config: dict[str, Any], *, process_group_timeout: float | None = None):
+    def __init__(self, model: nn.Module, ds_config: dict[str, Any], *, process_group_timeout: float | None = None,
+                 compile_backend: str | None = None):
         from zerofit import Accelerator
         from zerofit.frontend.utils import DummyOptim, InitProcessGroupKwargs
 
@@ -144,11 +167,13 @@ class ZerofitRunner(Runner):
         handlers = [InitProcessGroupKwargs(timeout=timedelta(seconds=process_group_timeout))] \
             if process_group_timeout else None
         self.ds_config = ds_config
+        self.compiled = None if compile_backend is None else f"Accelerator(dynamo_backend={compile_backend!r})"
         fd, self.path = tempfile.mkstemp(prefix="zerofit-bench-", suffix=".json")
         with os.fdopen(fd, "w") as f:
             json.dump(ds_config, f)
         try:
-            self.accelerator = Accelerator(config=self.path, kwargs_handlers=handlers)
+            # a compiled row: what an Accelerate script asks for; prepare() compiles the model in place
+            self.accelerator = Accelerator(config=self.path, kwargs_handlers=handlers, dynamo_backend=compile_backend)
             self.model, self.optimizer = self.accelerator.prepare(model, DummyOptim(model.parameters()))
         finally:
             os.unlink(self.path)
@@ -222,23 +247,33 @@ def repeated_blocks(model: nn.Module) -> list[nn.Module]:
 
 
 def build_runner(method: str, workload: Workload, *, tiny: bool, device: torch.device, bf16: bool, clip: float,
-                 world: int, micro_batch: int, process_group_timeout: float | None = None) -> Runner:
+                 world: int, micro_batch: int, process_group_timeout: float | None = None,
+                 compile_backend: str = "inductor") -> Runner:
     """`process_group_timeout`: seconds a collective waits for a peer before it raises (None: torch's
-    default for the torch and DeepSpeed rows, `launch.process_group_timeout`'s for zerofit's)."""
+    default for the torch and DeepSpeed rows, `launch.process_group_timeout`'s for zerofit's);
+    `compile_backend`: torch.compile's backend for a `-compiled` method."""
     family, stage, offload = parse(method)
+    compiled = split_compiled(method)[1]
     if family in ("deepspeed", "fsdp2"):
         init_process_group(device, process_group_timeout)
     model = workload.build_model(tiny, device)
+    runner: Runner
     if family == "ddp":
         if world > 1:
             init_process_group(device, process_group_timeout)
-        return PlainRunner(model, device, bf16=bf16, clip=clip, world=world)
-    if family == "fsdp2":
-        return Fsdp2Runner(model, bf16=bf16, offload=offload, clip=clip)
-    ds = deepspeed_json(stage, offload, bf16=bf16, clip=clip, micro_batch=micro_batch)
-    if family == "zerofit":
-        return ZerofitRunner(model, ds, process_group_timeout=process_group_timeout)
-    return DeepSpeedRunner(model, ds)  # DeepSpeed joins the group created above
+        runner = PlainRunner(model, device, bf16=bf16, clip=clip, world=world)
+    elif family == "fsdp2":
+        runner = Fsdp2Runner(model, bf16=bf16, offload=offload, clip=clip)
+    elif family == "zerofit":
+        ds = deepspeed_json(stage, offload, bf16=bf16, clip=clip, micro_batch=micro_batch)
+        return ZerofitRunner(model, ds, process_group_timeout=process_group_timeout,
+                             compile_backend=compile_backend if compiled else None)
+    else:  # DeepSpeed joins the group created above
+        return DeepSpeedRunner(model, deepspeed_json(stage, offload, bf16=bf16, clip=clip, micro_batch=micro_batch))
+    if compiled:  # the torch rows: torch.compile around the wrapped model, as torch's DDP and FSDP2 docs do
+        runner.model = torch.compile(runner.model, backend=compile_backend)
+        runner.compiled = f"torch.compile({type(runner.model._orig_mod).__name__}, backend={compile_backend!r})"
+    return runner
 
 
 def init_process_group(device: torch.device, timeout_s: float | None = None) -> None:

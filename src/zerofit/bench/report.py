@@ -6,6 +6,12 @@ per second, peak GPU memory; the speed-up over DDP (epoch time) and over the mat
 equal-batch columns (every method at the same batch from the same weights: step time and first loss).
 A `--equal-only` run (scaling and parity) has only those: step time, tokens per second and GPU peak at
 the one batch, the speed against DDP and the peers, and how far each row's losses stray from DDP's.
+
+MFU is the progress line's: [Note: model FLOPs] (`zerofit.plan.flops`, 6 N per token, every parameter
+trained) of one GPU's tokens a second against the bf16 matmul rate the planner's probe cached for this
+GPU (`zerofit env --probe` measures it); "-" on CPU or where this GPU was never probed. A table with
+`-compiled` rows also shows each row's first step apart (the compile is in it; the timed steps come after
+`--warmup` steps, so they are free of it) and each compiled row's speed against its eager row.
 """
 
 from __future__ import annotations
@@ -16,14 +22,18 @@ import os
 import platform
 from typing import Any
 
+from zerofit.bench.methods import split_compiled
+from zerofit.plan.flops import mfu, train_flops_per_token
+
 # zerofit row -> the peers running the same setting
 PEERS = {"zerofit-s1": ("deepspeed-s1",), "zerofit-s2": ("deepspeed-s2",),
          "zerofit-s2-offload": ("deepspeed-s2-offload",),
          "zerofit-s3": ("deepspeed-s3", "fsdp2"), "zerofit-s3-offload": ("deepspeed-s3-offload", "fsdp2-offload")}
 
 
-def derive(row: dict[str, Any], table: dict[str, Any], world: int) -> dict[str, Any]:
-    """The table's numbers for one row (None where the row has no such measurement)."""
+def derive(row: dict[str, Any], table: dict[str, Any], world: int, peak_tflops: float | None = None) -> dict[str, Any]:
+    """The table's numbers for one row (None where the row has no such measurement); `peak_tflops`: the GPU's
+    measured bf16 matmul rate, for MFU (None: no MFU)."""
     t, e = row.get("timing"), row.get("evaluation")
     out: dict[str, Any] = {"status": status(row)}
     if t and e:
@@ -34,13 +44,35 @@ def derive(row: dict[str, Any], table: dict[str, Any], world: int) -> dict[str, 
                    tokens_per_s=t["train_batch"] * world * table["tokens_per_sample"] / t["train_s"],
                    gpu_peak_gib=t.get("gpu_peak_gib"), host_rss_gib=t.get("host_rss_gib"),
                    capped=bool(row.get("done", {}).get("capped")))
+        out["mfu"] = _mfu(out["tokens_per_s"] / world, table, peak_tflops)
     eq = row.get("equal")
     out["equal_fits"] = None if eq is None else bool(eq["fits"])
     if out["equal_fits"]:
         out.update(equal_s=eq["train_s"], first_loss=eq["losses"][0], losses=eq["losses"],
                    equal_tokens_per_s=eq["batch"] * world * table["tokens_per_sample"] / eq["train_s"],
-                   equal_peak_gib=eq.get("gpu_peak_gib"))
+                   equal_peak_gib=eq.get("gpu_peak_gib"), first_s=eq.get("first_s"))
+        out["equal_mfu"] = _mfu(out["equal_tokens_per_s"] / world, table, peak_tflops)
     return out
+
+
+def _mfu(tokens_per_s_per_gpu: float, table: dict[str, Any], peak_tflops: float | None) -> float | None:
+    """One GPU's model FLOPs utilisation, as the progress line computes it (None without a measured rate)."""
+    if not peak_tflops:
+        return None
+    params = table["params"]
+    return mfu(train_flops_per_token(params, params), tokens_per_s_per_gpu, peak_tflops)
+
+
+def has_compiled(table: dict[str, Any]) -> bool:
+    return any(split_compiled(r["method"])[1] for r in table["rows"])
+
+
+def vs_eager(method: str, d: dict[str, dict[str, Any]], key: str) -> str:
+    """A compiled row's speed against its eager row ("1.25x": 1.25 times as fast), "-" where not both ran."""
+    base, compiled = split_compiled(method)
+    if not compiled or not d.get(base, {}).get(key) or not d[method].get(key):
+        return "-"
+    return f"{d[base][key] / d[method][key]:.2f}x"
 
 
 def status(row: dict[str, Any]) -> str:
@@ -67,28 +99,43 @@ def markdown(record: dict[str, Any]) -> list[str]:
     if len(record.get("sources", ())) > 1:
         lines += [f"Merged from {len(record['sources'])} runs (`sources` in results.json; timed steps per run: "
                   + ", ".join(str(src["options"]["steps"]) for src in record["sources"]) + ").", ""]
+    peak = hw.get("gpu_bf16_tflops") if record["options"].get("device") == "cuda" else None
+    if any(has_compiled(t) for t in record["tables"]):
+        backend = record["options"].get("compile_backend") or "inductor"
+        warm = "the timed steps come after the warm-up step(s)" if record["options"].get("warmup", 1) else \
+            "with --warmup 0 it is also the first timed step (the median keeps it out from 3 steps on)"
+        lines += [f"Compiled rows: backend {backend}; the first step (compile included) is its own column; {warm}; "
+                  "vs eager is the eager row's step time over the compiled row's.", ""]
+    lines += [f"MFU: 6 N FLOPs per token against this GPU's measured bf16 matmul rate, {peak:.0f} TFLOP/s "
+              "(`zerofit env`)." if peak else "MFU: - (no measured bf16 matmul rate for this GPU: "
+              "`zerofit env --probe` measures one; none on CPU).", ""]
     for table in record["tables"]:
-        lines += table_markdown(table, world, equal_only=bool(record["options"].get("equal_only"))) + [""]
+        lines += table_markdown(table, world, equal_only=bool(record["options"].get("equal_only")),
+                                peak_tflops=peak) + [""]
     return lines
 
 
-def table_markdown(table: dict[str, Any], world: int, *, equal_only: bool = False) -> list[str]:
+def table_markdown(table: dict[str, Any], world: int, *, equal_only: bool = False,
+                   peak_tflops: float | None = None) -> list[str]:
     if equal_only:
-        return equal_markdown(table, world)
+        return equal_markdown(table, world, peak_tflops)
     rows = {r["method"]: r for r in table["rows"]}
-    d = {m: derive(r, table, world) for m, r in rows.items()}
+    d = {m: derive(r, table, world, peak_tflops) for m, r in rows.items()}
+    compiled = has_compiled(table)
     base = d.get("ddp", {})
     eval_col = table["search_eval_batch"]
     head = ["method", "largest train batch"] + (["largest eval batch"] if eval_col else []) + [
-        "train s / epoch", "eval s / epoch", "tokens / s", "GPU peak GiB", "host RSS GiB", "epoch vs DDP",
-        "zerofit vs peers", f"s / step at batch {table['equal_batch']}", "first loss"]
+        "train s / epoch", "eval s / epoch", "tokens / s", "MFU", "GPU peak GiB", "host RSS GiB", "epoch vs DDP",
+        "zerofit vs peers", f"s / step at batch {table['equal_batch']}", "first loss"] + (
+        ["1st step s", "vs eager"] if compiled else [])
     size = "toy sizes of the " if table.get("tiny") else ""
     out = [f"### Table {table['table']}: {size}{table['title']} ({_millions(table['params'])} parameters)", "",
            f"{table['epoch_note']}; {table['seed_result']}.", "",
            "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for m, x in d.items():
+        extra = [_num(x.get("first_s"), "{:.2f}"), vs_eager(m, d, "train_epoch_s")] if compiled else []
         if "train_batch" not in x:
-            cells = [m, x["status"]] + [""] * (len(head) - 4) + _equal_cells(x)
+            cells = [m, x["status"]] + [""] * (len(head) - 4 - len(extra)) + _equal_cells(x) + extra
             out.append("| " + " | ".join(cells) + " |")
             continue
         batch = f"{'>= ' if x['capped'] else ''}{x['train_batch']}"
@@ -96,8 +143,8 @@ def table_markdown(table: dict[str, Any], world: int, *, equal_only: bool = Fals
         peers = ", ".join(f"{d[p]['train_epoch_s'] / x['train_epoch_s']:.2f}x {p}" for p in PEERS.get(m, ())
                           if "train_epoch_s" in d.get(p, {}))
         cells = [m, batch] + ([str(x["eval_batch"])] if eval_col else []) + [
-            f"{x['train_epoch_s']:.1f}", f"{x['eval_epoch_s']:.1f}", f"{x['tokens_per_s']:,.0f}",
-            _num(x["gpu_peak_gib"]), _num(x["host_rss_gib"]), vs_ddp, peers or "-"] + _equal_cells(x)
+            f"{x['train_epoch_s']:.1f}", f"{x['eval_epoch_s']:.1f}", f"{x['tokens_per_s']:,.0f}", _pct(x["mfu"]),
+            _num(x["gpu_peak_gib"]), _num(x["host_rss_gib"]), vs_ddp, peers or "-"] + _equal_cells(x) + extra
         out.append("| " + " | ".join(cells) + " |")
     return out
 
@@ -109,14 +156,16 @@ def loss_gap(x: dict[str, Any], base: dict[str, Any]) -> float | None:
     return max(abs(a - b) for a, b in zip(x["losses"], base["losses"]))
 
 
-def equal_markdown(table: dict[str, Any], world: int) -> list[str]:
+def equal_markdown(table: dict[str, Any], world: int, peak_tflops: float | None = None) -> list[str]:
     """Every method at one batch: speed, memory and the loss gap to DDP (scaling and parity runs)."""
-    d = {r["method"]: derive(r, table, world) for r in table["rows"]}
+    d = {r["method"]: derive(r, table, world, peak_tflops) for r in table["rows"]}
+    compiled = has_compiled(table)
     base = d.get("ddp", {})
     steps = len(base.get("losses") or next((x["losses"] for x in d.values() if x.get("losses")), []))
     batch = table["equal_batch"]
-    head = ["method", f"s / step at batch {batch} per rank", "tokens / s", "GPU peak GiB", "step vs DDP",
-            "zerofit vs peers", "first loss", f"max \\|loss - DDP\\| over {steps} steps"]
+    head = ["method", f"s / step at batch {batch} per rank", "tokens / s", "MFU", "GPU peak GiB", "step vs DDP",
+            "zerofit vs peers", "first loss", f"max \\|loss - DDP\\| over {steps} steps"] + (
+        ["1st step s", "vs eager", "max \\|loss - eager\\|"] if compiled else [])
     size = "toy sizes of the " if table.get("tiny") else ""
     out = [f"### Table {table['table']}: {size}{table['title']} ({_millions(table['params'])} parameters), "
            f"{world} rank(s) at batch {batch} each", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -128,9 +177,15 @@ def equal_markdown(table: dict[str, Any], world: int) -> list[str]:
         peers = ", ".join(f"{d[p]['equal_s'] / x['equal_s']:.2f}x {p}" for p in PEERS.get(m, ())
                           if "equal_s" in d.get(p, {}))
         gap = loss_gap(x, base)
+        extra = []
+        if compiled:
+            eager = split_compiled(m)
+            eager_gap = loss_gap(x, d.get(eager[0], {})) if eager[1] else None
+            extra = [_num(x.get("first_s"), "{:.2f}"), vs_eager(m, d, "equal_s"),
+                     "-" if eager_gap is None else f"{eager_gap:.2e}"]
         out.append("| " + " | ".join([m, f"{x['equal_s']:.3f}", f"{x['equal_tokens_per_s']:,.0f}",
-                                      _num(x["equal_peak_gib"]), vs_ddp, peers or "-", f"{x['first_loss']:.4f}",
-                                      "-" if gap is None else f"{gap:.2e}"]) + " |")
+                                      _pct(x["equal_mfu"]), _num(x["equal_peak_gib"]), vs_ddp, peers or "-",
+                                      f"{x['first_loss']:.4f}", "-" if gap is None else f"{gap:.2e}"] + extra) + " |")
     return out
 
 
@@ -144,8 +199,12 @@ def _millions(n: int) -> str:
     return f"{n / 1e6:,.0f} M" if n >= 10**7 else f"{n / 1e6:.2f} M"
 
 
-def _num(v: float | None) -> str:
-    return "-" if v is None else f"{v:.1f}"
+def _num(v: float | None, form: str = "{:.1f}") -> str:
+    return "-" if v is None else form.format(v)
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{100 * v:.1f}%"
 
 
 def plots(record: dict[str, Any], out_dir: str) -> list[str]:
@@ -201,9 +260,12 @@ def environment() -> dict[str, Any]:
         except Exception:  # noqa: BLE001 - absent or broken: the record says so
             env[name] = None
     if torch.cuda.is_available():
+        from zerofit.plan import bandwidth
+
         props = torch.cuda.get_device_properties(0)
+        rates = bandwidth.cached(0)  # the probe's rate, as the progress line reads it (None: never probed)
         env.update(gpu=props.name, gpu_memory_gib=round(props.total_memory / 2**30, 1),
-                   gpus=torch.cuda.device_count())
+                   gpus=torch.cuda.device_count(), gpu_bf16_tflops=None if rates is None else rates.gpu_tflops)
     total = meminfo().get("MemTotal")
     if total is not None:
         env["host_memory_gib"] = round(total / 2**30, 1)

@@ -179,7 +179,7 @@ def _launch(workload: Workload, method: str, opts: dict[str, Any], state: RowSta
     args = ["--table", workload.key, "--method", method, "--device", opts["device"], "--precision", opts["precision"],
             "--clip", str(opts["clip"]), "--steps", str(opts["steps"]), "--eval-steps", str(opts["eval_steps"]),
             "--warmup", str(opts["warmup"]), "--max-batch", str(opts["max_batch"])]
-    for flag in ("gpu_memory_gib", "equal_batch", "simulate_oom_above", "process_group_timeout"):
+    for flag in ("gpu_memory_gib", "equal_batch", "simulate_oom_above", "process_group_timeout", "compile_backend"):
         if opts.get(flag) is not None:
             args += [f"--{flag.replace('_', '-')}", str(opts[flag])]
     for flag in ("tiny", "equal_only"):

@@ -3,7 +3,7 @@
 Phases, each skipped when the parent already has its result (a relaunch after an out-of-memory that
 left the process unusable continues where the last one stopped):
 1. equal: fixed steps at the workload's equal batch, from the seeded initial weights (first loss,
-   train and eval seconds per step);
+   train and eval seconds per step, and the first step's seconds apart: a compiled row compiles in it);
 2. train search: the largest training batch (`zerofit.bench.search`), one step per try;
 3. timing: fixed steps at the largest batch (GPU peak memory), then - where the table reports it -
    the largest eval batch searched in the memory state training leaves, and eval steps at it.
@@ -64,14 +64,18 @@ class Row:
                 total = torch.cuda.get_device_properties(self.device).total_memory / 2**30
                 torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_memory_gib / total), self.device)
         self.index = 0
+        self.first_s: float | None = None
+        """Seconds of the first step of the last `timed` call (a compiled row's compile is in it)."""
         self.runner: Runner = build_runner(args.method, workload, tiny=args.tiny, device=self.device,
                                            bf16=args.precision == "bf16", clip=args.clip, world=self.world,
                                            micro_batch=args.equal_batch or workload.equal_batch,
-                                           process_group_timeout=args.process_group_timeout)
+                                           process_group_timeout=args.process_group_timeout,
+                                           compile_backend=args.compile_backend)
         if args.simulate_oom_above:
             block = repeated_blocks(self.runner.model)[-1]
             block.register_forward_pre_hook(self._simulated_oom)
-        emit(event="config", config=self.runner.config(), world=self.world)
+        compiled = {"compile": self.runner.compiled} if self.runner.compiled else {}
+        emit(event="config", config=self.runner.config() | compiled, world=self.world)
 
     def _simulated_oom(self, _module, args, kwargs=None):
         x = args[0] if args else None
@@ -94,6 +98,8 @@ class Row:
             t0 = time.perf_counter()
             loss = self.runner.train(batch) if train else self.runner.evaluate(batch)
             self._sync()
+            if i == 0:
+                self.first_s = time.perf_counter() - t0
             if i >= warmup:
                 times.append(time.perf_counter() - t0)
             losses.append(float(loss))
@@ -134,14 +140,17 @@ class Row:
             torch.cuda.reset_peak_memory_stats(self.device)
         try:
             train_s, losses = self.timed(size, self.args.steps, train=True)
-            eval_s, _ = self.timed(size, self.args.eval_steps, train=False)
+            first_s = self.first_s
+            # --eval-steps 0: no eval here (a compiled row would compile its eval graph too)
+            eval_s = self.timed(size, self.args.eval_steps, train=False)[0] if self.args.eval_steps else None
         except torch.OutOfMemoryError as e:
             traceback.clear_frames(e.__traceback__)
             emit(event="equal", batch=size, fits=False)
             self.after_oom(size)
             return
         emit(event="equal", batch=size, fits=True, train_s=statistics.median(train_s), train_times=train_s,
-             eval_s=statistics.median(eval_s), losses=losses, gpu_peak_gib=self._peak_gib())
+             first_s=first_s, eval_s=statistics.median(eval_s) if eval_s else None, losses=losses,
+             gpu_peak_gib=self._peak_gib())
 
     def search(self, phase: str, search: BatchSearch) -> int:
         while (size := search.next()) is not None:
@@ -197,9 +206,11 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument(f"--{phase}-fits", type=int, default=0)
         p.add_argument(f"--{phase}-fails", type=int, default=None)
     p.add_argument("--process-group-timeout", type=float, default=None)
+    p.add_argument("--compile-backend", default="inductor", help="torch.compile's backend for -compiled methods")
     p.add_argument("--simulate-oom-above", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    _EVENTS.append(open(os.path.join(args.events, f"rank{os.environ.get('RANK', '0')}.jsonl"), "a"))
+    # one events file per call (a test runs several rows in one process, one after the other)
+    _EVENTS[:] = [open(os.path.join(args.events, f"rank{os.environ.get('RANK', '0')}.jsonl"), "a")]
     workload = WORKLOADS[args.table]
     row = Row(args, workload)
     equal = args.equal_batch or workload.equal_batch

@@ -28,20 +28,25 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                "  zerofit bench --num_processes 8 --tables clm llama7b --equal_only --equal_batch 8   # step rate\n"
                "  zerofit bench --report bench/results/seed_tables   # tables and plots again from results.json\n"
                "  zerofit bench --merge run1 run2 --out joined       # tables run in pieces, as one\n"
-               "  zerofit bench --tables clm --equal_only --budget 450 --timeout 240   # within one 8-minute call",
+               "  zerofit bench --tables clm --equal_only --budget 450 --timeout 240   # within one 8-minute call\n"
+               "  zerofit bench --tables clm --equal_only --methods ddp ddp-compiled zerofit-s3 zerofit-s3-compiled",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     add_flag(p, "--tables", nargs="+", default=list(_TABLES),
              help="which tables: cls (1, DeBERTa-v2-xlarge), seq2seq (2, BlenderBot-400M), clm (3, GPT-2 XL); "
                   "llama7b (4, Llama-2-7B architecture: scaling runs, not in the default list)")
     add_flag(p, "--methods", nargs="+", default=None,
              help="rows (default: each table's own list): ddp, zerofit-sN[-offload], deepspeed-sN[-offload], "
-                  "fsdp2[-offload]")
+                  "fsdp2[-offload]; a -compiled suffix (not on deepspeed) compiles the row's model as its users do "
+                  "(torch.compile around DDP / FSDP2, Accelerator(dynamo_backend=...) for zerofit)")
+    add_flag(p, "--compile_backend", default="inductor",
+             help="torch.compile backend of the -compiled rows (default inductor; aot_eager compiles fast, for tests)")
     add_flag(p, "--num_processes", aliases=("--nproc",), type=int, default=1,
              help="processes (GPUs) per row; >1 runs each row under torchrun")
     add_flag(p, "--gpu_memory_gib", type=float, default=None,
              help="cap each process's GPU memory (24 stands in for the seed's 24 GB cards)")
     add_flag(p, "--steps", type=int, default=5, help="timed training steps per measurement (default 5)")
-    add_flag(p, "--eval_steps", type=int, default=3, help="timed eval steps per measurement (default 3)")
+    add_flag(p, "--eval_steps", type=int, default=3,
+             help="timed eval steps per measurement (default 3; 0 with --equal_only: no eval)")
     add_flag(p, "--warmup", type=int, default=2,
              help="untimed steps before each timed run (default 2: offload rows settle on the second)")
     add_flag(p, "--max_batch", type=int, default=None, help="stop the search here (default 1024; --tiny 16)")
@@ -107,6 +112,10 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"zerofit bench: error: {e}", file=sys.stderr)
         return 2
+    if args.eval_steps < 1 and not args.equal_only:
+        print(f"zerofit bench: error: --eval_steps {args.eval_steps}: the tables' eval column needs at least 1 "
+              "timed eval step (0 is for --equal_only runs, which report no eval time)", file=sys.stderr)
+        return 2
     cuda = torch.cuda.is_available() and not args.cpu
     nproc = args.num_processes
     if nproc > 1 and cuda and torch.cuda.device_count() < nproc:
@@ -118,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
             "max_batch": args.max_batch or (16 if args.tiny else 1024), "gpu_memory_gib": args.gpu_memory_gib,
             "equal_batch": args.equal_batch or (2 if args.tiny else None), "tiny": args.tiny,
             "simulate_oom_above": args.simulate_oom_above, "nproc": nproc, "equal_only": args.equal_only,
-            "process_group_timeout": args.process_group_timeout}
+            "process_group_timeout": args.process_group_timeout, "compile_backend": args.compile_backend}
     record = {"command": "zerofit bench " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else None,
               "options": opts, "environment": report.environment(), "tables": []}
     started = time.time()
