@@ -28,7 +28,7 @@ if [ ! -x "$VENV/bin/zerofit" ]; then
   fi
   say "installing zerofit (editable) with its dev, examples, bench, trainer and trackers extras..."
   # examples: transformers, datasets, sacrebleu, scikit-learn; bench: matplotlib; trainer: accelerate, peft, trl;
-  # trackers: wandb, mlflow-skinny
+  # trackers: wandb, mlflow-skinny, comet_ml, aim, clearml, dvclive
   "${pip[@]}" install -e '.[dev,examples,bench,trainer,trackers]'
   say "$VENV is ready; later runs reuse it"
 fi

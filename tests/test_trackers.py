@@ -4,6 +4,7 @@ libraries in their offline / local modes (skipped when the `trackers` extra is n
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import struct
 import warnings
@@ -226,3 +227,116 @@ def test_mlflow_file_store_run_records_params_and_metrics(tmp_path, monkeypatch)
     assert run.info.run_name == "first" and run.info.status == "FINISHED"
     assert client.get_experiment(run.info.experiment_id).name == "zf-exp"
     assert [(m.step, m.value) for m in client.get_metric_history(run_id, "loss")] == [(1, 0.5), (2, 0.25)]
+
+
+def test_comet_ml_offline_experiment_zip_holds_the_params_and_every_step(tmp_path, monkeypatch):
+    pytest.importorskip("comet_ml")
+    import zipfile
+
+    from comet_ml import ExperimentConfig
+
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.comet.config is read
+    monkeypatch.setenv("COMET_ERROR_TRACKING_ENABLE", "false")  # no Sentry reports from the client
+    monkeypatch.chdir(tmp_path)
+    quiet = {k: False for k in ("log_code", "log_graph", "parse_args", "log_git_metadata", "log_git_patch",
+                                "log_env_details", "log_env_gpu", "log_env_host", "log_env_cpu", "log_env_network",
+                                "log_env_disk", "auto_output_logging", "auto_log_co2")}
+    config = ExperimentConfig(offline_directory=str(tmp_path / "comet"), name="first", display_summary_level=0, **quiet)
+    acc = Accelerator(config=RunConfig(), log_with="comet_ml", logging_dir=tmp_path / "logs")
+    acc.init_trackers("zf-proj", config={"lr": 0.25, "name": "tiny"},
+                      init_kwargs={"comet_ml": {"online": False, "experiment_config": config}})
+    assert type(acc.get_tracker("comet_ml", unwrap=True)).__name__ == "OfflineExperiment"
+    acc.log({"loss": 0.5}, step=1)
+    with pytest.warns(UserWarning, match="comet_ml: 'odd' is a list"):
+        acc.log({"loss": 0.375, "note": "x", "odd": [1]}, step=2)
+    acc.end_training()
+    [archive] = (tmp_path / "comet").glob("*.zip")
+    with zipfile.ZipFile(archive) as z:
+        assert json.loads(z.read("experiment.json"))["project_name"] == "zf-proj"
+        messages = [json.loads(x) for x in z.read("messages.json").splitlines()]
+    params = {m["payload"]["param"]["paramName"]: m["payload"]["param"]["paramValue"]
+              for m in messages if m["type"] == "parameter_msg"}
+    metrics = [(m["payload"]["metric"]["step"], m["payload"]["metric"]["metricValue"])
+               for m in messages if m["type"] == "metric_msg" and m["payload"]["metric"]["metricName"] == "loss"]
+    others = {m["payload"]["key"]: m["payload"]["value"] for m in messages if m["type"] == "log_other"}
+    assert params["lr"] == 0.25 and params["name"] == "tiny" and metrics == [(1, 0.5), (2, 0.375)]
+    assert others["note"] == "x" and others["Name"] == "first"
+
+
+def test_aim_local_repo_run_holds_hparams_metrics_and_text(tmp_path):
+    pytest.importorskip("aim")
+    from aim import Repo, Run
+    from aim.sdk.index_manager import RepoIndexManager
+    from aim.storage.context import Context
+
+    acc = Accelerator(config=RunConfig(), log_with="aim", logging_dir=tmp_path)
+    acc.init_trackers("zf-proj", config={"lr": 0.25, "name": "tiny"}, init_kwargs={"aim": {
+        "experiment": "exp1", "system_tracking_interval": None, "capture_terminal_logs": False}})
+    run_hash = acc.get_tracker("aim", unwrap=True).hash
+    acc.log({"loss": 0.5}, step=1)
+    with pytest.warns(UserWarning, match="aim: 'odd' is a NoneType, which Aim does not track"):
+        acc.log({"loss": 0.375, "note": "x", "odd": None}, step=2)
+    acc.end_training()
+    repo = Repo.from_path(str(tmp_path))
+    RepoIndexManager.get_index_manager(repo).index(run_hash)  # what `aim up` does in the background
+    RepoIndexManager.index_manager_pool.pop(repo.path, None)
+    run = Run(run_hash, repo=repo, read_only=True)
+    assert run.name == "zf-proj" and run.experiment == "exp1" and not run.active
+    assert run["hparams"] == {"lr": 0.25, "name": "tiny"}
+    steps, (values, *_) = run.get_metric("loss", Context({})).data.items_list()
+    assert list(steps) == [1, 2] and list(values) == [0.5, 0.375]
+    steps, (texts, *_) = run.get_text_sequence("note", Context({})).data.items_list()
+    assert list(steps) == [2] and texts[0].data == "x"
+
+
+def test_clearml_offline_session_holds_the_configuration_and_scalars(tmp_path, monkeypatch):
+    if importlib.util.find_spec("clearml") is None:
+        pytest.skip("clearml is not installed")
+    config = tmp_path / "clearml.conf"  # the reporter in a thread: its subprocess takes ~10 s to stop
+    config.write_text("sdk { development { report_use_subprocess: false } }\n")
+    for var, value in {"HOME": tmp_path, "CLEARML_CACHE_DIR": tmp_path / "cache", "CLEARML_CONFIG_FILE": config,
+                       "CLEARML_OFFLINE_MODE": "1"}.items():
+        monkeypatch.setenv(var, str(value))
+    monkeypatch.delenv("CLEARML_PROJECT", raising=False)
+    monkeypatch.delenv("CLEARML_TASK", raising=False)
+    import clearml  # noqa: F401  (reads CLEARML_OFFLINE_MODE when first imported; stays offline in this process)
+
+    acc = Accelerator(config=RunConfig(), log_with="clearml", logging_dir=tmp_path / "logs")
+    acc.init_trackers("zf-proj", config={"lr": 0.25, "name": "tiny"}, init_kwargs={"clearml": {
+        "auto_connect_frameworks": {"detect_repository": False}, "auto_resource_monitoring": False,
+        "auto_connect_streams": False, "auto_connect_arg_parser": False}})
+    task = acc.get_tracker("clearml", unwrap=True)
+    folder = Path(task.get_offline_mode_folder())
+    acc.log({"loss": 0.5, "eval_loss": 0.75}, step=1)
+    with pytest.warns(UserWarning, match="clearml: 'note' is a str, not a number"):
+        acc.log({"loss": 0.375, "note": "x"}, step=2)
+    acc.log({"final": 3.0})
+    acc.end_training()
+    assert folder.is_relative_to(tmp_path)
+    events = [e for line in (folder / "metrics.jsonl").read_text().splitlines() for e in json.loads(line)]
+    scalars = [(e["iter"], e["metric"], e["variant"], e["value"]) for e in events if e["metric"] != "Summary"]
+    assert scalars == [(1, "loss", "train", 0.5), (1, "loss", "eval", 0.75), (2, "loss", "train", 0.375)]
+    assert [(e["variant"], e["value"]) for e in events if e["metric"] == "Summary"] == [("final", 3.0)]
+    task_json = json.loads((folder / "task.json").read_text())
+    assert task_json["name"] == "zf-proj"
+    assert task_json["configuration"]["General"]["value"] == 'lr = 0.25\nname = "tiny"'
+
+
+def test_dvclive_writes_metrics_plots_and_params_under_its_dir(tmp_path, monkeypatch):
+    pytest.importorskip("dvclive")
+    import yaml
+
+    monkeypatch.setenv("DVC_NO_ANALYTICS", "1")
+    monkeypatch.setenv("DO_NOT_TRACK", "1")
+    monkeypatch.chdir(tmp_path)  # DVCLive writes dvc.yaml at the working directory's repository root
+    acc = Accelerator(config=RunConfig(), log_with="dvclive", logging_dir=tmp_path / "logs")
+    acc.init_trackers("zf-proj", config={"lr": 0.25, "name": "tiny"},
+                      init_kwargs={"dvclive": {"dir": str(tmp_path / "dvc"), "save_dvc_exp": False}})
+    acc.log({"loss": 0.5}, step=1)
+    with pytest.warns(UserWarning, match="dvclive: 'note' is a str, not a number"):
+        acc.log({"loss": 0.375, "note": "x"}, step=2)
+    acc.end_training()
+    assert json.loads((tmp_path / "dvc" / "metrics.json").read_text()) == {"loss": 0.375, "step": 2}
+    assert (tmp_path / "dvc" / "plots" / "metrics" / "loss.tsv").read_text().split() == [
+        "step", "loss", "1", "0.5", "2", "0.375"]
+    assert yaml.safe_load((tmp_path / "dvc" / "params.yaml").read_text()) == {"lr": 0.25, "name": "tiny"}

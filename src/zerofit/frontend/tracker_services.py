@@ -8,8 +8,9 @@ name (and the logging directory when `requires_logging_directory`), `start()` op
 `finish()` closes. The client library is imported in `start()`, so a script that does not ask for a
 service never imports it. `SERVICES` says which module each name needs and which pip package brings it.
 
-wandb and mlflow are tested in their offline / local modes (tests/test_trackers.py); comet_ml, aim,
-clearml and dvclive are thin calls of their documented client APIs, not exercised by the test suite.
+Each is tested through the Accelerator in its offline / local mode (tests/test_trackers.py): wandb offline,
+MLflow's file store, a comet_ml offline experiment (its zip), an Aim repository in a folder, a ClearML
+offline session and DVCLive's files.
 """
 
 from __future__ import annotations
@@ -168,6 +169,7 @@ class CometMLTracker(GeneralTracker):
 
     def __init__(self, run_name: str, **kwargs: Any):
         self.run_name, self.init_kwargs, self.experiment = run_name, kwargs, None
+        self._warned: set[str] = set()
 
     def start(self) -> None:
         import comet_ml
@@ -192,6 +194,9 @@ class CometMLTracker(GeneralTracker):
                 self.experiment.log_other(key, value, **kwargs)
             elif isinstance(value, dict):
                 self.experiment.log_metrics(value, step=step, **kwargs)
+            else:
+                _warn_once(self._warned, f"comet_ml: {key!r} is a {type(value).__name__}, which Comet does not take "
+                                         "here, so it is not recorded (log a number, a str or a dict of numbers)")
 
     def finish(self) -> None:
         self.experiment.end()
@@ -205,6 +210,7 @@ class AimTracker(GeneralTracker):
 
     def __init__(self, run_name: str, logging_dir: str | os.PathLike = ".", **kwargs: Any):
         self.run_name, self.repo, self.init_kwargs, self.run = run_name, str(logging_dir), kwargs, None
+        self._warned: set[str] = set()
 
     def start(self) -> None:
         from aim import Run
@@ -220,7 +226,18 @@ class AimTracker(GeneralTracker):
         self.run["hparams"] = numbers(values)
 
     def log(self, values: dict[str, Any], step: int | None = None, **kwargs: Any) -> None:
+        """Numbers as metrics, text as `aim.Text`, Aim's own objects (`aim.Image`, ...) as they are; anything
+        else (which `Run.track` refuses) is left out with one warning per message."""
+        from aim import Text
+        from aim.storage.object import CustomObject
+
         for key, value in numbers(values).items():
+            if isinstance(value, str):
+                value = Text(value)
+            elif not isinstance(value, (int, float, CustomObject)):
+                _warn_once(self._warned, f"aim: {key!r} is a {type(value).__name__}, which Aim does not track, so "
+                                         "it is not recorded (log a number, a str, or an aim object such as aim.Image)")
+                continue
             self.run.track(value, name=key, step=step, **kwargs)
 
     def finish(self) -> None:

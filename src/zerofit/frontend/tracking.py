@@ -162,7 +162,7 @@ def check_installed(chosen: list[str | Any]) -> None:
         packages = " ".join(LIBRARIES[name].pip for name in missing)
         raise ModuleNotFoundError(
             f"log_with asks for {', '.join(missing)}, whose client librar{'ies are' if len(missing) > 1 else 'y is'} "
-            f"not installed: pip install {packages} (wandb and MLflow also come with pip install 'zerofit[trackers]'), "
+            f"not installed: pip install {packages} (all six services come with pip install 'zerofit[trackers]'), "
             "or take them out of log_with")
 
 
