@@ -20,9 +20,12 @@ transformers = pytest.importorskip("transformers")
 
 from engine_cases import max_diff, trainable  # noqa: E402
 
+from zerofit.checkpoint import consolidate  # noqa: E402
+from zerofit.checkpoint.consolidate import full_state_dict  # noqa: E402
 from zerofit.config.schema import OffloadConfig, ZeroConfig  # noqa: E402
 from zerofit.engine import ZeroEngine  # noqa: E402
 from zerofit.engine.unit import ParamState  # noqa: E402
+from zerofit.integrations.adapter_keys import saved_adapter_keys  # noqa: E402
 from zerofit.testing.distributed import run_distributed  # noqa: E402
 
 TOL = 2e-6
@@ -133,7 +136,33 @@ def train(rank: int, world: int, case: Case) -> dict:
         losses.append(total.item() / world)
         engine.step()
     return {"losses": losses, "params": engine.named_full_tensors("master"), "peak": peak[0],
-            "blocks": sum(u.module in blocks for u in sharded)}
+            "blocks": sum(u.module in blocks for u in sharded), "adapter_save": adapter_save(engine, model)}
+
+
+def adapter_save(engine: ZeroEngine, model) -> dict | None:
+    """What PEFT saves from the state dict of the adapter's keys alone, beside what it saves from the whole one,
+    and how many flat groups each gathered ([Note: an adapter's save gathers the adapter])."""
+    keys = saved_adapter_keys(model)
+    if keys is None:
+        return None
+    gathered = []
+    real = consolidate._gather_to_host
+
+    def counting(*args, **kwargs):
+        gathered.append(kwargs["label"])
+        return real(*args, **kwargs)
+
+    consolidate._gather_to_host = counting  # our own function, counted for this test only
+    try:
+        chosen = full_state_dict(engine, model, every_tied_key=True, keys=keys)
+        chosen_gathers = len(gathered)
+        whole = full_state_dict(engine, model, every_tied_key=True)
+    finally:
+        consolidate._gather_to_host = real
+    return {"chosen": peft.get_peft_model_state_dict(model, state_dict=chosen),
+            "whole": peft.get_peft_model_state_dict(model, state_dict=whole),
+            "gathers": (chosen_gathers, len(gathered) - chosen_gathers),
+            "trainable_groups": sum(g.trainable for g in engine.groups)}
 
 
 def run_all(rank: int, world: int) -> dict:
@@ -158,3 +187,18 @@ def test_peft_model_trains_as_unsharded_at_stage_3(world2, case):
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_backward_holds_at_most_two_blocks_gathered(world2, case):
     assert 1 <= world2[0][case]["peak"] <= 2, world2[0][case]["peak"]
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_saving_the_adapter_gathers_its_groups_alone_and_peft_saves_the_same(world2, case):
+    """[Note: an adapter's save gathers the adapter]: the same files from a fraction of the gathers."""
+    for rank in (0, 1):
+        got = world2[rank][case]["adapter_save"]
+        if case.method in ("prefix", "prompt"):  # a forward computes their adapter: everything is gathered
+            assert got is None
+            continue
+        assert got["chosen"].keys() == got["whole"].keys() and got["chosen"]
+        if rank == 0:  # the others hold meta placeholders of the frozen weights, and PEFT skips them
+            assert max_diff(got["chosen"], got["whole"]) == 0.0
+        chosen, whole = got["gathers"]
+        assert chosen == got["trainable_groups"] < whole, got

@@ -29,7 +29,7 @@ follows from the group's layout and the world size alone), so the ranks issue th
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 
 import torch
@@ -105,29 +105,38 @@ def _gather_to_host(shard: torch.Tensor, ranks: Ranks, device: torch.device, *, 
 
 
 def iter_full_tensors(engine, model: nn.Module | None = None, *, everywhere: bool = False,
-                      trainable_everywhere: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+                      trainable_everywhere: bool = False,
+                      names: Collection[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Collective generator: (name, full CPU copy in its saved dtype) for every parameter and persistent
     buffer, on rank 0 (every rank where `everywhere`; the trainable parameters on every rank where
     `trainable_everywhere`); nothing else on the others. Every rank must exhaust it (it gathers as it
     goes). Copies, never views of the live tensors: what a caller keeps is a snapshot that later steps
-    do not change (a "best weights so far" dict stays the best)."""
+    do not change (a "best weights so far" dict stays the best). `names`: only these (the same on every
+    rank): a group holding none of them is neither gathered nor copied."""
     model = model if model is not None else engine.model
     ranks = Ranks(engine.comm.group)
     engine.settle()  # offloaded masters readable: host steps finished, NVMe groups materialised
-    for g in engine.groups:
+    for g in _groups_holding(engine, names):
         full = _whole_group(g, ranks, engine.device, everywhere=everywhere or (trainable_everywhere and g.trainable))
         if full is None:
             continue
         for name, off, n, shape, dtype in zip(g.names, g.layout.offsets, g.layout.numels, g.shapes, g.arrived):
-            yield name, full[off:off + n].view(shape).to("cpu", dtype=dtype, copy=True)
+            if names is None or name in names:
+                yield name, full[off:off + n].view(shape).to("cpu", dtype=dtype, copy=True)
         del full
     if everywhere or ranks.is_main:
         for name, buf in persistent_buffers(model):
-            yield name, buf.detach().to("cpu", copy=True)
+            if names is None or name in names:
+                yield name, buf.detach().to("cpu", copy=True)
 
 
-def full_state_dict(engine, model: nn.Module | None = None, *, every_tied_key: bool = False
-                    ) -> dict[str, torch.Tensor]:
+def _groups_holding(engine, names: Collection[str] | None) -> list:
+    """The engine's flat groups, in order; with `names`, those holding at least one of them."""
+    return [g for g in engine.groups if names is None or any(n in names for n in g.names)]
+
+
+def full_state_dict(engine, model: nn.Module | None = None, *, every_tied_key: bool = False,
+                    keys: Collection[str] | None = None) -> dict[str, torch.Tensor]:
     """Collective: the consolidated state dict (keys in the model's state-dict order), in the saved
     dtypes of [Note: saved dtype].
     - Stages 0-2 (parameters whole on every rank): the full dict on every rank, as Accelerate gives it
@@ -140,19 +149,26 @@ def full_state_dict(engine, model: nn.Module | None = None, *, every_tied_key: b
       rank ([Note: adapters everywhere] in zerofit.engine.full_state).
     A tied weight appears once, under its first name, unless `every_tied_key`: then under each name
     `model.state_dict()` gives it, one tensor for all (what a strict `load_state_dict` into a plain
-    model of the same class needs)."""
+    model of the same class needs). `keys` (the same on every rank): only the entries of these keys (a
+    tied weight's other names count as its own), and only the groups holding them gathered or copied -
+    what saving a PEFT adapter needs of a large frozen base ([Note: an adapter's save gathers the adapter]
+    in zerofit.integrations.adapter_keys)."""
     model = model if model is not None else engine.model
-    if any(_source(g)[1] for g in engine.groups):  # it gathers: every rank must be here too
+    live = model.state_dict(keep_vars=True)  # the parameters and buffers themselves: no gather
+    names = None
+    if keys is not None:  # every name of each tensor asked for, so a tied weight asked by its other name is found
+        asked = {id(live[k]) for k in keys if k in live}
+        names = {k for k, t in live.items() if id(t) in asked}
+    if any(_source(g)[1] for g in _groups_holding(engine, names)):  # it gathers: every rank must be here too
         arrival.check_in(arrival.GET_STATE_DICT)
     everywhere = not engine.shards_parameters
     adapter = engine.shards_parameters and engine.full_state.adapter
-    out = dict(iter_full_tensors(engine, model, everywhere=everywhere, trainable_everywhere=adapter))
-    live = model.state_dict(keep_vars=True)  # the parameters and buffers themselves: no gather
+    out = dict(iter_full_tensors(engine, model, everywhere=everywhere, trainable_everywhere=adapter, names=names))
     if not everywhere and engine.comm.rank != 0:  # stage 3, off rank 0: placeholders without storage
         saved = {name: dtype for g in engine.groups for name, dtype in zip(g.names, g.arrived)}
         have = {id(live[k]) for k in out if k in live}
         for k, t in live.items():
-            if id(t) not in have:  # a tied weight once, under its first name, as on rank 0
+            if id(t) not in have and (names is None or k in names):  # a tied weight once, under its first name
                 have.add(id(t))
                 out[k] = torch.empty(t.shape, dtype=saved.get(k, t.dtype), device="meta")
     if every_tied_key:

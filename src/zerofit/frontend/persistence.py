@@ -10,6 +10,7 @@ collective: each process must call it.
 from __future__ import annotations
 
 import os
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +52,8 @@ class PersistenceMixin:
                              "returned by prepare()")
         return engine
 
-    def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
+    def get_state_dict(self, model: nn.Module, unwrap: bool = True, *,
+                       keys: Collection[str] | None = None) -> dict[str, torch.Tensor]:
         """The full weights of `model`; every process must call it (it may gather).
 
         Every key of `model.state_dict()`, a tied weight under each of its names (one tensor), so a
@@ -60,12 +62,15 @@ class PersistenceMixin:
         bf16). Stages 0-2: the full dict on every process. Stage 3: full CPU tensors on the main process,
         tensors on the meta device (shapes and dtypes, no values) on the others, so only one process
         holds a full copy; write from the main process (`is_main_process=accelerator.is_main_process`).
-        See `zerofit.checkpoint.consolidate.full_state_dict`.
+        `keys` (zerofit's own argument, the same on every process): only those entries, gathering only the
+        parameters they name - a LoRA adapter's keys from a large frozen base take a moment where the whole
+        base would take minutes and a host copy of it (`zerofit.integrations.adapter_keys` finds a PEFT
+        model's). See `zerofit.checkpoint.consolidate.full_state_dict`.
         """
         from zerofit.checkpoint import full_state_dict
 
         model = compiling.uncompiled(model)  # names without torch.compile's `_orig_mod.`
-        return full_state_dict(self._engine_of(model), model, every_tied_key=True)
+        return full_state_dict(self._engine_of(model), model, every_tied_key=True, keys=keys)
 
     def save_model(self, model: nn.Module, save_directory: str | os.PathLike, max_shard_size: str | int = "10GB",
                    safe_serialization: bool = True) -> None:

@@ -15,7 +15,8 @@ transformers documents for overriding where it has them:
 * `create_optimizer` / `create_scheduler` build the config's `optimizer` / `scheduler` sections when it
   has them (DeepSpeed's rule: the file's optimizer replaces Trainer's), else Trainer's own.
 * `save_model` gathers on every rank (the weights of a ZeRO-3 model live on all of them) and lets
-  rank 0 write what `save_pretrained` writes: sharded safetensors, or with PEFT the adapter alone.
+  rank 0 write what `save_pretrained` writes: sharded safetensors, or with PEFT the adapter alone (and
+  then gathers the adapter alone: [Note: an adapter's save gathers the adapter]).
 * `_save_optimizer_and_scheduler` / `_load_optimizer_and_scheduler` (private: no public hook exists)
   write and read zerofit's sharded checkpoint in `checkpoint-N/zerofit_state/`, so
   `resume_from_checkpoint` works at another world size, stage or offload; `_load_best_model` (private)
@@ -38,10 +39,12 @@ from transformers.trainer import SCHEDULER_NAME
 
 from zerofit.distributed import runtime
 from zerofit.errors import CheckpointError, ConfigError
+from zerofit.frontend import ops
 from zerofit.frontend.accelerator import Accelerator
 from zerofit.frontend.plugins import DataLoaderConfiguration
 from zerofit.frontend.schedulers import AcceleratedScheduler
 from zerofit.frontend.utils import DummyOptim, DummyScheduler
+from zerofit.integrations.adapter_keys import saved_adapter_keys
 from zerofit.integrations.trainer_config import TrainerFacts, scheduler_filled, trainer_config
 
 ZEROFIT_STATE = "zerofit_state"
@@ -114,9 +117,13 @@ class ZerofitTrainerMixin:
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         if not self.accelerator.is_prepared(self.model):  # not trained yet (save before train): Trainer's own
             return super().save_model(output_dir, _internal_call)
-        state_dict = self.accelerator.get_state_dict(self.model)
+        # a PEFT adapter's entries, the main process's choice on all (which files exist may differ per machine)
+        keys = ops.broadcast_object_list([saved_adapter_keys(self.model) if self.accelerator.is_main_process
+                                          else None])[0]
+        state_dict = self.accelerator.get_state_dict(self.model, keys=keys)
         if self.args.should_save:  # `_save` writes wherever it is called in transformers < 5.20: the main process only
-            written = _main_dtype(state_dict)  # before `save_pretrained`, which empties the dict as it writes
+            # before `save_pretrained`, which empties the dict as it writes; an adapter's dtype is not the model's
+            written = _main_dtype(state_dict) if keys is None else None
             self._save(output_dir, state_dict=state_dict)
             _record_saved_dtype(output_dir, written)
         elif _runs_forward_to_save(self.model):
