@@ -12,6 +12,7 @@ logs the same losses as zerofit's. transformers, accelerate, peft, trl and datas
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -23,6 +24,9 @@ pytest.importorskip("datasets")
 import trainer_cases as tc  # noqa: E402
 from engine_cases import max_diff  # noqa: E402
 
+from zerofit.checkpoint.chunks import read_index  # noqa: E402
+from zerofit.checkpoint.sharded import STATE_DIR  # noqa: E402
+from zerofit.integrations.transformers import ZEROFIT_STATE  # noqa: E402
 from zerofit.testing.distributed import run_distributed  # noqa: E402
 
 LOSS_TOL = 2e-6
@@ -61,6 +65,8 @@ def _zerofit_runs(rank: int, world: int, root: str) -> dict:
         os.environ["ZEROFIT_CONFIG_FILE"] = os.path.join(root, f"{config}.json")
         where = os.path.join(root, _case_id((run, config)))
         out[_case_id((run, config))] = {"whole": tc.run(run, where, zerofit=True)}
+        state = os.path.join(where, "checkpoint-2", ZEROFIT_STATE, STATE_DIR)
+        out[_case_id((run, config))]["frozen_saved"] = sum(k.startswith("param/") for k in read_index(Path(state)))
         if (run, config) in RESUMED:
             again = tc.run(tc.Run(**{**run.__dict__, "resume_from": os.path.join(where, "checkpoint-2")}),
                            where + "-resumed", zerofit=True)
@@ -121,6 +127,13 @@ def test_lora_saves_the_adapter_alone_and_it_reloads_into_a_plain_peft_model(res
     model = peft.PeftModel.from_pretrained(tc.tiny_gpt2(), saved)
     loaded = {k: v for k, v in model.state_dict().items() if "lora_" in k}
     assert len(loaded) == len(adapter)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[0].lora], ids=_case_id)
+def test_a_peft_models_checkpoint_holds_no_frozen_weight(results, case):
+    """As Trainer under DeepSpeed (`exclude_frozen_parameters`): the base is the script's to load again; the
+    resumed LoRA run above still ends bit-identical."""
+    assert results["ranks"][0]["zerofit"][_case_id(case)]["frozen_saved"] == 0
 
 
 def test_a_zero3_checkpoint_of_two_ranks_resumes_at_one_process_under_zero2_offload(results):

@@ -20,6 +20,7 @@ from zerofit.checkpoint.export import ShardWriter, parse_size, plan_shards
 from zerofit.checkpoint.inventory import Entry, dtype_of
 from zerofit.checkpoint.ranks import Ranks
 from zerofit.checkpoint.sharded import COMMON, HF_CONFIG_DIR, STATE_DIR, read_common, verify
+from zerofit.errors import CheckpointError
 
 
 def merge(checkpoint_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], *,
@@ -30,6 +31,13 @@ def merge(checkpoint_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str
     verify(path, Ranks(None, local=True))
     common = read_common(path)
     source = str(path / f"{COMMON}.json")
+    if common.get("frozen_excluded"):  # [Note: a checkpoint without the frozen weights] in zerofit.checkpoint.sharded
+        frozen = sum(d["kind"] == "param" for d in common["params"])
+        raise CheckpointError(
+            f"{source}: saved with exclude_frozen_parameters, it holds no values for the model's {frozen} frozen "
+            "parameters, so it cannot be merged into full weights: load the base model, prepare it, "
+            "load_state this checkpoint and call accelerator.save_model (or save the adapter with "
+            "save_pretrained)")
     entries = [Entry.from_json(d, source) for d in [*common["params"], *common["buffers"]]]
     plan = plan_shards(entries, parse_size(max_shard_size))
     out = Path(out_dir)

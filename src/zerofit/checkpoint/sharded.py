@@ -16,6 +16,16 @@ Every element is written by exactly one rank (`zerofit.engine.state.local_fragme
 reads, on every rank, the runs that rank's new layout holds, so a checkpoint loads at any world size,
 stage or offload setting. Every phase ends with all ranks agreeing on success (`ranks`), and the
 directory appears under its final name only when complete (`commit`).
+
+[Note: a checkpoint without the frozen weights]
+A PEFT run trains an adapter of megabytes on a frozen base of up to hundreds of gigabytes, and the base
+never changes: writing it into every checkpoint costs its size in disk and time at each save.
+`exclude_frozen` (Accelerate's `save_state(..., exclude_frozen_parameters=True)`, DeepSpeed's argument of
+that name; zerofit's Trainer sets it for a PEFT model, as transformers' Trainer does under DeepSpeed) keeps
+the frozen parameters in the parameter table but writes none of their values, and `common.json` says so
+(`frozen_excluded`). Loading such a checkpoint leaves every parameter that was frozen when it was saved
+as the model holds it now: the run that resumes must build the same base (the same `from_pretrained`),
+which nothing can check for it. `zerofit merge` refuses such a checkpoint: it holds no full model.
 """
 
 from __future__ import annotations
@@ -70,12 +80,13 @@ def rank_stem(rank: int) -> str:
 
 
 def save_state(directory: str | os.PathLike[str], engine, *, extra_state: dict | None = None,
-               config: RunConfig | None = None, update_latest: bool = True) -> str:
+               config: RunConfig | None = None, update_latest: bool = True, exclude_frozen: bool = False) -> str:
     """Collective: write the engine's full training state as a sharded checkpoint at `directory`.
 
     `extra_state` is this rank's own state (scheduler, counters, RNG, data position, ...): JSON-able
     values, tensors and numpy arrays. With `update_latest`, `<parent of directory>/latest` names the
-    new checkpoint afterwards. Returns the checkpoint's path.
+    new checkpoint afterwards. `exclude_frozen`: the frozen parameters' values are left out ([Note: a
+    checkpoint without the frozen weights]). Returns the checkpoint's path.
     """
     ranks = Ranks(engine.comm.group)
     final = Path(directory).absolute()
@@ -109,7 +120,8 @@ def save_state(directory: str | os.PathLike[str], engine, *, extra_state: dict |
             error = f"{tmp}: cannot create the checkpoint directory ({e}): check the path and free space"
     ranks.agree(error)
     try:
-        chunks = {f"{key}/{f.name}": Chunk(t, f.start, f.numel) for f in frags for key, t in f.tensors.items()}
+        chunks = {f"{key}/{f.name}": Chunk(t, f.start, f.numel) for f in frags for key, t in f.tensors.items()
+                  if not (exclude_frozen and key == "param")}
         if ranks.is_main:
             for name, buf in persistent_buffers(engine.model):
                 if buf.numel():
@@ -119,7 +131,7 @@ def save_state(directory: str | os.PathLike[str], engine, *, extra_state: dict |
         try:
             write_encoded(tmp, rank_stem(ranks.rank), extra_data, extra_tensors)
             if ranks.is_main:
-                _write_common(tmp, engine, ranks, optim_parts, config)
+                _write_common(tmp, engine, ranks, optim_parts, config, exclude_frozen)
         except Exception as e:  # any failure must reach the agreement, or the peers would wait forever
             error = f"rank {ranks.rank}: writing {tmp} failed: {e}"
         ranks.agree(error)
@@ -134,9 +146,11 @@ def save_state(directory: str | os.PathLike[str], engine, *, extra_state: dict |
     return str(final)
 
 
-def _write_common(tmp: Path, engine, ranks: Ranks, optim_parts: list, config: RunConfig | None) -> None:
+def _write_common(tmp: Path, engine, ranks: Ranks, optim_parts: list, config: RunConfig | None,
+                  exclude_frozen: bool) -> None:
     opt = engine.optimizer
     common: dict[str, Any] = {
+        "frozen_excluded": exclude_frozen,
         "format": FORMAT, "torch_version": torch.__version__, "world_size": ranks.world,
         "stage": engine.zero.stage, "mixed_precision": engine.precision.mixed_precision,
         "params": [e.to_json() for e in param_entries(engine)],
@@ -333,11 +347,12 @@ def _load_chunks(engine, common: dict) -> tuple[dict[str, Chunk], list]:
     """The chunks this rank reads, and (destination, buffer) copies for non-contiguous buffers."""
     saved_kind = {d["name"]: d["kind"] for d in common["params"]}
     state_keys = (common.get("optimizer") or {}).get("state_keys", []) if engine.optimizer is not None else []
+    kept = "param" if common.get("frozen_excluded") else None  # [Note: a checkpoint without the frozen weights]
     chunks: dict[str, Chunk] = {}
     for f in local_fragments(engine.groups, engine.optimizer, 0):  # 0: replicated groups too, on every rank
         stored = saved_kind[f.name]  # frozen <-> trainable changes read the values that were saved
         for key, t in f.tensors.items():
-            if key in ("master", "param"):
+            if key in ("master", "param") and stored != kept:
                 chunks[f"{stored}/{f.name}"] = Chunk(t, f.start, f.numel)
             elif key in state_keys and stored == "master":
                 chunks[f"{key}/{f.name}"] = Chunk(t, f.start, f.numel)

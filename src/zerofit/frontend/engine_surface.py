@@ -46,12 +46,15 @@ def attach(model: nn.Module, accelerator: Any, stage: int) -> None:
 
 
 def save_checkpoint(accelerator: Any, save_dir: str | os.PathLike, tag: Any = None,
-                    client_state: dict[str, Any] | None = None, save_latest: bool = True, **kwargs: Any) -> bool:
+                    client_state: dict[str, Any] | None = None, save_latest: bool = True,
+                    exclude_frozen_parameters: bool = False, **kwargs: Any) -> bool:
     """DeepSpeed's `save_checkpoint`: the whole training state in `save_dir/tag` (default
-    `global_step<N>`), `client_state` stored with it, `save_dir/latest` naming it. Collective."""
+    `global_step<N>`), `client_state` stored with it, `save_dir/latest` naming it; without the frozen
+    parameters' values with `exclude_frozen_parameters`. Collective."""
     if tag is None:
         tag = f"global_step{accelerator.completed_steps}"
-    accelerator._save(Path(save_dir) / str(tag), client_state=client_state or {}, update_latest=save_latest)
+    accelerator._save(Path(save_dir) / str(tag), client_state=client_state or {}, update_latest=save_latest,
+                      exclude_frozen=exclude_frozen_parameters)
     return True
 
 

@@ -126,12 +126,15 @@ class PersistenceMixin:
                          "the config, or use ProjectConfiguration(project_dir=..., automatic_checkpoint_naming=True)")
 
     def save_state(self, output_dir: str | os.PathLike | None = None, safe_serialization: bool = True,
-                   **kwargs: Any) -> str:
-        """A resumable sharded checkpoint: engine state plus the loop's state of every rank. Collective."""
-        return self._save(output_dir)
+                   exclude_frozen_parameters: bool = False, **kwargs: Any) -> str:
+        """A resumable sharded checkpoint: engine state plus the loop's state of every rank. Collective.
+        `exclude_frozen_parameters` (the argument Accelerate hands DeepSpeed): no values of the frozen
+        parameters - a PEFT run's base - which the run that loads it must build itself ([Note: a checkpoint
+        without the frozen weights] in zerofit.checkpoint.sharded)."""
+        return self._save(output_dir, exclude_frozen=exclude_frozen_parameters)
 
     def _save(self, output_dir: str | os.PathLike | None, *, client_state: dict[str, Any] | None = None,
-              update_latest: bool = True) -> str:
+              update_latest: bool = True, exclude_frozen: bool = False) -> str:
         """`save_state`, with a DeepSpeed-style `client_state` stored beside the loop state."""
         from zerofit.checkpoint import retention, save_state
 
@@ -145,7 +148,7 @@ class PersistenceMixin:
         if client_state is not None:
             extra["client_state"] = dict(client_state)
         path = save_state(self._checkpoint_dir(output_dir), engine, extra_state=extra, config=self.config,
-                          update_latest=update_latest)
+                          update_latest=update_latest, exclude_frozen=exclude_frozen)
         retention.prune(path, config_limit=self.config.checkpoint.total_limit,
                         project_limit=self.project_configuration.total_limit,
                         is_main=self.is_main_process, fixed_dir=self.config.checkpoint.output_dir)

@@ -25,12 +25,19 @@ import torch
 from torch import nn
 
 
+def is_peft_model(model: nn.Module) -> bool:
+    """A PEFT model (`peft.PeftModel` or a subclass: adapters on a base model, `peft_config` naming them), as
+    transformers' Trainer tells one; not a transformers model with adapters loaded into it (`load_adapter`)."""
+    configs = getattr(model, "peft_config", None)
+    return isinstance(configs, dict) and bool(configs) and callable(getattr(model, "get_base_model", None))
+
+
 def saved_adapter_keys(model: nn.Module) -> set[str] | None:
     """The state-dict keys `model.save_pretrained(dir, state_dict=...)` writes when `model` is a PEFT model
     whose selection is a choice of entries (see the Note); None: gather everything."""
-    configs = getattr(model, "peft_config", None)
-    if not isinstance(configs, dict) or not configs or not hasattr(model, "base_model"):
+    if not is_peft_model(model):
         return None
+    configs = model.peft_config
     if any(getattr(c, "is_prompt_learning", False) for c in configs.values()):
         return None
     try:

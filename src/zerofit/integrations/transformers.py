@@ -18,7 +18,8 @@ transformers documents for overriding where it has them:
   rank 0 write what `save_pretrained` writes: sharded safetensors, or with PEFT the adapter alone (and
   then gathers the adapter alone: [Note: an adapter's save gathers the adapter]).
 * `_save_optimizer_and_scheduler` / `_load_optimizer_and_scheduler` (private: no public hook exists)
-  write and read zerofit's sharded checkpoint in `checkpoint-N/zerofit_state/`, so
+  write and read zerofit's sharded checkpoint in `checkpoint-N/zerofit_state/` (a PEFT model's without
+  its frozen base, [Note: a checkpoint without the frozen weights]), so
   `resume_from_checkpoint` works at another world size, stage or offload; `_load_best_model` (private)
   reads the best checkpoint's `zerofit_state/` for `load_best_model_at_end`. tests/test_trainer_surface.py
   pins each private name and signature this module relies on.
@@ -44,7 +45,7 @@ from zerofit.frontend.accelerator import Accelerator
 from zerofit.frontend.plugins import DataLoaderConfiguration
 from zerofit.frontend.schedulers import AcceleratedScheduler
 from zerofit.frontend.utils import DummyOptim, DummyScheduler
-from zerofit.integrations.adapter_keys import saved_adapter_keys
+from zerofit.integrations.adapter_keys import is_peft_model, saved_adapter_keys
 from zerofit.integrations.trainer_config import TrainerFacts, scheduler_filled, trainer_config
 
 ZEROFIT_STATE = "zerofit_state"
@@ -135,7 +136,9 @@ class ZerofitTrainerMixin:
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         # no `latest` pointer beside it: Trainer finds its checkpoints by their checkpoint-N names
-        self.accelerator._save(os.path.join(output_dir, ZEROFIT_STATE), update_latest=False)
+        # a PEFT model's frozen base is not written (as Trainer does under DeepSpeed): the resumed run loads it
+        self.accelerator._save(os.path.join(output_dir, ZEROFIT_STATE), update_latest=False,
+                               exclude_frozen=is_peft_model(self.model))
         if self.args.should_save and not isinstance(self.lr_scheduler, AcceleratedScheduler):
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
