@@ -6,12 +6,16 @@ keys alone ([Note: an adapter's save gathers the adapter] in zerofit.integration
 A Llama built from a config (random weights; the save's cost does not depend on the values), LoRA r=8 on
 q_proj/v_proj, one training step, then each way timed on the main process between two barriers; prints one
 JSON line: seconds, entries and MB of real (non-meta) tensors the main process holds for each. The adapter's
-keys are found anew each time (`saved_adapter_keys`), as Trainer's save_model does.
+keys are found anew each time (`saved_adapter_keys`), as Trainer's save_model does. Then `save_state` with and
+without `exclude_frozen_parameters` (what zerofit's Trainer sets for a PEFT model): seconds and MB on disk.
 """
 
 import argparse
 import json
+import os
+import tempfile
 import time
+from pathlib import Path
 
 import peft
 import torch
@@ -49,5 +53,15 @@ for way in ("adapter", "whole", "adapter again"):
     held = sum(t.numel() * t.element_size() for t in state.values() if t.device.type != "meta")
     result[way] = {"s": round(seconds, 3), "entries": len(state), "MB": round(held / 2**20, 1)}
     del state
+with tempfile.TemporaryDirectory() as root:  # a node-local folder: one machine here
+    root = accelerator.gather_for_metrics([root])[0] if accelerator.num_processes > 1 else root
+    for way, exclude in (("checkpoint", False), ("checkpoint without the base", True)):
+        accelerator.wait_for_everyone()
+        start = time.perf_counter()
+        path = accelerator.save_state(os.path.join(root, way.replace(" ", "_")), exclude_frozen_parameters=exclude)
+        seconds = time.perf_counter() - start
+        size = sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+        result[way] = {"s": round(seconds, 3), "MB": round(size / 2**20, 1)}
+    accelerator.wait_for_everyone()
 if accelerator.is_main_process:
     print(json.dumps(result), flush=True)
