@@ -12,7 +12,7 @@ A checkpoint directory:
     hf_config/                                          the model's Hugging Face config, when it has one
     manifest.json                                       sizes and SHA-256 of all of the above, written last
 
-Every element is written by exactly one rank (`zerofit.engine.state.local_fragments`), and loading
+Every element is written by exactly one rank (`zerofit.engine.state.writer_fragments`), and loading
 reads, on every rank, the runs that rank's new layout holds, so a checkpoint loads at any world size,
 stage or offload setting. Every phase ends with all ranks agreeing on success (`ranks`), and the
 directory appears under its final name only when complete (`commit`).
@@ -63,6 +63,7 @@ from zerofit.engine.state import (
     local_fragments,
     optimizer_scalars,
     restore_param_scalars,
+    writer_fragments,
 )
 from zerofit.errors import CheckpointError
 
@@ -103,7 +104,7 @@ def save_state(directory: str | os.PathLike[str], engine, *, extra_state: dict |
     ranks.agree(error)
     opt = engine.optimizer
     engine.settle()  # an overlapped host step may still be writing the offloaded masters
-    frags = local_fragments(engine.groups, opt, ranks.rank)
+    frags = writer_fragments(engine.groups, opt, ranks.rank, ranks.world)
     state_keys = sorted({k for f in frags for k in f.tensors} - {"master", "param"})
     optim_parts = ranks.all_gather((optimizer_scalars(opt), state_keys, fragment_scalars(frags)))
     token = ranks.broadcast(uuid.uuid4().hex[:12])

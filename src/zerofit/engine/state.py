@@ -8,7 +8,8 @@ any world size, stage or layout: the loader asks for its own fragments and reads
 overlap them. Writing into the views writes into the engine.
 
 Ranks holding replicated state (stage 0, unsharded units) report the whole parameter on rank 0 only,
-so every element is owned by exactly one rank.
+so every element is owned by exactly one rank; a checkpoint's writers share those out instead
+(`writer_fragments`).
 """
 
 from __future__ import annotations
@@ -78,6 +79,28 @@ def local_fragments(groups: list[FlatGroup], optimizer: torch.optim.Optimizer | 
                     if isinstance(value, torch.Tensor) and value.ndim == 1 and value.numel() == piece.length:
                         frag.tensors[key] = value[rel]
             out.append(frag)
+    return out
+
+
+def writer_fragments(groups: list[FlatGroup], optimizer: torch.optim.Optimizer | None, rank: int,
+                     world: int) -> list[Fragment]:
+    """The runs rank `rank` of `world` writes into a checkpoint: its own of the sharded groups, and its 1/world
+    of the replicated groups' elements (in group order, cut where the share ends, so a large parameter may be
+    written by two ranks). Every rank holds the replicated ones; rank 0 writing them alone made it the whole
+    checkpoint's wait at stages 0-2 (a frozen base, or every weight at stage 0). Every element is still
+    written by exactly one rank."""
+    out = local_fragments([g for g in groups if g.placement.shard_world > 1], optimizer, rank)
+    replicated = local_fragments([g for g in groups if g.placement.shard_world == 1], optimizer, 0)
+    total = sum(f.length for f in replicated)
+    lo, hi = total * rank // world, total * (rank + 1) // world
+    at = 0
+    for f in replicated:
+        a, b = max(lo, at) - at, min(hi, at + f.length) - at
+        if a < b:
+            out.append(Fragment(name=f.name, shape=f.shape, dtype=f.dtype, numel=f.numel, start=f.start + a,
+                                length=b - a, trainable=f.trainable, group=f.group, state=f.state,
+                                tensors={k: t[a:b] for k, t in f.tensors.items()}))
+        at += f.length
     return out
 
 
