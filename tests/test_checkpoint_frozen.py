@@ -2,8 +2,8 @@
 without the frozen weights] in zerofit.checkpoint.sharded), at ZeRO-3 on 2 gloo ranks.
 
 It holds every trainable value and optimizer state element exactly as a full checkpoint does and no frozen
-value; loaded into a model built the same way it restores the same state; a frozen parameter keeps what the
-loading model holds; `zerofit merge` refuses it, naming why.
+value; loaded into a model built the same way it restores the same state; a model built on another base is
+refused before anything loads; `zerofit merge` refuses it, naming why.
 """
 
 from __future__ import annotations
@@ -33,11 +33,19 @@ def save_and_load(rank, world, root):
     save_state(os.path.join(root, "full"), engine)
     save_state(os.path.join(root, "trainable"), engine, exclude_frozen=True)
     out = {"saved": owned_state(engine, rank), "frozen": frozen_names(engine)}
-    for name, perturb in (("full", 0.0), ("trainable", 0.0), ("trainable_other_base", 0.5)):
-        _, _, _, fresh = build(3, freeze=True, perturb=perturb)  # untrained: other masters, no optimizer state
+    for name in ("full", "trainable"):
+        _, _, _, fresh = build(3, freeze=True)  # untrained: other masters, no optimizer state
         before = owned_state(fresh, rank)
-        load_state(os.path.join(root, name.removesuffix("_other_base")), fresh)
+        load_state(os.path.join(root, name), fresh)
         out[name] = {"before": before, "after": owned_state(fresh, rank)}
+    _, _, _, other = build(3, freeze=True, perturb=0.5)  # another base
+    before = owned_state(other, rank)
+    try:
+        load_state(os.path.join(root, "trainable"), other)
+        out["other_base"] = None
+    except CheckpointError as e:
+        out["other_base"] = {"error": str(e), "untouched": all(
+            all(torch.equal(t, b[2][k]) for k, t in a[2].items()) for a, b in zip(owned_state(other, rank), before))}
     return out
 
 
@@ -71,16 +79,15 @@ def test_it_loads_the_state_a_full_checkpoint_loads(runs):
     assert not all(torch.equal(before[k], v) for k, v in want.items() if k[1] == "master")  # not vacuous
 
 
-def test_a_frozen_parameter_keeps_what_the_loading_model_holds(runs):
+def test_a_model_built_on_another_base_is_refused_before_anything_loads(runs):
+    """The frozen values are the loading model's own, so they must be the base the run was saved with: the
+    checkpoint's probe of each frozen parameter's first values says whether they are."""
     _, per_rank = runs
-    want = assemble([r["saved"] for r in per_rank])
-    before = assemble([r["trainable_other_base"]["before"] for r in per_rank])
-    got = assemble([r["trainable_other_base"]["after"] for r in per_rank])
-    for (name, key), value in got.items():
-        if key == "param":  # frozen: the loading model's own (another base here), not the checkpoint's
-            assert torch.equal(value, before[(name, key)]) and not torch.equal(value, want[(name, key)])
-        else:
-            assert torch.equal(value, want[(name, key)]), (name, key)
+    for r in per_rank:
+        got = r["other_base"]
+        assert got is not None, "loaded into another base without a word"
+        assert all(words in got["error"] for words in ("from another base", "begins", "same from_pretrained"))
+        assert got["untouched"]  # refused before any value was read in
 
 
 def test_merge_refuses_it_naming_why(runs, tmp_path):
@@ -88,3 +95,21 @@ def test_merge_refuses_it_naming_why(runs, tmp_path):
     with pytest.raises(CheckpointError, match="exclude_frozen_parameters.*frozen parameters.*save_model"):
         merge(os.path.join(root, "trainable"), tmp_path / "out")
     assert merge(os.path.join(root, "full"), tmp_path / "full_out")  # the full one merges
+
+
+def test_the_base_probe_compares_exactly_in_one_dtype_and_within_the_coarser_rounding_across_two():
+    from zerofit.checkpoint.sharded import base_probe, other_base
+    from zerofit.engine.state import Fragment
+
+    def frag(values, dtype):
+        t = torch.tensor(values, dtype=dtype)
+        return Fragment(name="w", shape=(len(values),), dtype=dtype, numel=len(values), start=0, length=len(values),
+                        trainable=False, tensors={"param": t})
+
+    fp32 = [0.1234567, -1.5, 3.0e-3, 7.0]
+    saved = base_probe([frag(fp32, torch.float32)])
+    assert other_base(saved, [frag(fp32, torch.float32)]) == []
+    assert other_base(saved, [frag([0.1234568, -1.5, 3.0e-3, 7.0], torch.float32)])  # one ulp off, same dtype
+    assert other_base(saved, [frag(fp32, torch.bfloat16)]) == []  # the same base, loaded in bf16
+    assert other_base(saved, [frag([0.13, -1.5, 3.0e-3, 7.0], torch.bfloat16)])  # another base, 5 % off
+    assert other_base({}, [frag(fp32, torch.float32)]) == []  # a checkpoint without a probe: nothing to compare

@@ -24,12 +24,16 @@ never changes: writing it into every checkpoint costs its size in disk and time 
 that name; zerofit's Trainer sets it for a PEFT model, as transformers' Trainer does under DeepSpeed) keeps
 the frozen parameters in the parameter table but writes none of their values, and `common.json` says so
 (`frozen_excluded`). Loading such a checkpoint leaves every parameter that was frozen when it was saved
-as the model holds it now: the run that resumes must build the same base (the same `from_pretrained`),
-which nothing can check for it. `zerofit merge` refuses such a checkpoint: it holds no full model.
+as the model holds it now, so the run that resumes must build the same base (the same `from_pretrained`).
+That is checked: the checkpoint records the first `PROBE` values of every frozen parameter
+(`frozen_probe`), and a model whose frozen parameters begin otherwise (another base, a base fine-tuned
+further; exactly where the dtypes agree, within the coarser dtype's rounding where they differ) is refused
+before anything is loaded. `zerofit merge` refuses such a checkpoint: it holds no full model.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import uuid
@@ -106,7 +110,8 @@ def save_state(directory: str | os.PathLike[str], engine, *, extra_state: dict |
     engine.settle()  # an overlapped host step may still be writing the offloaded masters
     frags = writer_fragments(engine.groups, opt, ranks.rank, ranks.world)
     state_keys = sorted({k for f in frags for k in f.tensors} - {"master", "param"})
-    optim_parts = ranks.all_gather((optimizer_scalars(opt), state_keys, fragment_scalars(frags)))
+    optim_parts = ranks.all_gather((optimizer_scalars(opt), state_keys, fragment_scalars(frags),
+                                    base_probe(frags) if exclude_frozen else {}))
     token = ranks.broadcast(uuid.uuid4().hex[:12])
     tmp = files.temp_dir(final, token)
     error = None
@@ -152,6 +157,7 @@ def _write_common(tmp: Path, engine, ranks: Ranks, optim_parts: list, config: Ru
     opt = engine.optimizer
     common: dict[str, Any] = {
         "frozen_excluded": exclude_frozen,
+        "frozen_probe": {name: probe for *_, part in optim_parts for name, probe in part.items()},
         "format": FORMAT, "torch_version": torch.__version__, "world_size": ranks.world,
         "stage": engine.zero.stage, "mixed_precision": engine.precision.mixed_precision,
         "params": [e.to_json() for e in param_entries(engine)],
@@ -167,8 +173,8 @@ def _write_common(tmp: Path, engine, ranks: Ranks, optim_parts: list, config: Ru
             per_rank = [scalars[gi] for scalars, *_ in optim_parts]
             found = next((g["scalars"] for g in per_rank if g["scalars"]), {})
             groups.append({"hyper": per_rank[0]["hyper"], "scalars": found})
-        keys = sorted({k for _, ks, _ in optim_parts for k in ks})
-        per_param = {name: values for *_, part in optim_parts for name, values in part.items()}
+        keys = sorted({k for _, ks, *_ in optim_parts for k in ks})
+        per_param = {name: values for _, _, part, _ in optim_parts for name, values in part.items()}
         group_of = {name: g.layout.groups[i] for g in engine.groups if g.trainable
                     for i, name in enumerate(g.names)}
         common["optimizer"] = {"class": type(opt).__name__, "groups": groups, "state_keys": keys,
@@ -257,7 +263,7 @@ def load_state(directory: str | os.PathLike[str], engine) -> dict:
     common: dict = {}
     try:
         common = read_common(path)
-        error = _check_model(path, common, engine)
+        error = _check_model(path, common, engine) or _check_base(path, common, engine)
     except CheckpointError as e:
         error = str(e)
     except (KeyError, TypeError, ValueError) as e:  # valid JSON of the wrong shape
@@ -298,6 +304,52 @@ def load_state(directory: str | os.PathLike[str], engine) -> dict:
                 "the checkpoint is damaged or was edited; load an earlier checkpoint"
     ranks.agree(error)
     return extra
+
+
+PROBE = 8
+"""Leading elements of each frozen parameter a checkpoint without the frozen weights records ([Note: a checkpoint
+without the frozen weights])."""
+
+
+def base_probe(frags) -> dict[str, dict]:
+    """The first PROBE values of each frozen parameter whose start these fragments hold, with their dtype."""
+    out = {}
+    for f in frags:
+        if not f.trainable and f.start == 0 and "param" in f.tensors:
+            values = f.tensors["param"][:PROBE].double().tolist()
+            if all(math.isfinite(v) for v in values):
+                out[f.name] = {"dtype": str(f.dtype).removeprefix("torch."), "values": values}
+    return out
+
+
+def _check_base(path: Path, common: dict, engine) -> str | None:
+    """A checkpoint without the frozen weights, loaded into a model whose frozen parameters are another base's:
+    the error (None: the same base, or a checkpoint with its frozen weights)."""
+    problems = other_base(common.get("frozen_probe") or {}, local_fragments(engine.groups, engine.optimizer, 0))
+    if not problems:
+        return None
+    return (f"{path}: saved without its frozen weights (exclude_frozen_parameters), from another base than this "
+            f"model's: " + "; ".join(problems[:3]) + (f" (+{len(problems) - 3} more)" if len(problems) > 3 else "")
+            + ": build the model from the base the run was saved with (the same from_pretrained path and dtype) "
+            "before loading it")
+
+
+def other_base(saved: dict[str, dict], frags) -> list[str]:
+    """The frozen parameters among these fragments that begin with other values than the saved probe says:
+    exactly where the dtypes agree, within the coarser dtype's rounding where they differ."""
+    problems = []
+    for name, here in base_probe(frags).items():
+        probe = saved.get(name)
+        if probe is None:
+            continue
+        was = probe["values"][:len(here["values"])]
+        coarse = max(torch.finfo(getattr(torch, probe["dtype"])).eps, torch.finfo(getattr(torch, here["dtype"])).eps)
+        tol = 0.0 if probe["dtype"] == here["dtype"] else coarse
+        if len(was) != len(here["values"]) or any(abs(a - b) > tol * max(abs(a), abs(b)) for a, b in
+                                                  zip(was, here["values"])):
+            problems.append(f"{name} begins {[round(v, 6) for v in was[:3]]} ({probe['dtype']}) in the checkpoint, "
+                            f"{[round(v, 6) for v in here['values'][:3]]} ({here['dtype']}) here")
+    return problems
 
 
 def _check_model(path: Path, common: dict, engine) -> str | None:
