@@ -100,6 +100,7 @@ def state_dict_place(module: str) -> Place:
 
 GET_STATE_DICT = Place("get_state_dict", "is in accelerator.get_state_dict(model)", gathers=True)
 SAVE_MODEL = Place("save_model", "is in accelerator.save_model(model, ...)", gathers=True)
+GATHERED_PARAMETERS = Place("gathered_parameters", "is in accelerator.gathered_parameters(model)", gathers=True)
 SAVE_STATE = Place("save_state", "is in accelerator.save_state(...) (every rank writes its own shard of the "
                                  "checkpoint, so every rank must call it)")
 LOAD_STATE = Place("load_state", "is in accelerator.load_state(...) (every rank reads its own shard of the "

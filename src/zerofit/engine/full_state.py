@@ -32,10 +32,24 @@ raises `RanksApartError` within seconds, there and on the ranks that went elsewh
 and the fix; a rank that is only late is waited for ([Note: checked places] in zerofit.distributed.arrival).
 `state_dict(keep_vars=True)` asks for the parameters themselves and gets them, sharded, with no
 gather: the engine's own checkpoint code reads names that way.
+
+[Note: gathered parameters]
+Between uses a stage-3 parameter has its shape over an empty storage, so code that reads or rewrites
+weights outside a forward - PEFT's `merge_and_unload()` above all, which adds each adapter into its base
+weight at the end of a LoRA run - fails inside torch ("its data is not allocated yet").
+`Accelerator.gathered_parameters(model)` (`FullStateDict.held`) gathers every sharded unit on every rank
+for a block, so such code sees, and may change, the full weights: merge, then `save_pretrained` inside
+the block saves the merged model. At the block's end the units released before are released again: their
+full values, whatever the block wrote, are dropped; the training state (the fp32 masters, the shards) is
+as it was, so the block cannot move training on by accident (`model.load_state_dict` does that, on
+purpose). The whole model is held on every rank at once: what the GPU must fit for this is the model in
+its compute dtype beside the training state.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -104,6 +118,24 @@ class FullStateDict:
         for name, p in module.named_parameters(prefix=prefix.rstrip("."), remove_duplicate=False):
             if name in state_dict and id(p) in copies:
                 state_dict[name] = copies[id(p)]
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """Collective: every sharded unit gathered (the whole model on every rank) for the block; the units that
+        were released before are released again at its end, and what the block wrote into their parameters goes
+        with them (see [Note: gathered parameters])."""
+        if self.units:  # collective from here: every rank must be here too ([Note: checked places])
+            arrival.check_in(arrival.GATHERED_PARAMETERS)
+        released = []
+        try:
+            for unit in self.units:
+                if unit.state is ParamState.RELEASED:
+                    released.append(unit)
+                unit.wait_gathered()
+            yield
+        finally:
+            for unit in reversed(released):
+                unit.release()
 
     def gather_copies(self, units: list[Unit] | None = None, *, caller: str = "model") -> dict[int, torch.Tensor]:
         """Collective: id(parameter) -> a full CPU copy on the main process, a meta tensor of the same shape

@@ -9,8 +9,9 @@ collective: each process must call it.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +72,17 @@ class PersistenceMixin:
 
         model = compiling.uncompiled(model)  # names without torch.compile's `_orig_mod.`
         return full_state_dict(self._engine_of(model), model, every_tied_key=True, keys=keys)
+
+    @contextlib.contextmanager
+    def gathered_parameters(self, model: nn.Module) -> Iterator[nn.Module]:
+        """zerofit's own: the full weights of a ZeRO-3 model in place for a block, on every process; every process
+        must enter it. For code that reads or changes weights outside a forward - PEFT's `merge_and_unload()`
+        after training, then `save_pretrained(..., is_main_process=...)` inside the block. What the block writes
+        into the weights is dropped at its end; training goes on from the state it had ([Note: gathered
+        parameters] in zerofit.engine.full_state). Stages 0-2 hold the full weights anyway: nothing to do."""
+        engine = self._engine_of(compiling.uncompiled(model))
+        with engine.full_state.held() if engine.shards_parameters else contextlib.nullcontext():
+            yield model
 
     def save_model(self, model: nn.Module, save_directory: str | os.PathLike, max_shard_size: str | int = "10GB",
                    safe_serialization: bool = True) -> None:
