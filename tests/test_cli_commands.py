@@ -267,3 +267,14 @@ def test_the_failure_summary_names_the_first_rank_and_how_the_others_ended():
         "  then rank 2 (exit code 2): exited with code 2 without an exception (the script called sys.exit, or "
         "rejected its arguments): see its output above"]
     assert "x" * 401 not in summary("t.py", {0: failure(1, "E: " + "x" * 5000)}, first_rank=0)
+
+
+def test_a_sigsegv_under_zero3_names_reading_a_weight_outside_forward_and_the_fix():
+    from types import SimpleNamespace
+
+    from zerofit.cli.failure_report import segfault_hint
+
+    segv, term = SimpleNamespace(exitcode=-11), SimpleNamespace(exitcode=-15)
+    assert "gathered_parameters" in segfault_hint({0: term, 1: segv}, 3)
+    assert "gathered_parameters" in segfault_hint({0: segv}, "auto")  # the planner may choose stage 3
+    assert segfault_hint({0: segv}, 2) is None and segfault_hint({0: term}, 3) is None

@@ -137,6 +137,19 @@ def summary(name: str, failures: dict[int, Any], first_rank: int, nccl: NcclRun 
     return "\n".join(lines + watchdog_lines(failures, nccl))
 
 
+def segfault_hint(failures: dict[int, Any], stage: Any) -> str | None:
+    """A line for a run at ZeRO-3 (or `stage: auto`, which may choose it) that a rank left by SIGSEGV: between
+    uses a stage-3 weight keeps its shape over an empty storage, and reading it (`p.norm()`, an EMA copy, a
+    weight printed or merged) makes torch read freed memory ([Note: gathered parameters] in
+    zerofit.engine.full_state)."""
+    if not any(f.exitcode == -signal.SIGSEGV for f in failures.values()) or str(stage) not in ("3", "auto"):
+        return None
+    return ("zerofit launch: under ZeRO-3 a SIGSEGV in the script is most often code that reads a weight outside the "
+            "model's forward (p.norm(), an EMA or reference copy, printing or merging weights): a sharded weight holds "
+            "no data between uses. Run such code inside `with accelerator.gathered_parameters(model):` (every process "
+            "enters it), or read the weights from accelerator.get_state_dict(model)")
+
+
 def engine_argument_hint(target: tuple[str, ...] | list[str]) -> str | None:
     """A line for a failed script given `--deepspeed FILE` or `--fsdp ...`: transformers' TrainingArguments
     hands the run to that engine (and without DeepSpeed installed fails before zerofit's Trainer can say

@@ -441,9 +441,10 @@ def execute(plan: LaunchPlan) -> int:
                 name = " ".join(plan.target[:2] if plan.target[0] == "-m" else plan.target[:1])
                 first_rank, first = e.get_first_failure()
                 print(failure_report.summary(name, e.failures, first_rank, nccl), file=sys.stderr, flush=True)
-                hint = failure_report.engine_argument_hint(plan.target)
-                if hint:
-                    print(hint, file=sys.stderr, flush=True)
+                for hint in (failure_report.engine_argument_hint(plan.target),
+                             failure_report.segfault_hint(e.failures, plan.config.zero.stage)):
+                    if hint:
+                        print(hint, file=sys.stderr, flush=True)
                 code = first.exitcode
                 return 128 - code if code < 0 else (code or 1)  # killed by signal s: 128 + s, as shells do
             except SignalException as e:
