@@ -86,7 +86,7 @@ def test_a_model_built_on_another_base_is_refused_before_anything_loads(runs):
     for r in per_rank:
         got = r["other_base"]
         assert got is not None, "loaded into another base without a word"
-        assert all(words in got["error"] for words in ("from another base", "begins", "same from_pretrained"))
+        assert all(words in got["error"] for words in ("from another base", "(flattened) is", "same from_pretrained"))
         assert got["untouched"]  # refused before any value was read in
 
 
@@ -98,18 +98,26 @@ def test_merge_refuses_it_naming_why(runs, tmp_path):
 
 
 def test_the_base_probe_compares_exactly_in_one_dtype_and_within_the_coarser_rounding_across_two():
-    from zerofit.checkpoint.sharded import base_probe, other_base
+    from zerofit.checkpoint.sharded import base_probe, merge_probes, other_base
     from zerofit.engine.state import Fragment
 
-    def frag(values, dtype):
+    def frag(values, dtype, start=0, numel=None):
         t = torch.tensor(values, dtype=dtype)
-        return Fragment(name="w", shape=(len(values),), dtype=dtype, numel=len(values), start=0, length=len(values),
-                        trainable=False, tensors={"param": t})
+        return Fragment(name="w", shape=(numel or len(values),), dtype=dtype, numel=numel or len(values), start=start,
+                        length=len(values), trainable=False, tensors={"param": t})
 
-    fp32 = [0.1234567, -1.5, 3.0e-3, 7.0]
-    saved = base_probe([frag(fp32, torch.float32)])
-    assert other_base(saved, [frag(fp32, torch.float32)]) == []
-    assert other_base(saved, [frag([0.1234568, -1.5, 3.0e-3, 7.0], torch.float32)])  # one ulp off, same dtype
-    assert other_base(saved, [frag(fp32, torch.bfloat16)]) == []  # the same base, loaded in bf16
-    assert other_base(saved, [frag([0.13, -1.5, 3.0e-3, 7.0], torch.bfloat16)])  # another base, 5 % off
-    assert other_base({}, [frag(fp32, torch.float32)]) == []  # a checkpoint without a probe: nothing to compare
+    base = torch.linspace(-1, 1, 16).tolist()
+    base[0] = 0.0  # a padding row: the same in many bases, so the probe looks across the whole parameter
+    saved = base_probe([frag(base, torch.float32)])
+    assert len(saved["w"]["values"]) == 8 and "0" in saved["w"]["values"] and "14" in saved["w"]["values"]
+    assert other_base(saved, [frag(base, torch.float32)]) == []
+    one_ulp = list(base)
+    one_ulp[14] = float(torch.nextafter(torch.tensor(base[14]), torch.tensor(2.0)))
+    assert other_base(saved, [frag(one_ulp, torch.float32)])  # one ulp off, same dtype: another base
+    assert other_base(saved, [frag(base, torch.bfloat16)]) == []  # the same base, loaded in bf16
+    assert other_base(saved, [frag([v * 1.05 for v in base], torch.bfloat16)])  # another base, 5 % off
+    assert other_base({}, [frag(base, torch.float32)]) == []  # a checkpoint without a probe: nothing to compare
+    halves = merge_probes([base_probe([frag(base[:5], torch.float32, 0, 16)]),  # a parameter split over two ranks
+                           base_probe([frag(base[5:], torch.float32, 5, 16)])])
+    assert halves == saved
+    assert other_base(saved, [frag(one_ulp[5:], torch.float32, 5, 16)])  # a rank holding the differing part

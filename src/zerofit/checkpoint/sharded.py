@@ -25,8 +25,8 @@ that name; zerofit's Trainer sets it for a PEFT model, as transformers' Trainer 
 the frozen parameters in the parameter table but writes none of their values, and `common.json` says so
 (`frozen_excluded`). Loading such a checkpoint leaves every parameter that was frozen when it was saved
 as the model holds it now, so the run that resumes must build the same base (the same `from_pretrained`).
-That is checked: the checkpoint records the first `PROBE` values of every frozen parameter
-(`frozen_probe`), and a model whose frozen parameters begin otherwise (another base, a base fine-tuned
+That is checked: the checkpoint records `PROBE` values spread over every frozen parameter
+(`frozen_probe`), and a model whose frozen parameters hold others there (another base, a base fine-tuned
 further; exactly where the dtypes agree, within the coarser dtype's rounding where they differ) is refused
 before anything is loaded. `zerofit merge` refuses such a checkpoint: it holds no full model.
 """
@@ -157,7 +157,7 @@ def _write_common(tmp: Path, engine, ranks: Ranks, optim_parts: list, config: Ru
     opt = engine.optimizer
     common: dict[str, Any] = {
         "frozen_excluded": exclude_frozen,
-        "frozen_probe": {name: probe for *_, part in optim_parts for name, probe in part.items()},
+        "frozen_probe": merge_probes([part for *_, part in optim_parts]),
         "format": FORMAT, "torch_version": torch.__version__, "world_size": ranks.world,
         "stage": engine.zero.stage, "mixed_precision": engine.precision.mixed_precision,
         "params": [e.to_json() for e in param_entries(engine)],
@@ -307,18 +307,32 @@ def load_state(directory: str | os.PathLike[str], engine) -> dict:
 
 
 PROBE = 8
-"""Leading elements of each frozen parameter a checkpoint without the frozen weights records ([Note: a checkpoint
-without the frozen weights])."""
+"""Elements of each frozen parameter a checkpoint without the frozen weights records, spread evenly over it
+(the first would often be a padding row of zeros) ([Note: a checkpoint without the frozen weights])."""
 
 
 def base_probe(frags) -> dict[str, dict]:
-    """The first PROBE values of each frozen parameter whose start these fragments hold, with their dtype."""
-    out = {}
+    """{name: {"dtype", "values": {position: value}}} for the probed positions of each frozen parameter that
+    these fragments hold (a parameter split over ranks gives each rank's part; `merge_probes` joins them)."""
+    out: dict[str, dict] = {}
     for f in frags:
-        if not f.trainable and f.start == 0 and "param" in f.tensors:
-            values = f.tensors["param"][:PROBE].double().tolist()
-            if all(math.isfinite(v) for v in values):
-                out[f.name] = {"dtype": str(f.dtype).removeprefix("torch."), "values": values}
+        if f.trainable or "param" not in f.tensors:
+            continue
+        held = [i for i in sorted({k * f.numel // PROBE for k in range(PROBE)}) if f.start <= i < f.start + f.length]
+        if not held:
+            continue
+        values = f.tensors["param"][torch.tensor([i - f.start for i in held])].double().tolist()
+        entry = out.setdefault(f.name, {"dtype": str(f.dtype).removeprefix("torch."), "values": {}})
+        entry["values"].update({str(i): v for i, v in zip(held, values) if math.isfinite(v)})
+    return out
+
+
+def merge_probes(parts: list[dict[str, dict]]) -> dict[str, dict]:
+    """Every rank's `base_probe`, as one."""
+    out: dict[str, dict] = {}
+    for part in parts:
+        for name, entry in part.items():
+            out.setdefault(name, {"dtype": entry["dtype"], "values": {}})["values"].update(entry["values"])
     return out
 
 
@@ -335,20 +349,21 @@ def _check_base(path: Path, common: dict, engine) -> str | None:
 
 
 def other_base(saved: dict[str, dict], frags) -> list[str]:
-    """The frozen parameters among these fragments that begin with other values than the saved probe says:
-    exactly where the dtypes agree, within the coarser dtype's rounding where they differ."""
+    """The frozen parameters among these fragments whose probed values differ from the saved probe's: exactly
+    where the dtypes agree, within the coarser dtype's rounding where they differ."""
     problems = []
     for name, here in base_probe(frags).items():
         probe = saved.get(name)
         if probe is None:
             continue
-        was = probe["values"][:len(here["values"])]
         coarse = max(torch.finfo(getattr(torch, probe["dtype"])).eps, torch.finfo(getattr(torch, here["dtype"])).eps)
         tol = 0.0 if probe["dtype"] == here["dtype"] else coarse
-        if len(was) != len(here["values"]) or any(abs(a - b) > tol * max(abs(a), abs(b)) for a, b in
-                                                  zip(was, here["values"])):
-            problems.append(f"{name} begins {[round(v, 6) for v in was[:3]]} ({probe['dtype']}) in the checkpoint, "
-                            f"{[round(v, 6) for v in here['values'][:3]]} ({here['dtype']}) here")
+        pairs = [(i, probe["values"][i], v) for i, v in here["values"].items() if i in probe["values"]]
+        wrong = [(i, a, b) for i, a, b in pairs if abs(a - b) > tol * max(abs(a), abs(b))]
+        if wrong:
+            i, a, b = wrong[0]
+            problems.append(f"{name}[{i}] (flattened) is {a:.6g} ({probe['dtype']}) in the checkpoint, {b:.6g} "
+                            f"({here['dtype']}) here")
     return problems
 
 
