@@ -14,6 +14,7 @@ so every element is owned by exactly one rank; a checkpoint's writers share thos
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -97,9 +98,8 @@ def writer_fragments(groups: list[FlatGroup], optimizer: torch.optim.Optimizer |
     for f in replicated:
         a, b = max(lo, at) - at, min(hi, at + f.length) - at
         if a < b:
-            out.append(Fragment(name=f.name, shape=f.shape, dtype=f.dtype, numel=f.numel, start=f.start + a,
-                                length=b - a, trainable=f.trainable, group=f.group, state=f.state,
-                                tensors={k: t[a:b] for k, t in f.tensors.items()}))
+            out.append(dataclasses.replace(f, start=f.start + a, length=b - a,
+                                           tensors={k: t[a:b] for k, t in f.tensors.items()}))
         at += f.length
     return out
 

@@ -80,7 +80,7 @@ class PersistenceMixin:
         after training, then `save_pretrained(..., is_main_process=...)` inside the block. What the block writes
         into the weights is dropped at its end; training goes on from the state it had ([Note: gathered
         parameters] in zerofit.engine.full_state). Stages 0-2 hold the full weights anyway: nothing to do."""
-        engine = self._engine_of(compiling.uncompiled(model))
+        engine = self._engine_of(model)  # through a torch.compile wrapper (Prepared.engine_of)
         with engine.full_state.held() if engine.shards_parameters else contextlib.nullcontext():
             yield model
 
