@@ -17,6 +17,7 @@ _LAZY = {
     "Accelerator": "zerofit.frontend.accelerator",
     "DistributedType": "zerofit.frontend.state",
     "PartialState": "zerofit.frontend.processes",
+    "declare_optimizer": "zerofit.engine.optimizer_kinds",
     **{name: "zerofit.frontend.utils" for name in (
         "DummyOptim", "DummyScheduler", "ProjectConfiguration", "find_executable_batch_size",
         "init_empty_weights", "init_on_device")},

@@ -59,6 +59,7 @@ from zerofit.checkpoint.manifest import (
 )
 from zerofit.checkpoint.ranks import Ranks
 from zerofit.checkpoint.tree import encode, read_tree, write_encoded, write_tree
+from zerofit.checkpoint.whole_state import chunks_to_load, chunks_to_save
 from zerofit.config.schema import RunConfig
 from zerofit.engine.state import (
     allocate_optimizer_state,
@@ -69,6 +70,7 @@ from zerofit.engine.state import (
     restore_param_scalars,
     writer_fragments,
 )
+from zerofit.engine.whole_step import is_stand_in
 from zerofit.errors import CheckpointError
 
 FORMAT = "zerofit-checkpoint/1"
@@ -110,8 +112,9 @@ def save_state(directory: str | os.PathLike[str], engine, *, extra_state: dict |
     engine.settle()  # an overlapped host step may still be writing the offloaded masters
     frags = writer_fragments(engine.groups, opt, ranks.rank, ranks.world)
     state_keys = sorted({k for f in frags for k in f.tensors} - {"master", "param"})
+    whole_chunks, whole_records = chunks_to_save(engine)
     optim_parts = ranks.all_gather((optimizer_scalars(opt), state_keys, fragment_scalars(frags),
-                                    base_probe(frags) if exclude_frozen else {}))
+                                    base_probe(frags) if exclude_frozen else {}, whole_records))
     token = ranks.broadcast(uuid.uuid4().hex[:12])
     tmp = files.temp_dir(final, token)
     error = None
@@ -128,6 +131,7 @@ def save_state(directory: str | os.PathLike[str], engine, *, extra_state: dict |
     try:
         chunks = {f"{key}/{f.name}": Chunk(t, f.start, f.numel) for f in frags for key, t in f.tensors.items()
                   if not (exclude_frozen and key == "param")}
+        chunks.update(whole_chunks)
         if ranks.is_main:
             for name, buf in persistent_buffers(engine.model):
                 if buf.numel():
@@ -157,7 +161,7 @@ def _write_common(tmp: Path, engine, ranks: Ranks, optim_parts: list, config: Ru
     opt = engine.optimizer
     common: dict[str, Any] = {
         "frozen_excluded": exclude_frozen,
-        "frozen_probe": merge_probes([part for *_, part in optim_parts]),
+        "frozen_probe": merge_probes([part[3] for part in optim_parts]),
         "format": FORMAT, "torch_version": torch.__version__, "world_size": ranks.world,
         "stage": engine.zero.stage, "mixed_precision": engine.precision.mixed_precision,
         "params": [e.to_json() for e in param_entries(engine)],
@@ -174,11 +178,12 @@ def _write_common(tmp: Path, engine, ranks: Ranks, optim_parts: list, config: Ru
             found = next((g["scalars"] for g in per_rank if g["scalars"]), {})
             groups.append({"hyper": per_rank[0]["hyper"], "scalars": found})
         keys = sorted({k for _, ks, *_ in optim_parts for k in ks})
-        per_param = {name: values for _, _, part, _ in optim_parts for name, values in part.items()}
+        per_param = {name: values for _, _, part, *_ in optim_parts for name, values in part.items()}
         group_of = {name: g.layout.groups[i] for g in engine.groups if g.trainable
                     for i, name in enumerate(g.names)}
         common["optimizer"] = {"class": type(opt).__name__, "groups": groups, "state_keys": keys,
-                               "param_scalars": differing_scalars(per_param, groups, group_of)}
+                               "param_scalars": differing_scalars(per_param, groups, group_of),
+                               "whole_state": {n: r for *_, records in optim_parts for n, r in records.items()}}
     write_tree(tmp, COMMON, common, "checkpoint state")
     if config is not None:
         from zerofit.config import save_config
@@ -272,6 +277,8 @@ def load_state(directory: str | os.PathLike[str], engine) -> dict:
     _prepare_optimizer(path, common, engine.optimizer)
     _restore_param_scalars(engine, common)
     chunks, copies = _load_chunks(engine, common)
+    if engine.optimizer is not None:  # [Note: whole-parameter steps]: their state, by parameter
+        chunks.update(chunks_to_load(engine, (common.get("optimizer") or {}).get("whole_state") or {}))
     error = None
     try:
         problems = missing_ranges(read_index(path / STATE_DIR), chunks)
@@ -400,7 +407,8 @@ def _prepare_optimizer(path: Path, common: dict, opt) -> None:
             if key not in _IMPLEMENTATION_KEYS:
                 group[key] = value
         for t in group["params"]:
-            opt.state[t] = {}  # replace, never merge with, whatever state the optimizer had
+            if not is_stand_in(t):  # whole parameters get theirs from `chunks_to_load`
+                opt.state[t] = {}  # replace, never merge with, whatever state the optimizer had
     allocate_optimizer_state(opt, list(saved["state_keys"]), [g for g in saved["groups"]])
 
 

@@ -38,10 +38,12 @@ from zerofit.engine.offload import HostStep, Offload, StreamStep
 from zerofit.engine.optim import (
     folds_grad_scale,
     global_grad_sumsq,
+    group_kinds,
     param_group_index,
     rebind_optimizer,
     scale_grads,
 )
+from zerofit.engine.optimizer_kinds import PER_PARAMETER
 from zerofit.engine.policy import (
     COMPUTE_DTYPES,
     StagePolicy,
@@ -57,6 +59,7 @@ from zerofit.engine.step_mode import CompactStep, PlainStep, StepFactors, StepMo
 from zerofit.engine.timing import StepTimes
 from zerofit.engine.unit import Unit
 from zerofit.engine.units import plan_units
+from zerofit.engine.whole_step import WholeStep
 from zerofit.engine.window import AccumulationWindow, InWindow
 from zerofit.errors import EngineError
 
@@ -141,6 +144,9 @@ class ZeroEngine:
                        for u in self.units for gi, g in enumerate(u.trainable) for i, p in enumerate(g.params)]
         self.offload = Offload()
         """The offload parts of the step mode, for inspection (tests, benchmarks)."""
+        self.whole_step: WholeStep | None = None
+        """The step of the parameters stepped whole, when a per-parameter optimizer holds some (checkpoints
+        read its stand-ins: zerofit.checkpoint.whole_state)."""
         self.mode: StepMode = self._step_mode()  # before the stage-3 hooks: see [Note: offload parts]
         self.stage3 = Stage3Hooks(self.units[0], self.units, lambda: self._in_backward, self._pass_over)
         # model.state_dict() gathers (see its note)
@@ -156,11 +162,20 @@ class ZeroEngine:
         """How the optimizer step runs (see [Note: step modes] in zerofit.engine.step_mode): the device's
         step of the groups kept there, wrapped by the offload parts (see [Note: offload parts] in
         zerofit.engine.offload.part), which it records in `self.offload`."""
-        hosted = [g for g in self.trainable_groups if g.placement.host_stepped]
-        streamed = [g for g in self.trainable_groups if g.placement.gpu_stepped]
+        whole = [g for g in self.trainable_groups if g.whole]
+        mode = self._offload_step([g for g in self.trainable_groups if not g.whole])
+        if not whole:
+            return mode
+        self.whole_step = WholeStep(self.optimizer, whole, mode, self.comm, self.device)
+        return self.whole_step
+
+    def _offload_step(self, elementwise: list[FlatGroup]) -> StepMode:
+        """The step of the groups of elementwise optimizers: on the device, or wrapped by the offload parts."""
+        hosted = [g for g in elementwise if g.placement.host_stepped]
+        streamed = [g for g in elementwise if g.placement.gpu_stepped]
         if self.optimizer is None or not (hosted or streamed):
-            return self._device_step(PlainStep(self.optimizer, self.trainable_groups, self.comm))
-        on_device = [g for g in self.trainable_groups if not g.placement.offloaded]
+            return self._device_step(PlainStep(self.optimizer, elementwise, self.comm))
+        on_device = [g for g in elementwise if not g.placement.offloaded]
         mode = self._device_step(PlainStep.part_of(self.optimizer, on_device, self.comm))
         gpu = host = None
         if streamed:
@@ -195,6 +210,7 @@ class ZeroEngine:
 
     def _build_units(self, init_fn) -> list[Unit]:
         group_of = param_group_index(self.optimizer)
+        kinds = group_kinds(self.optimizer)  # refuses an optimizer zerofit cannot step exactly
         has_meta = has_meta_tensors(self.model)
         weights = weight_source.source_for(self.model, has_meta=has_meta)  # pretrained values: load_at_prepare
         meta = Materializer(self.model, self.device, init_fn, weights) if has_meta else None
@@ -222,17 +238,22 @@ class ZeroEngine:
                     raise EngineError(f"parameters {lost[:3]} require grad but are not in the optimizer: "
                                       "add them to the optimizer or set requires_grad=False")
             train.sort(key=lambda item: group_of[id(item[1])])  # stable: module order inside a group
+            # [Note: whole-parameter steps]: a per-parameter optimizer's parameters form groups of their own
+            whole = [(n, p) for n, p in train if kinds[group_of[id(p)]] == PER_PARAMETER]
+            train = [(n, p) for n, p in train if kinds[group_of[id(p)]] != PER_PARAMETER]
             groups = []
-            for members, trainable in ((train, True), (frozen, False)):
+            for members, trainable, is_whole in ((train, True, False), (whole, True, True), (frozen, False, False)):
                 if not members:
                     continue
-                placement = self.policy.placement(trainable=trainable, unit_numel=spec.numel,
-                                                  state_home=homes[id(spec.module)])
+                placement = self.policy.placement(
+                    trainable=trainable, unit_numel=spec.numel,
+                    state_home=StateHome.DEVICE if is_whole else homes[id(spec.module)])
                 groups.append(FlatGroup(
                     spec.name, [n for n, _ in members], [p for _, p in members],
                     [group_of[id(p)] if trainable else 0 for _, p in members], trainable=trainable,
                     placement=placement, compute_dtype=self.compute_dtype, device=self.device, align=SHARD_ALIGN,
-                    compact_grads=trainable and self.optimizer is not None and keeps_compact_grads(
+                    whole=is_whole,
+                    compact_grads=trainable and not is_whole and self.optimizer is not None and keeps_compact_grads(
                         placement, world=self.comm.world, gradient_accumulation_steps=self.gradient_accumulation_steps,
                         low_precision=self.compute_dtype != torch.float32)))
             units.append(Unit(spec.name, spec.module, groups, self.comm))

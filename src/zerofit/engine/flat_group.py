@@ -37,7 +37,7 @@ class FlatGroup:
 
     def __init__(self, unit_name: str, names: list[str], params: list[nn.Parameter], groups: list[int],
                  *, trainable: bool, placement: GroupPlacement, compute_dtype: torch.dtype,
-                 device: torch.device, align: int, compact_grads: bool = False):
+                 device: torch.device, align: int, compact_grads: bool = False, whole: bool = False):
         """`compact_grads`: keep the gradient in the compute dtype (the engine decides when that is exact:
         `zerofit.engine.policy.keeps_compact_grads`)."""
         self.unit_name = unit_name
@@ -85,6 +85,8 @@ class FlatGroup:
         """A GPU-stepped update of this group is queued on side streams; it zeroes the gradient shard
         itself once it has read it, so `zero_grads` must not touch it (see zerofit.engine.offload.gpu)."""
         self.unused: frozenset[int] = frozenset()
+        self.whole = whole
+        """Its optimizer reads each parameter whole (see [Note: whole-parameter steps] in zerofit.engine.whole_step)."""
         """Parameters (layout positions) no rank gave a gradient in this window: the step leaves their
         master pieces out (set by the engine before a step; see [Note: parameters without a gradient])."""
         self.piece_masters: list[tuple[int, torch.Tensor]] = []

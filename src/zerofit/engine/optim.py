@@ -19,6 +19,8 @@ import torch
 
 from zerofit.engine.comm import Collectives
 from zerofit.engine.flat_group import FlatGroup
+from zerofit.engine.optimizer_kinds import optimizer_kind
+from zerofit.engine.optimizer_set import OptimizerSet, members_of
 from zerofit.errors import EngineError
 
 _FUSED_CAPABLE = ("Adam", "AdamW", "SGD", "Adagrad")
@@ -38,12 +40,26 @@ def param_group_index(optimizer: torch.optim.Optimizer | None) -> dict[int, int]
     return index
 
 
+def group_kinds(optimizer: torch.optim.Optimizer | None) -> list[str]:
+    """Per param group of `optimizer`: ELEMENTWISE or PER_PARAMETER, from the class of the optimizer (the
+    set's member) holding it; an EngineError for a class zerofit cannot step exactly (see
+    zerofit.engine.optimizer_kinds)."""
+    out = []
+    for m in members_of(optimizer):
+        out += [optimizer_kind(m)] * len(m.param_groups)
+    return out
+
+
+def _member_of_group(optimizer: torch.optim.Optimizer, index: int) -> torch.optim.Optimizer:
+    return optimizer.member_of_group(index) if isinstance(optimizer, OptimizerSet) else optimizer
+
+
 def rebind_optimizer(optimizer: torch.optim.Optimizer, groups: list[FlatGroup], rank: int) -> None:
     """Point `optimizer` at this rank's master pieces and give every piece its gradient view (compact
     groups get theirs at each step: see `zerofit.engine.step_mode.CompactStep`)."""
     pieces: list[list[torch.Tensor]] = [[] for _ in optimizer.param_groups]
     for fg in groups:
-        if not fg.trainable:
+        if not fg.trainable or fg.whole:  # whole groups: stand-ins, see zerofit.engine.whole_step
             continue
         fg.piece_masters = []
         for piece in fg.layout.pieces(fg.placement.rank):
@@ -53,12 +69,12 @@ def rebind_optimizer(optimizer: torch.optim.Optimizer, groups: list[FlatGroup], 
                 master.grad = fg.grad_shard[sl]
             pieces[piece.group].append(master)
             fg.piece_masters.append((piece.index, master))
-    use_fused = type(optimizer).__name__ in _FUSED_CAPABLE
-    for group, tensors in zip(optimizer.param_groups, pieces):
+    for gi, (group, tensors) in enumerate(zip(optimizer.param_groups, pieces)):
         group["params"] = tensors
+        member = _member_of_group(optimizer, gi)
         # Fused kernels step many big flat tensors fastest, on CPU as on GPU (unless the script chose).
-        if use_fused and group.get("fused") is None and not group.get("foreach") \
-                and not group.get("differentiable") and "fused" in optimizer.defaults:
+        if type(member).__name__ in _FUSED_CAPABLE and group.get("fused") is None and not group.get("foreach") \
+                and not group.get("differentiable") and "fused" in member.defaults:
             group["fused"] = True
             if "foreach" in group:
                 group["foreach"] = False
@@ -80,6 +96,15 @@ def sub_optimizer(optimizer: torch.optim.Optimizer, tensors: list[torch.Tensor])
     `sync_hyperparams` before each step so schedulers' changes reach it. None when nothing matches.
     """
     wanted = {t.data_ptr() for t in tensors}
+    if isinstance(optimizer, OptimizerSet):  # a sub-optimizer per member, as one set
+        subs, index, base = [], [], 0
+        for m in optimizer.members:
+            sub, idx = sub_optimizer(m, [t for g in m.param_groups for t in g["params"] if t.data_ptr() in wanted])
+            if sub is not None:
+                subs.append(sub)
+                index.extend(base + i for i in idx)
+            base += len(m.param_groups)
+        return (OptimizerSet(subs), index) if subs else (None, [])
     groups, index = [], []
     for i, pg in enumerate(optimizer.param_groups):
         mine = [t for t in pg["params"] if t.data_ptr() in wanted]

@@ -114,6 +114,8 @@ def optimizer_scalars(optimizer: torch.optim.Optimizer | None) -> list[dict]:
         hyper = {k: v for k, v in group.items() if k != "params"}
         scalars: dict = {}
         for t in group["params"]:
+            if hasattr(t, "_zerofit_whole"):  # a whole parameter's stand-in: its state is saved whole
+                continue
             for key, value in optimizer.state.get(t, {}).items():
                 if not (isinstance(value, torch.Tensor) and value.ndim == 1 and value.numel() == t.numel()):
                     scalars[key] = value
@@ -169,6 +171,8 @@ def allocate_optimizer_state(optimizer: torch.optim.Optimizer, tensor_keys: list
     their state only on the first step)."""
     for group, saved in zip(optimizer.param_groups, scalars):
         for t in group["params"]:
+            if hasattr(t, "_zerofit_whole"):  # a whole parameter's stand-in: see zerofit.checkpoint.whole_state
+                continue
             state = optimizer.state[t]
             for key in tensor_keys:
                 state.setdefault(key, torch.zeros_like(t, memory_format=torch.preserve_format))

@@ -45,14 +45,48 @@ from zerofit.frontend.state import GradientState
 _DEEPSPEED_ADAM_SWITCHES = ("torch_adam", "adam_w_mode")
 
 
+class SiblingSteps:
+    """What the optimizers of one model share: which of them called `step()` since the engine last stepped.
+
+    [Note: several optimizers step together]
+    The engine applies one window's gradients to all the optimizers of a model at once (see [Note: several
+    optimizers over one model] in zerofit.engine.optimizer_set): the first `step()` of the window steps
+    every one of them, and the others' `step()` in the same window find their update done and only
+    record it (the same skipped flag, so their schedulers move alike). A script that steps them on
+    different windows (one of them every other step, or a GAN's two optimizers over one model, each
+    after its own loss) would get the others stepped too: the next window that steps is refused instead,
+    naming the optimizer that did not step.
+    """
+
+    def __init__(self):
+        self.members: list[AcceleratedOptimizer] = []
+        self.stepped: set[int] = set()
+        """id() of the members that called step() since the engine last stepped."""
+        self.last_skipped = False
+        """The engine's last step was skipped (fp16 overflow, non-finite norm)."""
+
+    def check_all_stepped(self) -> None:
+        missing = [m for m in self.members if id(m) not in self.stepped]
+        if self.stepped and missing:
+            names = ", ".join(f"{type(m.optimizer).__name__} #{self.members.index(m)}" for m in missing)
+            raise ValueError(f"the optimizers of one model step together under zerofit, and {names} did not call "
+                             "step() in the last window that stepped (its parameters were updated with the "
+                             "others'): call step() on every optimizer of the model once per window, or give the "
+                             "parameters stepped on another schedule to a model of their own")
+
+
 class AcceleratedOptimizer(torch.optim.Optimizer):
     """The script's optimizer, stepped through its model's ZeRO engine (see the module notes)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, engine: ZeroEngine, gradient_state: GradientState):
+    def __init__(self, optimizer: torch.optim.Optimizer, engine: ZeroEngine, gradient_state: GradientState,
+                 siblings: SiblingSteps | None = None):
         # No Optimizer.__init__: see [Note: a torch Optimizer that owns nothing].
         self.optimizer = optimizer
         self.engine = engine
         self.gradient_state = gradient_state
+        self.siblings = siblings or SiblingSteps()
+        """Shared by the optimizers of one model (see [Note: several optimizers step together])."""
+        self.siblings.members.append(self)
         self.step_was_skipped = False
         self.window_open = False
         """True once a backward has run in an accumulation window that has not been stepped yet."""
@@ -70,10 +104,20 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
                              "accumulated, sharded gradients; call accelerator.backward(loss) then step()")
         if not self.gradient_state.sync_gradients:
             return
-        if not self.engine.backward_in_window:  # nothing to apply: a no-op, as in torch (the engine warns)
-            self.step_was_skipped = not self.engine.step()
+        sib = self.siblings
+        if not self.engine.backward_in_window:
+            if sib.stepped and id(self) not in sib.stepped:  # a sibling's step() applied this window already
+                sib.stepped.add(id(self))
+                self.step_was_skipped = sib.last_skipped
+                self.window_open = False
+                self.steps_taken += 1
+                return
+            self.step_was_skipped = not self.engine.step()  # nothing to apply: a no-op, as in torch (it warns)
             return
+        if len(sib.members) > 1:
+            sib.check_all_stepped()
         self.step_was_skipped = not self.engine.step()
+        sib.stepped, sib.last_skipped = {id(self)}, self.step_was_skipped
         self.window_open = False
         self.steps_taken += 1
         if self.progress is not None:

@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader
 from zerofit.config.naming import key_name
 from zerofit.config.schema import SchedulerConfig
 from zerofit.engine import ZeroEngine
+from zerofit.engine.optimizer_set import OptimizerSet, members_of
 from zerofit.errors import ConfigError
 from zerofit.frontend import compiling, engine_surface, ops
 from zerofit.frontend.auto_plan import (
@@ -34,7 +35,7 @@ from zerofit.frontend.auto_plan import (
 )
 from zerofit.frontend.banner import describe_engine
 from zerofit.frontend.data import ShardedDataLoader
-from zerofit.frontend.optimizers import AcceleratedOptimizer, build_optimizer
+from zerofit.frontend.optimizers import AcceleratedOptimizer, SiblingSteps, build_optimizer
 from zerofit.frontend.progress import Progress
 from zerofit.frontend.sampling import order_for
 from zerofit.frontend.schedulers import AcceleratedScheduler, build_scheduler
@@ -56,6 +57,8 @@ class Prepared:
     """Objects given to `register_for_checkpointing`, in order."""
     built: dict[int, Any] = field(default_factory=dict)
     """id(DummyOptim / DummyScheduler / raw optimizer) -> what replaced it."""
+    siblings: dict[int, SiblingSteps] = field(default_factory=dict)
+    """id(engine) -> what the optimizers of its model share (zerofit.frontend.optimizers.SiblingSteps)."""
 
     def engine_of(self, model: nn.Module) -> ZeroEngine | None:
         """The engine that shards `model`, looked up through a `torch.compile` wrapper; None: not prepared."""
@@ -110,11 +113,9 @@ class PrepareMixin:
             self._resolve(optimizer=False, scheduler=False)
         real = {id(o): self._real_optimizer(o) for o in optimizers}
         for model in models:
-            mine = [o for o in optimizers if _holds_params_of(real[id(o)], model)]
-            if len(mine) > 1:
-                raise ValueError(f"{len(mine)} optimizers hold parameters of one {type(model).__name__}: zerofit "
-                                 "steps one optimizer per model; put the parameters in param groups of one optimizer")
-            self._prepare_model(model, real[id(mine[0])] if mine else None)
+            mine = [real[id(o)] for o in optimizers if _holds_params_of(real[id(o)], model)]
+            # [Note: several optimizers over one model] in zerofit.engine.optimizer_set
+            self._prepare_model(model, OptimizerSet(mine) if len(mine) > 1 else (mine[0] if mine else None))
         for i, obj in enumerate(objects):
             if kinds[i] == "optimizer":
                 out[i] = self._wrap_optimizer(obj, real[id(obj)])
@@ -251,11 +252,13 @@ class PrepareMixin:
         return self._prepared.engine_of(model) is not None
 
     def _wrap_optimizer(self, opt: Any, real: torch.optim.Optimizer) -> AcceleratedOptimizer:
-        engine = next((e for e in self._prepared.engines.values() if e.optimizer is real), None)
+        engine = next((e for e in self._prepared.engines.values() if any(m is real for m in members_of(e.optimizer))),
+                      None)
         if engine is None:
             raise ValueError(f"the optimizer {type(real).__name__} was prepared without its model: pass the model "
                              "and its optimizer to the same prepare() call")
-        wrapped = AcceleratedOptimizer(real, engine, self.gradient_state)
+        wrapped = AcceleratedOptimizer(real, engine, self.gradient_state,
+                                       siblings=self._prepared.siblings.setdefault(id(engine), SiblingSteps()))
         wrapped.progress = Progress.for_process(self.config.logging, is_main=self.is_main_process, engine=engine,
                                                 world=self.num_processes, device=self.device,
                                                 log=lambda values, step: self.log(values, step=step))
