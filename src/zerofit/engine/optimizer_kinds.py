@@ -81,7 +81,7 @@ def optimizer_kind(optimizer: torch.optim.Optimizer) -> str:
     why = _REFUSED.get(cls.__name__) if cls.__module__.startswith("torch.optim") else None
     if why is not None:
         raise EngineError(f"optimizer {name} is not supported by zerofit: {why}")
-    if cls.__module__.startswith("bitsandbytes"):
+    if cls.__module__.split(".")[0] in ("bitsandbytes", "torchao"):
         raise EngineError(f"optimizer {name} keeps block-quantised state that zerofit would cut into other blocks "
                           "on shards, so it is not run: use torch.optim.AdamW (Trainer: --optim adamw_torch); "
                           "zerofit's own low-bit optimizer state is planned (issue #39)")
