@@ -233,6 +233,23 @@ def network_env(plan: LaunchPlan, environ: dict[str, str] | os._Environ[str] = o
     return out
 
 
+ACCELERATE_USE_CPU_ENV = "ACCELERATE_USE_CPU"
+"""What `accelerate launch` sets in its workers to say the run is on CPUs (`--cpu`)."""
+
+
+def device_env(plan: LaunchPlan) -> dict[str, str]:
+    """What libraries under the script read to run on the launch's devices: ACCELERATE_USE_CPU, set as
+    `accelerate launch` sets it (true on CPUs, else false), replacing a value inherited from the shell.
+
+    transformers' `TrainingArguments` builds Accelerate's process state from it: without it a CPU worker of
+    torchrun is a world of one there (Accelerate counts a CPU process as distributed only when told it runs
+    on CPU), so every rank of a `--cpu` run acted as Trainer's main process (each wrote `all_results.json`
+    and the checkpoints, logged its own loss, and counted the loss's tokens on its own process: the loss
+    and gradients came out twice as large on 2 processes). A script's `--use_cpu` says the same; zerofit's
+    own Accelerator reads the launch config instead."""
+    return {ACCELERATE_USE_CPU_ENV: "true" if plan.config.launch.use_cpu else "false"}
+
+
 def exposure_warning(plan: LaunchPlan) -> str | None:
     """What the launcher says when some socket of the run listens beyond loopback (None: nothing does)."""
     la = plan.config.launch
@@ -428,6 +445,7 @@ def execute(plan: LaunchPlan) -> int:
         if "OMP_NUM_THREADS" not in os.environ:  # else torchrun sets 1 and prints a warning about it
             env["OMP_NUM_THREADS"] = str(plan.omp_num_threads)
         env.update(network_env(plan))
+        env.update(device_env(plan))
         warning = exposure_warning(plan)
         if warning:
             print(warning, file=sys.stderr, flush=True)

@@ -18,12 +18,17 @@ see an open walk whose prefix theirs extends and leave the entries to it.
 Only the main process keeps full tensors, so saving a model needs one host copy of it, not one per
 rank (8 ranks x a 13 B model in bf16 would be 208 GB); the others get placeholders that key filters
 (PEFT's) and `save_pretrained(..., is_main_process=False)` pass through, and that fail loudly if
-written. One exception, [Note: adapters everywhere]: when the trainable parameters are a small part
-of the model (at most ADAPTER_SHARE of its elements: a LoRA or other adapter on a frozen base), every
-rank gets full copies of the trainable ones. PEFT's `model.save_pretrained(dir)` writes the adapter
-from every rank by default (`is_main_process=True`), as PEFT's own example scripts call it (CorDA's
-`corda_finetuning.py` under Trainer did, and crashed on the placeholders); the adapter is small, so a
-copy per rank costs little, and every rank writes the same values.
+written. One exception, [Note: adapters everywhere]: when the trainable parameters are an adapter on
+a frozen base - a PEFT model's (its `peft_config` names the adapters), or any model's trainable part of at
+most ADAPTER_SHARE of its elements - every rank gets full copies of the trainable ones. PEFT's
+`model.save_pretrained(dir)` writes the adapter from every rank by default (`is_main_process=True`), as
+PEFT's own example scripts call it (CorDA's `corda_finetuning.py` under Trainer; `peft_no_lora_accelerate.py`
+with `state_dict=accelerator.get_state_dict(model)`), and crashed on the placeholders; the adapter is
+small, so a copy per rank costs little, and every rank writes the same values. A PEFT model is told by
+its config, not its share: p-tuning's prompt encoder (an MLP of `encoder_hidden_size`, 128 by default)
+on a small base is over half its elements. (Under DeepSpeed those ranks get None from Accelerate's
+`get_state_dict`, and PEFT reads `model.state_dict()` instead, where every partitioned parameter is empty:
+their files race with rank 0's. Here every rank writes the same bytes.)
 Every rank takes part in the gathers, so the call is collective: every rank must call `state_dict()`
 on the same module (as `save_pretrained(..., is_main_process=...)` is called on every
 rank in Accelerate scripts). Before the first gather each rank says so in the run's store and waits
@@ -64,10 +69,19 @@ rank in a saved state dict ([Note: adapters everywhere])."""
 
 
 def adapter_sized(groups) -> bool:
-    """The trainable parameters of these flat groups are an adapter's ([Note: adapters everywhere])."""
+    """The trainable parameters of these flat groups are a small part of them ([Note: adapters everywhere])."""
     trainable = sum(g.layout.padded_numel for g in groups if g.trainable)
     total = sum(g.layout.padded_numel for g in groups)
     return 0 < trainable <= ADAPTER_SHARE * total
+
+
+def names_adapters(model: nn.Module, groups) -> bool:
+    """`model` is a PEFT model with something to train: its trainable parameters are its adapters and the
+    modules PEFT saves with them, whatever their share ([Note: adapters everywhere]). Told as transformers
+    tells one (a `peft_config` dict and `get_base_model`), without importing PEFT."""
+    configs = getattr(model, "peft_config", None)
+    return (isinstance(configs, dict) and bool(configs) and callable(getattr(model, "get_base_model", None))
+            and any(g.trainable for g in groups))
 
 
 def inside_walk(open_walk: tuple[nn.Module, str, Any] | None, prefix: str) -> bool:
@@ -83,7 +97,8 @@ class FullStateDict:
         self.model = model
         self.is_main = is_main
         """This rank keeps the full copies (the others get meta placeholders)."""
-        self.adapter = adapter_sized([g for u in units for g in u.groups])
+        groups = [g for u in units for g in u.groups]
+        self.adapter = names_adapters(model, groups) or adapter_sized(groups)
         """Every rank keeps full copies of the trainable parameters ([Note: adapters everywhere])."""
         self.units = [u for u in units if u.sharded]
         self._open: tuple[nn.Module, str, dict[int, torch.Tensor]] | None = None

@@ -11,7 +11,8 @@ transformers documents for overriding where it has them:
 * `create_accelerator_and_postprocess` builds a `zerofit.Accelerator` from the launch config completed
   from TrainingArguments (`zerofit.integrations.trainer_config`), and tells Trainer to take its plain
   data-parallel paths (`is_deepspeed_enabled` / `is_fsdp_enabled` False): zerofit's engine does the
-  sharding behind the same calls.
+  sharding behind the same calls. TrainingArguments that count another world than zerofit's are refused
+  there (`_refuse_other_world`): Trainer decides its main process, logged batch and loss scale from them.
 * `create_optimizer` / `create_scheduler` build the config's `optimizer` / `scheduler` sections when it
   has them (DeepSpeed's rule: the file's optimizer replaces Trainer's), else Trainer's own.
 * `save_model` gathers on every rank (the weights of a ZeRO-3 model live on all of them) and lets
@@ -38,7 +39,7 @@ import torch
 import transformers
 from transformers.trainer import SCHEDULER_NAME
 
-from zerofit.distributed import runtime
+from zerofit.distributed import process_group, runtime
 from zerofit.errors import CheckpointError, ConfigError
 from zerofit.frontend import ops
 from zerofit.frontend.accelerator import Accelerator
@@ -60,7 +61,9 @@ class ZerofitTrainerMixin:
     def create_accelerator_and_postprocess(self) -> None:
         args = self.args
         _refuse_other_engines(args)
-        facts = TrainerFacts.from_args(args, world=int(os.environ.get("WORLD_SIZE", "1")))
+        rank, world = launched_world()
+        _refuse_other_world(args, rank, world)
+        facts = TrainerFacts.from_args(args, world=world)
         config = trainer_config(runtime.current_config(), facts)
         ac = args.accelerator_config
         loaders = DataLoaderConfiguration(split_batches=bool(ac.split_batches), even_batches=bool(ac.even_batches),
@@ -247,6 +250,33 @@ def _refuse_other_engines(args: Any) -> None:
                         "zerofit choose the stage and offload that fit (zero_optimization.stage: auto)")
     if problems:
         raise ConfigError(problems)
+
+
+def launched_world() -> tuple[int, int]:
+    """(this process's rank, the number of processes) of the run zerofit trains on: the process group's when
+    one exists (TrainingArguments usually creates it), else what the launcher announced, else one process."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    if process_group.launched():
+        return int(os.environ.get("RANK", "0")), int(os.environ["WORLD_SIZE"])
+    return 0, 1
+
+
+def _refuse_other_world(args: Any, rank: int, world: int) -> None:
+    """TrainingArguments that count another world than zerofit's. Trainer takes its world from them (who is
+    the main process, the total batch it logs, how its loss is scaled across processes), zerofit's engine
+    from the launch: on a CPU run that transformers was not told of, every rank is Trainer's main process,
+    all write `all_results.json` and the checkpoints at once, and the loss and gradients come out `world`
+    times too large."""
+    if (int(args.world_size), int(args.process_index)) == (world, rank):
+        return
+    raise ConfigError(
+        f"TrainingArguments counts {args.world_size} process(es) (this one is process {args.process_index}), "
+        f"but zerofit runs on {world} (this one is rank {rank}): Trainer would treat each process as the whole "
+        "run. On CPUs, transformers (through Accelerate) counts the processes only when told the run is on CPU: "
+        "launch with `zerofit launch --cpu` (it sets ACCELERATE_USE_CPU=true for the workers, as `accelerate "
+        "launch --cpu` does), or pass --use_cpu true to the script (TrainingArguments(use_cpu=True)), or set "
+        "ACCELERATE_USE_CPU=true where you start the processes yourself")
 
 
 class Trainer(ZerofitTrainerMixin, transformers.Trainer):
