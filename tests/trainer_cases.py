@@ -30,6 +30,7 @@ class Run:
     resume_from: str | None = None
     evaluate: bool = False  # evaluate() before train(), and every 2 steps during it (Trainer only)
     prompt: bool = False  # PEFT prompt tuning (Trainer only): its adapter is saved by a forward pass
+    optim: str = "adamw_torch"  # TrainingArguments(optim=...)
 
 
 def tiny_gpt2():
@@ -96,7 +97,8 @@ def run(run: Run, output_dir: str, *, zerofit: bool) -> dict:
     common = dict(output_dir=output_dir, per_device_train_batch_size=run.per_device,
                   gradient_accumulation_steps=run.accumulation, max_steps=run.steps, logging_steps=1,
                   save_steps=run.save_steps, report_to=[], use_cpu=True, learning_rate=1e-3, max_grad_norm=1.0,
-                  seed=0, disable_tqdm=True, lr_scheduler_type="linear", warmup_steps=1, bf16=False)
+                  seed=0, disable_tqdm=True, lr_scheduler_type="linear", warmup_steps=1, bf16=False,
+                  optim=run.optim)
     if run.kind == "trainer":
         import transformers
 
