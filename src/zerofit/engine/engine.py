@@ -42,6 +42,7 @@ from zerofit.engine.optim import (
     rebind_optimizer,
     scale_grads,
 )
+from zerofit.engine.plain_backward import BackwardCaller, BackwardWatch, at_end_of_backward
 from zerofit.engine.policy import (
     COMPUTE_DTYPES,
     StagePolicy,
@@ -116,6 +117,16 @@ class ZeroEngine:
         if optimizer is not None:
             rebind_optimizer(optimizer, self.trainable_groups, self.comm.rank)
         self._sync = True
+        self._counting = False
+        """The open backward's micro-step is counted here (no `sync` was given)."""
+        self._grad_factor = 1.0
+        """What the open backward's gradients are multiplied by as they are added up: the fp16 loss scale for
+        a backward whose loss was not scaled (see [Note: a backward the engine did not start])."""
+        self._plain_fp16_backward = False
+        self._warned_plain_fp16 = False
+        self.caller: BackwardCaller | None = None
+        """Says whether a backward the engine did not start closes the window (the Accelerator sets it at
+        prepare); None: the engine counts micro-steps for it as for `backward(loss)` without `sync`."""
         self._in_backward = False
         self._backward_in_window = False
         """A backward ran since the last step or zero_grad (else `step()` has nothing to apply)."""
@@ -142,7 +153,12 @@ class ZeroEngine:
         self.offload = Offload()
         """The offload parts of the step mode, for inspection (tests, benchmarks)."""
         self.mode: StepMode = self._step_mode()  # before the stage-3 hooks: see [Note: offload parts]
-        self.stage3 = Stage3Hooks(self.units[0], self.units, lambda: self._in_backward, self._pass_over)
+        in_backward = lambda: self._in_backward  # noqa: E731
+        self.watch = BackwardWatch(model, [p for g in self.trainable_groups for p in g.params],
+                                   in_backward=in_backward, open_backward=self._open_plain_backward)
+        self.watch.install()  # before the stage-3 hooks: its output hook opens a backward before they run
+        self.stage3 = Stage3Hooks(self.units[0], self.units, in_backward, self._pass_over,
+                                  notice_backward=self.watch.notice)
         # model.state_dict() gathers (see its note)
         self.full_state = FullStateDict(model, self.units, is_main=self.comm.rank == 0)
         if self.shards_parameters:
@@ -265,21 +281,50 @@ class ZeroEngine:
         """True when the last backward completed an accumulation window (time to `step()`)."""
         return self._closed
 
-    def backward(self, loss: torch.Tensor, *, sync: bool | None = None) -> None:
-        """Backpropagate `loss / gradient_accumulation_steps` (times the fp16 loss scale).
+    def backward(self, loss: torch.Tensor, *, sync: bool | None = None, **kwargs) -> None:
+        """Backpropagate `loss / gradient_accumulation_steps` (times the fp16 loss scale); `kwargs` go to
+        `Tensor.backward` (`retain_graph`, `create_graph`).
 
         `sync` says whether this micro-step closes an accumulation window. Given (the Accelerator
         gives it), whoever passes it counts the window's micro-steps; None: the engine decides from
-        `window.micro_step` and counts them there itself.
+        `window.micro_step` and counts them there itself. A script's own `loss.backward()` is noticed
+        too (see [Note: a backward the engine did not start] in zerofit.engine.plain_backward).
         """
-        counting = sync is None
-        if counting:
+        self._begin_backward(sync, scaled=True)
+        try:
+            (loss * (self.scaler.scale / self.window.steps)).backward(**kwargs)
+        finally:
+            self._in_backward = False
+        self._end_backward()
+
+    def _open_plain_backward(self) -> None:
+        """A backward this engine did not start reached its hooks: open it, and close it when autograd ends it."""
+        sync = self.caller.begins() if self.caller is not None else None
+        self._begin_backward(sync, scaled=False)
+        at_end_of_backward(self._end_plain_backward)
+
+    def _end_plain_backward(self) -> None:
+        self._in_backward = False
+        sync = self._sync
+        self._end_backward()
+        if self.caller is not None:
+            self.caller.ended(sync)
+
+    def _begin_backward(self, sync: bool | None, *, scaled: bool) -> None:
+        """The bookkeeping before a backward: `sync` None counts micro-steps here; `scaled`: the loss was
+        multiplied by the fp16 loss scale (else the gradients are, as they are added up)."""
+        self._counting = sync is None
+        if self._counting:
             sync = self.window.micro_step + 1 >= self.window.steps
         if self._closed:
             # The last backward closed the window and no step followed (several losses, GAN steps): its
             # reductions read and write the buffers this backward adds to, so they finish first.
             self.reductions.drain()
         self._sync = sync
+        self._grad_factor = 1.0 if scaled else self.scaler.scale
+        if self._grad_factor != 1.0:
+            self.mode.widen()  # a compute-dtype gradient times the scale could overflow: add up in fp32
+            self._plain_fp16_backward = True
         self.mode.begin_backward(sync)
         for unit in self.units:
             unit.begin_backward()
@@ -288,21 +333,21 @@ class ZeroEngine:
         self._next_reduction = 0
         self._in_backward = True
         self._backward_in_window = True
-        try:
-            (loss * (self.scaler.scale / self.window.steps)).backward()
-        finally:
-            self._in_backward = False
+
+    def _end_backward(self) -> None:
+        """The bookkeeping after a backward (`_in_backward` is already False)."""
         if self.shards_parameters:
             self.stage3.order.end_backward()
-        self._finish_reductions(sync)
+        self._finish_reductions(self._sync)
         for unit in self.units:
             unit.release()
         self.mode.end_backward()
-        self._closed = sync
-        if counting:
-            self.window.micro_step = 0 if sync else self.window.micro_step + 1
+        self._closed = self._sync
+        if self._counting:
+            self.window.micro_step = 0 if self._sync else self.window.micro_step + 1
 
     def _on_grad(self, unit: Unit, group: int, index: int, param: nn.Parameter) -> None:
+        self.watch.notice(accumulating=True)
         grad, param.grad = param.grad, None
         if unit.passed:
             raise EngineError(
@@ -312,7 +357,7 @@ class ZeroEngine:
                 f"that ran before it in forward: a custom autograd function that defers them breaks that, as do "
                 f"units run in a different order on different ranks. Run the modules in one order on every rank, "
                 f"or use zero_optimization.stage 2.")
-        if unit.on_grad(group, index, grad):
+        if unit.on_grad(group, index, grad, factor=self._grad_factor):
             if self.comm.world == 1:
                 self._reduce(unit)
             else:
@@ -394,6 +439,7 @@ class ZeroEngine:
             self._warn_empty_step()
             return False
         self.reductions.drain()
+        self._warn_plain_fp16()
         self._mark_unused()
         self._warn_if_nonfinite()  # the previous step's norm: long computed, so reading it stalls nothing
         skip_nonfinite = self.precision.skip_nonfinite_steps and not self.scaler.enabled
@@ -438,6 +484,15 @@ class ZeroEngine:
                           "applied (no weight decay, no moment update, no step count, the LR scheduler does "
                           "not advance), as torch's optimizers do without gradients; this warning is shown "
                           "once", stacklevel=3)
+
+    def _warn_plain_fp16(self) -> None:
+        if self._plain_fp16_backward and not self._warned_plain_fp16:
+            self._warned_plain_fp16 = True
+            warnings.warn("fp16: the script called loss.backward() itself, so the loss was not multiplied by the "
+                          "loss scale: zerofit scaled those gradients afterwards, so the update is the right one, "
+                          "but fp16 gradients too small for fp16 became 0 in backward (underflow); call "
+                          "accelerator.backward(loss) (engine.backward(loss)) to scale the loss, or use bf16; "
+                          "this warning is shown once", stacklevel=3)
 
     def _mark_unused(self) -> None:
         """Tell every trainable group which of its parameters no rank gave a gradient in this window.
@@ -501,6 +556,7 @@ class ZeroEngine:
         flight reaches the next window, every unit is released, the gradients are zeroed and (by
         `zero_grad`) the window's micro-step count starts again."""
         self.mode.discard()
+        self._in_backward = False  # a failed backward the engine did not start never reached its end
         for unit in self.units:
             unit.release()
         self.zero_grad()
