@@ -281,9 +281,10 @@ class ZeroEngine:
         """True when the last backward completed an accumulation window (time to `step()`)."""
         return self._closed
 
-    def backward(self, loss: torch.Tensor, *, sync: bool | None = None, **kwargs) -> None:
-        """Backpropagate `loss / gradient_accumulation_steps` (times the fp16 loss scale); `kwargs` go to
-        `Tensor.backward` (`retain_graph`, `create_graph`).
+    def backward(self, loss: torch.Tensor, *, sync: bool | None = None, retain_graph: bool = False,
+                 create_graph: bool = False) -> None:
+        """Backpropagate `loss / gradient_accumulation_steps` (times the fp16 loss scale); `retain_graph` and
+        `create_graph` as in `Tensor.backward`.
 
         `sync` says whether this micro-step closes an accumulation window. Given (the Accelerator
         gives it), whoever passes it counts the window's micro-steps; None: the engine decides from
@@ -292,7 +293,8 @@ class ZeroEngine:
         """
         self._begin_backward(sync, scaled=True)
         try:
-            (loss * (self.scaler.scale / self.window.steps)).backward(**kwargs)
+            (loss * (self.scaler.scale / self.window.steps)).backward(retain_graph=retain_graph,
+                                                                      create_graph=create_graph)
         finally:
             self._in_backward = False
         self._end_backward()

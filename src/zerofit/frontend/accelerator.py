@@ -237,7 +237,9 @@ class Accelerator(PrepareMixin, PersistenceMixin, ProcessMethods):
             (loss / self.gradient_accumulation_steps).backward(**kwargs)
             return
         sync = self._backward_begins()
-        engine.backward(loss, sync=sync, **kwargs)
+        # Tensor.backward's own arguments; others (DeepSpeed's scale_wrt_gas, which transformers' Trainer
+        # passes when distributed_type is DEEPSPEED) have no meaning here.
+        engine.backward(loss, sync=sync, **{k: kwargs[k] for k in ("retain_graph", "create_graph") if k in kwargs})
         self._backward_ended(sync)
 
     def _backward_begins(self) -> bool:
