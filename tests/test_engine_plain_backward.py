@@ -13,7 +13,9 @@ gradient is the gradient of):
   `accelerator.backward(loss)`, which divides by the 2 steps itself (where the two coincide);
 - `several` (no offload): `torch.autograd.grad` of the logits first (harmless), then the loss's
   backward in two halves, the first with retain_graph;
-- `two_models` (stages 2 and 3): the loss goes through a second, frozen, prepared model.
+- `two_models` (stages 2 and 3): the loss goes through a second, frozen, prepared model;
+- `checkpointed` (fp32): every block under reentrant activation checkpointing, whose backward runs
+  the blocks' gradients in nested backward passes.
 No loop warns that a step had no backward. fp32 (AdamW) matches to 2e-6 (the order of float sums);
 bf16 compute (SGD, whose update is proportional to the gradient: under AdamW a tiny gradient whose
 sign bf16 flips moves its weight by 2 lr) to 2e-3 against the fp32 reference, a tenth or less of what
@@ -31,6 +33,7 @@ import warnings
 import pytest
 import torch
 from engine_cases import SEQ, VOCAB, TinyLM, loss_fn, max_diff
+from torch.utils.checkpoint import checkpoint
 
 from zerofit import Accelerator
 from zerofit.config.schema import LossScaleConfig, OffloadConfig, PrecisionConfig, RunConfig, ZeroConfig
@@ -41,7 +44,7 @@ STEPS, MICRO = 3, 2  # micro-batch per rank per micro-step
 FP32_TOL, BF16_TOL, FP16_TOL = 2e-6, 2e-3, 2e-3
 CONFIGS = [(0, "none", "none"), (1, "none", "none"), (2, "none", "none"), (3, "none", "none"),
            (2, "cpu", "none"), (3, "cpu", "cpu")]  # (stage, offload_optimizer, offload_param)
-LOOPS = ("plain", "accumulate", "no_sync", "divided", "accelerator", "several", "two_models")
+LOOPS = ("plain", "accumulate", "no_sync", "divided", "accelerator", "several", "two_models", "checkpointed")
 
 
 def accumulation(loop: str) -> int:
@@ -61,9 +64,17 @@ def data(world: int, loop: str):
             for _ in range(STEPS)]
 
 
-def model_and_optim(sgd: bool = False):
+class CheckpointedLM(TinyLM):
+    def forward(self, x):
+        h = self.emb(x)
+        for b in self.blocks:
+            h = checkpoint(b, h, use_reentrant=True)
+        return self.head(h)
+
+
+def model_and_optim(sgd: bool = False, loop: str = "plain"):
     torch.manual_seed(0)
-    model = TinyLM()
+    model = CheckpointedLM() if loop == "checkpointed" else TinyLM()
     if sgd:  # an update proportional to the gradient: a wrongly scaled gradient shows
         return model, torch.optim.SGD(model.parameters(), lr=0.1)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
@@ -76,7 +87,7 @@ def judge():
 
 def reference(world: int, loop: str, sgd: bool = False, skip_step: int = -1) -> dict[str, torch.Tensor]:
     """One process, the whole global batch of each micro-step, the same loss.backward() loop."""
-    model, opt = model_and_optim(sgd)
+    model, opt = model_and_optim(sgd, loop)
     head = judge() if loop == "two_models" else torch.nn.Identity()
     for step, (x, y) in enumerate(data(world, loop)):
         for xs, ys in zip(x.chunk(micro_steps(loop)), y.chunk(micro_steps(loop))):
@@ -95,7 +106,7 @@ def train(rank: int, world: int, loop: str, stage: int, offload: str, offload_pa
     config = RunConfig(zero=zero, precision=PrecisionConfig(mixed_precision=precision,
                                                             loss_scale=LossScaleConfig(initial_scale_power=12)))
     acc = Accelerator(gradient_accumulation_steps=accumulation(loop), config=config)
-    model, opt = model_and_optim(sgd)
+    model, opt = model_and_optim(sgd, loop)
     model, opt = acc.prepare(model, opt)
     head = acc.prepare(judge()) if loop == "two_models" else torch.nn.Identity()
     skipped = []
@@ -128,8 +139,10 @@ def train(rank: int, world: int, loop: str, stage: int, offload: str, offload_pa
                         opt.zero_grad()
                         if acc.sync_gradients:
                             skipped.append(acc.optimizer_step_was_skipped)
-    params = {k: v.cpu() for k, v in acc._prepared.trained_engine().named_full_tensors("master").items()}
-    return {"params": params, "warnings": [str(w.message) for w in caught], "skipped": skipped}
+    engine = acc._prepared.trained_engine()
+    params = {k: v.cpu() for k, v in engine.named_full_tensors("master").items()}
+    return {"params": params, "warnings": [str(w.message) for w in caught], "skipped": skipped,
+            "backwards": engine.units[0].backward_pass}
 
 
 def train_engine_alone(rank: int, world: int, stage: int) -> dict:
@@ -156,6 +169,8 @@ def runs() -> list[tuple]:
                 if loop == "several" and offload != "none":
                     continue  # a second backward after an early host step is refused (test_engine_torch_semantics)
                 if loop == "two_models" and (stage < 2 or offload != "none" or precision != "no"):
+                    continue
+                if loop == "checkpointed" and (stage == 1 or precision != "no"):
                     continue
                 out.append((loop, stage, offload, offload_param, precision))
     return out
@@ -184,6 +199,8 @@ def test_plain_backward_trains_as_pytorch_does(world2, key):
     r0, r1 = world2[0][key], world2[1][key]
     assert not [w for w in r0["warnings"] + r1["warnings"] if "no backward" in w]
     assert max_diff(r0["params"], r1["params"]) == 0.0  # every rank holds the same model
+    # one engine backward per backward call: none for autograd.grad, one for a reentrant checkpoint's nesting
+    assert r0["backwards"] == r1["backwards"] == STEPS * micro_steps(loop) * (2 if loop == "several" else 1)
     want = {n: p for n, p in reference(2, loop, sgd=precision != "no").items() if n in r0["params"]}
     start = {n: p.detach() for n, p in model_and_optim()[0].named_parameters() if n in want}
     tol = FP32_TOL if precision == "no" else BF16_TOL

@@ -42,7 +42,7 @@ from zerofit.engine.optim import (
     rebind_optimizer,
     scale_grads,
 )
-from zerofit.engine.plain_backward import BackwardCaller, BackwardWatch, at_end_of_backward
+from zerofit.engine.plain_backward import BackwardWatch
 from zerofit.engine.policy import (
     COMPUTE_DTYPES,
     StagePolicy,
@@ -122,11 +122,6 @@ class ZeroEngine:
         self._grad_factor = 1.0
         """What the open backward's gradients are multiplied by as they are added up: the fp16 loss scale for
         a backward whose loss was not scaled (see [Note: a backward the engine did not start])."""
-        self._plain_fp16_backward = False
-        self._warned_plain_fp16 = False
-        self.caller: BackwardCaller | None = None
-        """Says whether a backward the engine did not start closes the window (the Accelerator sets it at
-        prepare); None: the engine counts micro-steps for it as for `backward(loss)` without `sync`."""
         self._in_backward = False
         self._backward_in_window = False
         """A backward ran since the last step or zero_grad (else `step()` has nothing to apply)."""
@@ -155,7 +150,8 @@ class ZeroEngine:
         self.mode: StepMode = self._step_mode()  # before the stage-3 hooks: see [Note: offload parts]
         in_backward = lambda: self._in_backward  # noqa: E731
         self.watch = BackwardWatch(model, [p for g in self.trainable_groups for p in g.params],
-                                   in_backward=in_backward, open_backward=self._open_plain_backward)
+                                   in_backward=in_backward, begin=partial(self._begin_backward, scaled=False),
+                                   end=self._end_backward)
         self.watch.install()  # before the stage-3 hooks: its output hook opens a backward before they run
         self.stage3 = Stage3Hooks(self.units[0], self.units, in_backward, self._pass_over,
                                   notice_backward=self.watch.notice)
@@ -299,19 +295,6 @@ class ZeroEngine:
             self._in_backward = False
         self._end_backward()
 
-    def _open_plain_backward(self) -> None:
-        """A backward this engine did not start reached its hooks: open it, and close it when autograd ends it."""
-        sync = self.caller.begins() if self.caller is not None else None
-        self._begin_backward(sync, scaled=False)
-        at_end_of_backward(self._end_plain_backward)
-
-    def _end_plain_backward(self) -> None:
-        self._in_backward = False
-        sync = self._sync
-        self._end_backward()
-        if self.caller is not None:
-            self.caller.ended(sync)
-
     def _begin_backward(self, sync: bool | None, *, scaled: bool) -> None:
         """The bookkeeping before a backward: `sync` None counts micro-steps here; `scaled`: the loss was
         multiplied by the fp16 loss scale (else the gradients are, as they are added up)."""
@@ -326,7 +309,7 @@ class ZeroEngine:
         self._grad_factor = 1.0 if scaled else self.scaler.scale
         if self._grad_factor != 1.0:
             self.mode.widen()  # a compute-dtype gradient times the scale could overflow: add up in fp32
-            self._plain_fp16_backward = True
+            self.watch.unscaled_fp16 = True
         self.mode.begin_backward(sync)
         for unit in self.units:
             unit.begin_backward()
@@ -336,8 +319,9 @@ class ZeroEngine:
         self._in_backward = True
         self._backward_in_window = True
 
-    def _end_backward(self) -> None:
-        """The bookkeeping after a backward (`_in_backward` is already False)."""
+    def _end_backward(self) -> bool:
+        """The bookkeeping after a backward; returns its `sync`."""
+        self._in_backward = False
         if self.shards_parameters:
             self.stage3.order.end_backward()
         self._finish_reductions(self._sync)
@@ -347,6 +331,7 @@ class ZeroEngine:
         self._closed = self._sync
         if self._counting:
             self.window.micro_step = 0 if self._sync else self.window.micro_step + 1
+        return self._sync
 
     def _on_grad(self, unit: Unit, group: int, index: int, param: nn.Parameter) -> None:
         self.watch.notice(accumulating=True)
@@ -441,7 +426,7 @@ class ZeroEngine:
             self._warn_empty_step()
             return False
         self.reductions.drain()
-        self._warn_plain_fp16()
+        self.watch.warn_if_unscaled()
         self._mark_unused()
         self._warn_if_nonfinite()  # the previous step's norm: long computed, so reading it stalls nothing
         skip_nonfinite = self.precision.skip_nonfinite_steps and not self.scaler.enabled
@@ -486,15 +471,6 @@ class ZeroEngine:
                           "applied (no weight decay, no moment update, no step count, the LR scheduler does "
                           "not advance), as torch's optimizers do without gradients; this warning is shown "
                           "once", stacklevel=3)
-
-    def _warn_plain_fp16(self) -> None:
-        if self._plain_fp16_backward and not self._warned_plain_fp16:
-            self._warned_plain_fp16 = True
-            warnings.warn("fp16: the script called loss.backward() itself, so the loss was not multiplied by the "
-                          "loss scale: zerofit scaled those gradients afterwards, so the update is the right one, "
-                          "but fp16 gradients too small for fp16 became 0 in backward (underflow); call "
-                          "accelerator.backward(loss) (engine.backward(loss)) to scale the loss, or use bf16; "
-                          "this warning is shown once", stacklevel=3)
 
     def _mark_unused(self) -> None:
         """Tell every trainable group which of its parameters no rank gave a gradient in this window.

@@ -32,6 +32,7 @@ engine's parameters' AccumulateGrad nodes opens nothing (see `accumulates_into`)
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -83,12 +84,21 @@ class BackwardWatch:
     (see [Note: a backward the engine did not start])."""
 
     def __init__(self, model: nn.Module, params: list[nn.Parameter], *, in_backward: Callable[[], bool],
-                 open_backward: Callable[[], None]):
+                 begin: Callable[[bool | None], None], end: Callable[[], bool]):
+        """`begin(sync)` and `end() -> sync`: the engine's bookkeeping around a backward (`sync` None: the
+        engine counts the micro-step itself)."""
         self.model = model
         self.nodes = accumulate_nodes(params)
         self._in_backward = in_backward
-        self._open = open_backward
+        self._begin = begin
+        self._end = end
         self._handle = None
+        self.caller: BackwardCaller | None = None
+        """Says whether such a backward closes the window (the Accelerator sets it at prepare); None: the
+        engine counts micro-steps for it as for `ZeroEngine.backward(loss)` without `sync`."""
+        self.unscaled_fp16 = False
+        """A backward under fp16 loss scaling ran with an unscaled loss (the engine sets it)."""
+        self._warned = False
 
     def install(self) -> None:
         if self.nodes:  # a frozen model accumulates nothing: nothing to notice
@@ -112,3 +122,22 @@ class BackwardWatch:
             return
         if accumulating or accumulates_into(self.nodes):
             self._open()
+
+    def _open(self) -> None:
+        self._begin(self.caller.begins() if self.caller is not None else None)
+        at_end_of_backward(self._close)
+
+    def _close(self) -> None:
+        sync = self._end()
+        if self.caller is not None:
+            self.caller.ended(sync)
+
+    def warn_if_unscaled(self) -> None:
+        """At a step: say once that a backward ran under fp16 without loss scaling."""
+        if self.unscaled_fp16 and not self._warned:
+            self._warned = True
+            warnings.warn("fp16: the script called loss.backward() itself, so the loss was not multiplied by the "
+                          "loss scale: zerofit scaled those gradients afterwards, so the update is the right one, "
+                          "but gradients too small for fp16 became 0 in backward (underflow); call "
+                          "accelerator.backward(loss) (engine.backward(loss)) to scale the loss, or use bf16; "
+                          "this warning is shown once", stacklevel=4)

@@ -222,7 +222,7 @@ class PrepareMixin:
                             gradient_clipping=cfg.gradient_clipping, device=self.device)
         self._prepared.engines[id(model)] = engine  # the wrapper's calls look through it (Prepared.engine_of)
         # A script's own loss.backward() closes the window as accelerator.backward(loss) would there.
-        engine.caller = BackwardCaller(begins=self._backward_begins, ended=self._backward_ended)
+        engine.watch.caller = BackwardCaller(begins=self._backward_begins, ended=self._backward_ended)
         if self.is_main_process and not planned:  # the planner's line already said what runs
             print(describe_engine(engine, num_processes=self.num_processes, backend=self.process.backend,
                                   spell=lambda key: key_name(cfg.source_format, key)), flush=True)
