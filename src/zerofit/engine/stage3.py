@@ -6,7 +6,8 @@ precede their backwards, and each backward releases every unit), and an identity
 a unit's inputs, whose backward runs once the gradient w.r.t. those inputs exists. The unit is
 released after its backward when that is done (see [Note: a unit's backward is done]); units whose
 backward never ends that way (a trainable parameter without a gradient, an unused unit) are released
-when `ZeroEngine.backward` returns.
+when the engine's backward ends (`ZeroEngine.backward` returns, or autograd ends a backward the engine
+did not start: see zerofit.engine.plain_backward).
 
 [Note: prefetch order]
 Each forward records the order in which units ran (`GatherOrder`: one schedule for training forwards,
