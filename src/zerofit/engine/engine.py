@@ -44,6 +44,7 @@ from zerofit.engine.optim import (
     scale_grads,
 )
 from zerofit.engine.optimizer_kinds import PER_PARAMETER
+from zerofit.engine.plain_backward import BackwardWatch
 from zerofit.engine.policy import (
     COMPUTE_DTYPES,
     StagePolicy,
@@ -119,6 +120,11 @@ class ZeroEngine:
         if optimizer is not None:
             rebind_optimizer(optimizer, self.trainable_groups, self.comm.rank)
         self._sync = True
+        self._counting = False
+        """The open backward's micro-step is counted here (no `sync` was given)."""
+        self._grad_factor = 1.0
+        """What the open backward's gradients are multiplied by as they are added up: the fp16 loss scale for
+        a backward whose loss was not scaled (see [Note: a backward the engine did not start])."""
         self._in_backward = False
         self._backward_in_window = False
         """A backward ran since the last step or zero_grad (else `step()` has nothing to apply)."""
@@ -148,7 +154,13 @@ class ZeroEngine:
         """The step of the parameters stepped whole, when a per-parameter optimizer holds some (checkpoints
         read its stand-ins: zerofit.checkpoint.whole_state)."""
         self.mode: StepMode = self._step_mode()  # before the stage-3 hooks: see [Note: offload parts]
-        self.stage3 = Stage3Hooks(self.units[0], self.units, lambda: self._in_backward, self._pass_over)
+        in_backward = lambda: self._in_backward  # noqa: E731
+        self.watch = BackwardWatch(model, [p for g in self.trainable_groups for p in g.params],
+                                   in_backward=in_backward, begin=partial(self._begin_backward, scaled=False),
+                                   end=self._end_backward)
+        self.watch.install()  # before the stage-3 hooks: its output hook opens a backward before they run
+        self.stage3 = Stage3Hooks(self.units[0], self.units, in_backward, self._pass_over,
+                                  notice_backward=self.watch.notice)
         # model.state_dict() gathers (see its note)
         self.full_state = FullStateDict(model, self.units, is_main=self.comm.rank == 0)
         if self.shards_parameters:
@@ -286,21 +298,39 @@ class ZeroEngine:
         """True when the last backward completed an accumulation window (time to `step()`)."""
         return self._closed
 
-    def backward(self, loss: torch.Tensor, *, sync: bool | None = None) -> None:
-        """Backpropagate `loss / gradient_accumulation_steps` (times the fp16 loss scale).
+    def backward(self, loss: torch.Tensor, *, sync: bool | None = None, retain_graph: bool = False,
+                 create_graph: bool = False) -> None:
+        """Backpropagate `loss / gradient_accumulation_steps` (times the fp16 loss scale); `retain_graph` and
+        `create_graph` as in `Tensor.backward`.
 
         `sync` says whether this micro-step closes an accumulation window. Given (the Accelerator
         gives it), whoever passes it counts the window's micro-steps; None: the engine decides from
-        `window.micro_step` and counts them there itself.
+        `window.micro_step` and counts them there itself. A script's own `loss.backward()` is noticed
+        too (see [Note: a backward the engine did not start] in zerofit.engine.plain_backward).
         """
-        counting = sync is None
-        if counting:
+        self._begin_backward(sync, scaled=True)
+        try:
+            (loss * (self.scaler.scale / self.window.steps)).backward(retain_graph=retain_graph,
+                                                                      create_graph=create_graph)
+        finally:
+            self._in_backward = False
+        self._end_backward()
+
+    def _begin_backward(self, sync: bool | None, *, scaled: bool) -> None:
+        """The bookkeeping before a backward: `sync` None counts micro-steps here; `scaled`: the loss was
+        multiplied by the fp16 loss scale (else the gradients are, as they are added up)."""
+        self._counting = sync is None
+        if self._counting:
             sync = self.window.micro_step + 1 >= self.window.steps
         if self._closed:
             # The last backward closed the window and no step followed (several losses, GAN steps): its
             # reductions read and write the buffers this backward adds to, so they finish first.
             self.reductions.drain()
         self._sync = sync
+        self._grad_factor = 1.0 if scaled else self.scaler.scale
+        if self._grad_factor != 1.0:
+            self.mode.widen()  # a compute-dtype gradient times the scale could overflow: add up in fp32
+            self.watch.unscaled_fp16 = True
         self.mode.begin_backward(sync)
         for unit in self.units:
             unit.begin_backward()
@@ -309,21 +339,23 @@ class ZeroEngine:
         self._next_reduction = 0
         self._in_backward = True
         self._backward_in_window = True
-        try:
-            (loss * (self.scaler.scale / self.window.steps)).backward()
-        finally:
-            self._in_backward = False
+
+    def _end_backward(self) -> bool:
+        """The bookkeeping after a backward; returns its `sync`."""
+        self._in_backward = False
         if self.shards_parameters:
             self.stage3.order.end_backward()
-        self._finish_reductions(sync)
+        self._finish_reductions(self._sync)
         for unit in self.units:
             unit.release()
         self.mode.end_backward()
-        self._closed = sync
-        if counting:
-            self.window.micro_step = 0 if sync else self.window.micro_step + 1
+        self._closed = self._sync
+        if self._counting:
+            self.window.micro_step = 0 if self._sync else self.window.micro_step + 1
+        return self._sync
 
     def _on_grad(self, unit: Unit, group: int, index: int, param: nn.Parameter) -> None:
+        self.watch.notice(accumulating=True)
         grad, param.grad = param.grad, None
         if unit.passed:
             raise EngineError(
@@ -333,7 +365,7 @@ class ZeroEngine:
                 f"that ran before it in forward: a custom autograd function that defers them breaks that, as do "
                 f"units run in a different order on different ranks. Run the modules in one order on every rank, "
                 f"or use zero_optimization.stage 2.")
-        if unit.on_grad(group, index, grad):
+        if unit.on_grad(group, index, grad, factor=self._grad_factor):
             if self.comm.world == 1:
                 self._reduce(unit)
             else:
@@ -415,6 +447,7 @@ class ZeroEngine:
             self._warn_empty_step()
             return False
         self.reductions.drain()
+        self.watch.warn_if_unscaled()
         self._mark_unused()
         self._warn_if_nonfinite()  # the previous step's norm: long computed, so reading it stalls nothing
         skip_nonfinite = self.precision.skip_nonfinite_steps and not self.scaler.enabled
@@ -522,6 +555,7 @@ class ZeroEngine:
         flight reaches the next window, every unit is released, the gradients are zeroed and (by
         `zero_grad`) the window's micro-step count starts again."""
         self.mode.discard()
+        self._in_backward = False  # a failed backward the engine did not start never reached its end
         for unit in self.units:
             unit.release()
         self.zero_grad()

@@ -207,10 +207,15 @@ class FlatGroup:
         self.device_sumsq = None
 
     # --- gradients --------------------------------------------------------------------------
-    def accumulate(self, index: int, grad: torch.Tensor) -> None:
-        """Add one parameter's gradient into the full gradient buffer (allocated on first use)."""
+    def accumulate(self, index: int, grad: torch.Tensor, *, factor: float = 1.0) -> None:
+        """Add one parameter's gradient, times `factor`, into the full gradient buffer (allocated on first
+        use); the product is taken in the buffer's dtype (fp32 unless compact)."""
         off = self.layout.offsets[index]
-        self.grad_flat_or_zeros()[off:off + grad.numel()].view_as(grad).add_(grad)
+        target = self.grad_flat_or_zeros()[off:off + grad.numel()].view_as(grad)
+        if factor == 1.0:
+            target.add_(grad)
+        else:
+            target.add_(grad.to(target.dtype), alpha=factor)
 
     def grad_flat_or_zeros(self) -> torch.Tensor:
         """The full gradient buffer, allocated (zeroed) if this micro-step has not needed it yet."""

@@ -6,7 +6,8 @@ precede their backwards, and each backward releases every unit), and an identity
 a unit's inputs, whose backward runs once the gradient w.r.t. those inputs exists. The unit is
 released after its backward when that is done (see [Note: a unit's backward is done]); units whose
 backward never ends that way (a trainable parameter without a gradient, an unused unit) are released
-when `ZeroEngine.backward` returns.
+when the engine's backward ends (`ZeroEngine.backward` returns, or autograd ends a backward the engine
+did not start: see zerofit.engine.plain_backward).
 
 [Note: prefetch order]
 Each forward records the order in which units ran (`GatherOrder`: one schedule for training forwards,
@@ -143,10 +144,13 @@ class Stage3Hooks:
     """Installs the gather/release hooks on every sharded unit and prefetches along the recorded order."""
 
     def __init__(self, root: Unit, units: list[Unit], in_backward: Callable[[], bool],
-                 pass_over: Callable[[Unit], None]):
+                 pass_over: Callable[[Unit], None], notice_backward: Callable[[], None] = lambda: None):
+        """`notice_backward()`: a pre-backward hook fired, so a backward the engine did not start is open
+        from now on (see [Note: a backward the engine did not start] in zerofit.engine.plain_backward)."""
         self.root = root
         self.units = units
         self._in_backward = in_backward
+        self._notice_backward = notice_backward
         self._open: dict[Unit, _Call | None] = {}
         """Per unit: its forward call under way (between the pre and the post forward hook)."""
         self.hooked = [u for u in units if u is not root and (u.sharded or u.trainable)]
@@ -196,7 +200,11 @@ class Stage3Hooks:
         if self.root.sharded and needs_grad and not self._in_backward():
             # The root stays gathered from its forward to the end of the next backward; a script that runs
             # several forwards before their backwards needs it again for the later ones.
-            register_multi_grad_hook(needs_grad, lambda _grad: self.root.wait_gathered(), mode="any")
+            register_multi_grad_hook(needs_grad, lambda _grad: self._root_pre_backward(), mode="any")
+
+    def _root_pre_backward(self) -> None:
+        self._notice_backward()
+        self.root.wait_gathered()
 
     def _pre_forward(self, unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         nxt = None if self._in_backward() else self.order.enter(unit)
@@ -225,6 +233,7 @@ class Stage3Hooks:
         unit.release()
 
     def _pre_backward(self, unit: Unit, call: _Call | None) -> None:
+        self._notice_backward()  # first: the backward's bookkeeping counts this call's awaited input
         if call is not None:
             call.awaited_in = unit.backward_pass
             unit.awaiting_inputs += 1

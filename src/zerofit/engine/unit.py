@@ -112,9 +112,9 @@ class Unit:
         self.backward_pass += 1
         self.awaiting_inputs = 0
 
-    def on_grad(self, group: int, index: int, grad: torch.Tensor) -> bool:
-        """Take one parameter's gradient; True once every trainable parameter has reported."""
-        self.trainable[group].accumulate(index, grad)
+    def on_grad(self, group: int, index: int, grad: torch.Tensor, *, factor: float = 1.0) -> bool:
+        """Take one parameter's gradient (times `factor`); True once every trainable parameter has reported."""
+        self.trainable[group].accumulate(index, grad, factor=factor)
         self.reported[group].add(index)
         self.used[group].add(index)
         return self.all_reported

@@ -227,16 +227,30 @@ class Accelerator(PrepareMixin, PersistenceMixin, ProcessMethods):
 
     # --- the training loop ----------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        """Backpropagate `loss`: divided by the accumulation steps, loss-scaled under fp16, reduced per stage."""
+        """Backpropagate `loss`: divided by the accumulation steps, loss-scaled under fp16, reduced per stage.
+
+        A script's own `loss.backward()` is trained too, without the division and the loss scale (see
+        [Note: a backward the engine did not start] in zerofit.engine.plain_backward)."""
         engine = self._prepared.trained_engine()
-        sync = self.sync_gradients and self._no_sync_depth == 0
+        if engine is None:
+            self._backward_begins()
+            (loss / self.gradient_accumulation_steps).backward(**kwargs)
+            return
+        sync = self._backward_begins()
+        # Tensor.backward's own arguments; others (DeepSpeed's scale_wrt_gas, which transformers' Trainer
+        # passes when distributed_type is DEEPSPEED) have no meaning here.
+        engine.backward(loss, sync=sync, **{k: kwargs[k] for k in ("retain_graph", "create_graph") if k in kwargs})
+        self._backward_ended(sync)
+
+    def _backward_begins(self) -> bool:
+        """Before any backward of the prepared model (the engine asks for one it did not start): whether it
+        closes the accumulation window."""
         if self._batch_waiting:  # still no DataLoader: a written micro-batch "auto" cannot be filled now
             require_micro_batch(self.config)
         self._backoff.before_backward()  # several ranks: agree that no rank ran out of memory in forward
-        if engine is None:
-            (loss / self.gradient_accumulation_steps).backward(**kwargs)
-            return
-        engine.backward(loss, sync=sync)
+        return self.sync_gradients and self._no_sync_depth == 0
+
+    def _backward_ended(self, sync: bool) -> None:
         self._backoff.after_backward()
         if not sync:
             for opt in self._prepared.optimizers:

@@ -23,6 +23,7 @@ from zerofit.config.naming import key_name
 from zerofit.config.schema import SchedulerConfig
 from zerofit.engine import ZeroEngine
 from zerofit.engine.optimizer_set import OptimizerSet, members_of
+from zerofit.engine.plain_backward import BackwardCaller
 from zerofit.errors import ConfigError
 from zerofit.frontend import compiling, engine_surface, ops
 from zerofit.frontend.auto_plan import (
@@ -221,6 +222,8 @@ class PrepareMixin:
                             gradient_accumulation_steps=self.gradient_state.window,
                             gradient_clipping=cfg.gradient_clipping, device=self.device)
         self._prepared.engines[id(model)] = engine  # the wrapper's calls look through it (Prepared.engine_of)
+        # A script's own loss.backward() closes the window as accelerator.backward(loss) would there.
+        engine.watch.caller = BackwardCaller(begins=self._backward_begins, ended=self._backward_ended)
         if self.is_main_process and not planned:  # the planner's line already said what runs
             print(describe_engine(engine, num_processes=self.num_processes, backend=self.process.backend,
                                   spell=lambda key: key_name(cfg.source_format, key)), flush=True)

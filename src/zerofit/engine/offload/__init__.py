@@ -20,7 +20,8 @@ exposes them as `engine.offload`, an `Offload`.
 A host-stepped group (`offload_optimizer.step_on: host`), one accumulation window of one micro-step:
   1. forward, per unit:  part.py:OffloadPart._await (forward pre-hook) -> host.py:HostStep._await_group
      -> host_thread.py:HostStepper.wait (last step's upload) -> step_mode.py:gather_params (stages 1-2)
-  2. backward starts:    engine.py:ZeroEngine.backward -> part.py:OffloadPart.begin_backward
+  2. backward starts:    engine.py:ZeroEngine._begin_backward (from ZeroEngine.backward, or from the first
+     hook of a script's own loss.backward(): plain_backward.py) -> part.py:OffloadPart.begin_backward
      -> host.py:HostStep._begin_backward (publish skipped units; may the update start now?)
   3. per unit reduced:   engine.py:ZeroEngine._reduce -> unit.py:Unit._reduce_to_host (reduce-scatter,
      flat_group.py:FlatGroup.take_reduced_grad starts the download) -> host.py:HostStep._reduced
