@@ -60,6 +60,7 @@ from zerofit.engine.step_mode import CompactStep, PlainStep, StepFactors, StepMo
 from zerofit.engine.timing import StepTimes
 from zerofit.engine.unit import Unit
 from zerofit.engine.units import plan_units
+from zerofit.engine.unused_params import mark_unused
 from zerofit.engine.whole_step import WholeStep
 from zerofit.engine.window import AccumulationWindow, InWindow
 from zerofit.errors import EngineError
@@ -448,7 +449,7 @@ class ZeroEngine:
             return False
         self.reductions.drain()
         self.watch.warn_if_unscaled()
-        self._mark_unused()
+        mark_unused(self.units, self.comm, self.device)
         self._warn_if_nonfinite()  # the previous step's norm: long computed, so reading it stalls nothing
         skip_nonfinite = self.precision.skip_nonfinite_steps and not self.scaler.enabled
         if self.mode.begin_step():
@@ -492,34 +493,6 @@ class ZeroEngine:
                           "applied (no weight decay, no moment update, no step count, the LR scheduler does "
                           "not advance), as torch's optimizers do without gradients; this warning is shown "
                           "once", stacklevel=3)
-
-    def _mark_unused(self) -> None:
-        """Tell every trainable group which of its parameters no rank gave a gradient in this window.
-
-        [Note: parameters without a gradient]
-        torch's optimizers skip a parameter whose `.grad` is None - no weight decay, no moment update,
-        no step count - and DDP leaves such a parameter's gradient None when no rank used it. The
-        engine does the same: each rank records which parameters got a gradient in the window
-        (`Unit.used`), the ranks sum one flag per parameter, and the step leaves the master pieces of
-        parameters with a sum of 0 out (`FlatGroup.unused`, `optim.without_grads`). A parameter used on
-        some ranks only is stepped on every rank with the averaged gradient, as DDP does. The sum is
-        one small all-reduce per step, issued by every rank; a rank that used every parameter knows
-        the answer without reading it, so only a window with a parameter unused here waits for it.
-        """
-        groups = [(g, u.used[gi]) for u in self.units for gi, g in enumerate(u.trainable)]
-        flags = [float(i in used) for g, used in groups for i in range(len(g.params))]
-        missing = 0.0 in flags
-        if self.comm.world > 1:
-            counts = (torch.tensor(flags, dtype=torch.float32).to(self.device) if missing
-                      else torch.ones(len(flags), dtype=torch.float32, device=self.device))
-            self.comm.all_reduce_now(counts, "used_params")
-            if missing:
-                flags = counts.tolist()  # host sync only where some parameter went unused here
-        cursor = 0
-        for g, _ in groups:
-            n = len(g.params)
-            g.unused = frozenset(i for i in range(n) if flags[cursor + i] == 0) if missing else frozenset()
-            cursor += n
 
     def _warn_if_nonfinite(self) -> None:
         """Warn, once per run, about the last step whose gradient norm was NaN or inf (fp32 / bf16)."""

@@ -10,7 +10,7 @@ slice of which parameter lands where in a rank's shard. Parameters are grouped b
 contiguous range. The optimizer steps one tensor per piece - the part of one parameter in the shard -
 with its group's settings and a state of its own (Adam's `step` included), as torch does per
 parameter: so a parameter that gets no gradient in a step can be left out of it alone (see [Note:
-parameters without a gradient] in zerofit.engine.engine). Because parameters and shards both start
+parameters without a gradient] in zerofit.engine.unused_params). Because parameters and shards both start
 at multiples of `align` (16), a parameter cut by a shard boundary is cut after a multiple of 16 of its
 elements: the vectorised optimizer kernels (CPU and CUDA) then treat every element of its pieces as
 they treat it in the whole parameter - the same body, the same tail - so every stage and world size

@@ -145,7 +145,7 @@ def bind_grads(optimizer: torch.optim.Optimizer, g: FlatGroup, grad: torch.Tenso
 
 def unused_pieces(g: FlatGroup, unused: frozenset[int] | None = None) -> list[torch.Tensor]:
     """`g`'s master pieces of the parameters in `unused` (default: `g.unused`, the parameters no rank gave a
-    gradient this window; see [Note: parameters without a gradient] in zerofit.engine.engine)."""
+    gradient this window; see [Note: parameters without a gradient] in zerofit.engine.unused_params)."""
     unused = g.unused if unused is None else unused
     return [t for index, t in g.piece_masters if index in unused] if unused else []
 

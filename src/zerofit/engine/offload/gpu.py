@@ -23,7 +23,7 @@ keeps its last part's. On a piece's first step its parts start with no state and
 creates it as it would on the whole piece (zeros for Adam's moments, the gradient for SGD's
 momentum); it is kept in the run's host homes from then on, where checkpoints find it. A piece whose
 parameter no rank gave a gradient is left out of the step; its elements travel there and back
-unchanged (see [Note: parameters without a gradient] in zerofit.engine.engine).
+unchanged (see [Note: parameters without a gradient] in zerofit.engine.unused_params).
 Host-side readers call `settle(state=True)`, which waits for
 the downloads in flight; gradients are zeroed by the step itself (`FlatGroup.step_in_flight`).
 

@@ -103,7 +103,7 @@ class HostStep(OffloadPart):
     def _reduced(self, unit: Unit, pendings: list[Pending]) -> None:
         hosted = [g for g in unit.trainable if g.placement.host_stepped]
         # Only a unit all of whose parameters got a gradient here starts early: none of them can be
-        # left out of the step (see [Note: parameters without a gradient] in zerofit.engine.engine).
+        # left out of the step (see [Note: parameters without a gradient] in zerofit.engine.unused_params).
         if self._early_now and hosted and unit.all_reported:
             self._to_submit.append((pendings, hosted))
         self._submit_ready()
