@@ -237,6 +237,9 @@ class CheckpointConfig:
     resume: Literal["restart", "auto", "must", "never"] = "restart"
     """When prepare() loads the latest complete checkpoint by itself: restart: on a restarted attempt
     (--max_restarts); auto: whenever one exists; must: always, and fail when there is none; never."""
+    overwrite: bool = False
+    """Let this run replace and prune (total_limit) checkpoints an earlier run left where it saves; false: such
+    a save is refused before it writes anything, unless the run loaded a checkpoint from that folder."""
 
 
 @dataclass(frozen=True, kw_only=True)
