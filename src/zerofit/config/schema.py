@@ -301,6 +301,10 @@ class RunConfig:
     """The file(s) this config was loaded from, for messages."""
     source_format: Literal["zerofit", "accelerate", "deepspeed", "accelerate+deepspeed"] = "zerofit"
     """The format the user wrote, so later messages (after `auto` resolution, on workers) use the user's key names."""
+    written: tuple[str, ...] = field(default=(), compare=False)
+    """The zerofit keys the user's file (or a command-line flag) gave a value, so a written 0 or false is told
+    from a default one (transformers' Trainer refuses a written value that disagrees with TrainingArguments);
+    filled at load, kept on workers; not compared: two configs with the same values are equal."""
 
     def replace(self, **changes: Any) -> RunConfig:
         return dataclasses.replace(self, **changes)

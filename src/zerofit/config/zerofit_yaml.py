@@ -31,6 +31,11 @@ def _table() -> dict[str, str]:
     return {key: key for key in tree.leaf_hints()}
 
 
+def known_paths() -> frozenset[str]:
+    """Every dotted key a zerofit file may use (for telling formats apart)."""
+    return frozenset((*_table(), *ignored.handled("zerofit")))
+
+
 def read(data: Mapping[str, Any], source: str | None = None) -> Reading:
     """Every key of a zerofit-format mapping, converted; problems are collected, not raised."""
     reading = Reading(source=source, source_format="zerofit")
