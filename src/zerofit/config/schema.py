@@ -301,10 +301,11 @@ class RunConfig:
     """The file(s) this config was loaded from, for messages."""
     source_format: Literal["zerofit", "accelerate", "deepspeed", "accelerate+deepspeed"] = "zerofit"
     """The format the user wrote, so later messages (after `auto` resolution, on workers) use the user's key names."""
-    written: tuple[str, ...] = field(default=(), compare=False)
+    written: tuple[str, ...] = field(default=(), compare=False, metadata={"record": True})
     """The zerofit keys the user's file (or a command-line flag) gave a value, so a written 0 or false is told
     from a default one (transformers' Trainer refuses a written value that disagrees with TrainingArguments);
-    filled at load, kept on workers; not compared: two configs with the same values are equal."""
+    filled at load, kept on workers (zerofit_yaml.dump writes it; `to_dict` leaves it out, as it is no setting);
+    not compared: two configs with the same values are equal."""
 
     def replace(self, **changes: Any) -> RunConfig:
         return dataclasses.replace(self, **changes)
@@ -313,7 +314,8 @@ class RunConfig:
 def to_dict(config: Any) -> Any:
     """Plain JSON-ready data from a config tree (AUTO becomes the string "auto")."""
     if dataclasses.is_dataclass(config) and not isinstance(config, type):
-        return {f.name: to_dict(getattr(config, f.name)) for f in dataclasses.fields(config)}
+        return {f.name: to_dict(getattr(config, f.name)) for f in dataclasses.fields(config)
+                if not f.metadata.get("record")}
     if isinstance(config, (list, tuple)):
         return [to_dict(v) for v in config]
     if isinstance(config, dict):
