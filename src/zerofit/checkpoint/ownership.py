@@ -89,8 +89,8 @@ def refusal(final: Path, *, run: str, named_root: Path | None, fixed_dir: Path |
     """
     if fixed_dir is not None and final == fixed_dir:
         earlier = [final] if is_zerofit_checkpoint(final) and run_of(final) != run else []
-        if not earlier:
-            return None, True
+        if not earlier:  # not "clean": that would spare other saves into the parent folder their check
+            return None, False
         return _message(final, earlier, "every save to checkpoint.output_dir replaces the checkpoint there",
                         "another checkpoint.output_dir"), False
     folder = final.parent
