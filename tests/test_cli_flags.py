@@ -19,7 +19,7 @@ FROZEN = {
         "--config_file": (), "--num_processes": (), "--num_machines": (), "--machine_rank": (),
         "--main_process_ip": (), "--main_process_port": (), "--mixed_precision": (), "--cpu": (),
         "--max_restarts": (), "--resume": (), "--process_group_timeout": (), "--oom_backoff": (), "--hostfile": (),
-        "--hostfile_print": (), "--dry_run": (), "--module": (),
+        "--hostfile_print": (), "--overwrite_checkpoints": (), "--dry_run": (), "--module": (),
     },
     "env": {"--config_file": (), "--probe": ()},
     "config": {
@@ -114,6 +114,7 @@ def test_launch_keeps_exactly_the_flags_that_mirror_accelerate_launch():
         "--mixed_precision", "--mixed-precision", "--cpu", "--max_restarts", "--max-restarts",
         "--resume", "--process_group_timeout", "--process-group-timeout", "--dry-run", "--dry_run", "-m", "--module",
         "--oom_backoff", "--oom-backoff", "--hostfile", "--hostfile_print", "--hostfile-print",
+        "--overwrite_checkpoints", "--overwrite-checkpoints",
     }
 
 

@@ -45,9 +45,22 @@ def describe(directory: Path, names: list[str]) -> dict[str, dict]:
     return {n: {"bytes": (directory / n).stat().st_size, "sha256": sha256_file(directory / n)} for n in names}
 
 
-def write_manifest(directory: Path, files: dict[str, dict]) -> None:
-    text = json.dumps({"format": FORMAT, "files": dict(sorted(files.items()))}, indent=1)
-    write_durable(directory / MANIFEST, text.encode())
+def write_manifest(directory: Path, files: dict[str, dict], run: str | None = None) -> None:
+    """`run`: the run that writes it (see `zerofit.checkpoint.ownership`), which decides who may delete it."""
+    doc: dict = {"format": FORMAT, "files": dict(sorted(files.items()))}
+    if run is not None:
+        doc["run"] = run
+    write_durable(directory / MANIFEST, json.dumps(doc, indent=1).encode())
+
+
+def run_of(directory: Path) -> str | None:
+    """The run that wrote the checkpoint at `directory` (None: not recorded, or unreadable: an earlier run's)."""
+    try:
+        doc = read_json(directory / MANIFEST)
+    except (OSError, CheckpointError):
+        return None
+    run = doc.get("run") if isinstance(doc, dict) else None
+    return run if isinstance(run, str) else None
 
 
 def read_manifest(directory: Path) -> dict[str, dict]:

@@ -17,7 +17,8 @@ Of zerofit's checkpoints the newest `limit` are kept, newest meaning the most
 recently written manifest (the new checkpoint is always kept), and so is the one `latest` names,
 even beyond the limit. A checkpoint saved at `checkpoint.output_dir` itself is the run's only one,
 replaced by every save, so nothing beside it is the run's to delete: no pruning then. A deletion
-that fails gives a warning; the save itself has succeeded.
+that fails gives a warning; the save itself has succeeded. A run deletes only its own checkpoints, unless
+it adopted the folder (`owner`, see [Note: an earlier run's checkpoints] in `ownership`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import warnings
 from pathlib import Path
 
 from zerofit.checkpoint.commit import is_checkpoint, read_latest, remove, remove_doomed
-from zerofit.checkpoint.manifest import MANIFEST
+from zerofit.checkpoint.manifest import MANIFEST, run_of
 from zerofit.errors import CheckpointError
 
 _warned_conflicts: set[tuple[int, int]] = set()
@@ -66,10 +67,12 @@ def _written_at(path: Path) -> tuple:
     return (path / MANIFEST).stat().st_mtime_ns, [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in parts]
 
 
-def to_delete(saved: Path, limit: int) -> list[Path]:
-    """The checkpoints beside `saved` that a limit of `limit` removes, oldest first (pure listing)."""
+def to_delete(saved: Path, limit: int, owner: str | None = None) -> list[Path]:
+    """The checkpoints beside `saved` that a limit of `limit` removes, oldest first (pure listing).
+    `owner`: only those the run of that id wrote count (None: all of zerofit's)."""
     folder = saved.parent
-    ours = [p for p in folder.iterdir() if p != saved and is_zerofit_checkpoint(p)]
+    ours = [p for p in folder.iterdir() if p != saved and is_zerofit_checkpoint(p)
+            and (owner is None or run_of(p) == owner)]
     ours.sort(key=_written_at, reverse=True)  # newest first
     keep = {saved, _named_by_latest(folder)}
     kept = 1  # `saved` itself
@@ -83,18 +86,19 @@ def to_delete(saved: Path, limit: int) -> list[Path]:
 
 
 def prune(saved: str | os.PathLike[str], *, config_limit: int | None, project_limit: int | None,
-          is_main: bool, fixed_dir: str | os.PathLike[str] | None = None) -> list[Path]:
+          is_main: bool, fixed_dir: str | os.PathLike[str] | None = None, owner: str | None = None) -> list[Path]:
     """After a committed save at `saved`: delete the checkpoints the limit leaves out; returns them.
 
     Every rank may call it; only `is_main` deletes. `fixed_dir` is `checkpoint.output_dir`: a save
-    there is the run's only checkpoint (see the note), so it prunes nothing.
+    there is the run's only checkpoint (see the note), so it prunes nothing. `owner`: the saving run's id
+    when only its own checkpoints may go; None where the run adopted the folder.
     """
     limit = limit_of(config_limit, project_limit)
     path = Path(saved).absolute()
     if not is_main or limit is None or (fixed_dir is not None and Path(fixed_dir).absolute() == path):
         return []
     remove_doomed(path.parent)  # what a prune killed mid-deletion left (the save did it too, unless it failed)
-    doomed = to_delete(path, limit)
+    doomed = to_delete(path, limit, owner)
     for old in doomed:
         try:
             remove(old)

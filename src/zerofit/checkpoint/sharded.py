@@ -87,13 +87,15 @@ def rank_stem(rank: int) -> str:
 
 
 def save_state(directory: str | os.PathLike[str], engine, *, extra_state: dict | None = None,
-               config: RunConfig | None = None, update_latest: bool = True, exclude_frozen: bool = False) -> str:
+               config: RunConfig | None = None, update_latest: bool = True, exclude_frozen: bool = False,
+               run: str | None = None) -> str:
     """Collective: write the engine's full training state as a sharded checkpoint at `directory`.
 
     `extra_state` is this rank's own state (scheduler, counters, RNG, data position, ...): JSON-able
     values, tensors and numpy arrays. With `update_latest`, `<parent of directory>/latest` names the
     new checkpoint afterwards. `exclude_frozen`: the frozen parameters' values are left out ([Note: a
-    checkpoint without the frozen weights]). Returns the checkpoint's path.
+    checkpoint without the frozen weights]). `run`: the writing run's id, kept in the manifest
+    (`zerofit.checkpoint.ownership`). Returns the checkpoint's path.
     """
     ranks = Ranks(engine.comm.group)
     final = Path(directory).absolute()
@@ -145,7 +147,7 @@ def save_state(directory: str | os.PathLike[str], engine, *, extra_state: dict |
         except Exception as e:  # any failure must reach the agreement, or the peers would wait forever
             error = f"rank {ranks.rank}: writing {tmp} failed: {e}"
         ranks.agree(error)
-        _seal(tmp, final, token, ranks, update_latest)
+        _seal(tmp, final, token, ranks, update_latest, run)
     except CheckpointError:  # raised on every rank alike (see [Note: agreeing on failure])
         if ranks.is_main:
             shutil.rmtree(tmp, ignore_errors=True)  # free what a full disk needs back
@@ -192,7 +194,7 @@ def _write_common(tmp: Path, engine, ranks: Ranks, optim_parts: list, config: Ru
     save_hf_configs(engine.model, tmp / HF_CONFIG_DIR)
 
 
-def _seal(tmp: Path, final: Path, token: str, ranks: Ranks, update_latest: bool) -> None:
+def _seal(tmp: Path, final: Path, token: str, ranks: Ranks, update_latest: bool, run: str | None) -> None:
     """Confirm rank 0 sees every rank's files (see [Note: one directory every rank sees]), hash them (shared
     between ranks), write the manifest last, then commit and move `latest`."""
     names = visibility.confirm(tmp, final, ranks)
@@ -207,7 +209,7 @@ def _seal(tmp: Path, final: Path, token: str, ranks: Ranks, update_latest: bool)
     error = None
     if ranks.is_main:
         try:
-            write_manifest(tmp, {k: v for _, d in parts for k, v in d.items()})
+            write_manifest(tmp, {k: v for _, d in parts for k, v in d.items()}, run)
             files.commit(tmp, final, token)
             if update_latest:
                 files.point_latest(final, token)

@@ -34,6 +34,7 @@ import socket
 import sys
 import tempfile
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,7 +45,7 @@ from zerofit.cli.cluster import MachineSettings
 from zerofit.cli.flags import add_flag
 from zerofit.config import load_config, save_config, validate_config
 from zerofit.config.schema import RunConfig
-from zerofit.distributed.runtime import CONFIG_FILE_ENV, backend_for
+from zerofit.distributed.runtime import CONFIG_FILE_ENV, RUN_ID_ENV, backend_for
 from zerofit.errors import ConfigError
 from zerofit.plan.bandwidth import usable_cpus
 
@@ -66,6 +67,7 @@ FLAG_TO_KEY = {
     "max_restarts": "launch.max_restarts",
     "process_group_timeout": "launch.process_group_timeout",
     "resume": "checkpoint.resume",
+    "overwrite_checkpoints": "checkpoint.overwrite",
     "oom_backoff": "batch.oom_backoff",
     "hostfile": "launch.hostfile",
 }
@@ -100,6 +102,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_flag(p, "--max_restarts", type=int, metavar="K", help="restart the worker group up to K times after a failure")
     add_flag(p, "--resume", choices=("restart", "auto", "must", "never"),
              help="when prepare() loads the latest complete checkpoint (default: restart, on restarted attempts)")
+    add_flag(p, "--overwrite_checkpoints", action="store_true", default=None,
+             help="let this run replace and prune the checkpoints an earlier run left in its checkpoint folder "
+                  "(default: such a save is refused, unless the run resumed from that folder)")
     add_flag(p, "--process_group_timeout", type=float, metavar="SECONDS",
              help="how long a collective waits for a peer before it raises (default: 1800)")
     add_flag(p, "--oom_backoff", choices=("on", "off"), type=str.lower,
@@ -439,7 +444,7 @@ def execute(plan: LaunchPlan) -> int:
     with tempfile.TemporaryDirectory(prefix=f"{RUN_DIR_PREFIX}{os.getpid()}-") as run_dir:
         config_path = os.path.join(run_dir, "config.json")  # JSON: exact and fast for every worker to read
         save_config(plan.config, config_path)
-        env = {CONFIG_FILE_ENV: config_path}
+        env = {CONFIG_FILE_ENV: config_path, RUN_ID_ENV: uuid.uuid4().hex}  # restarts keep this launch's id
         if plan.cuda_visible_devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = plan.cuda_visible_devices
         if "OMP_NUM_THREADS" not in os.environ:  # else torchrun sets 1 and prints a warning about it

@@ -404,6 +404,7 @@ def _merge_file(
     reading.problems.extend(f"{path.name}: {p}" for p in inner.problems)
     reading.warnings.extend(f"{path.name}: {w}" for w in inner.warnings)
     reading.invalid |= inner.invalid
+    reading.written |= inner.written
     yaml_precision = reading.values.get("precision.mixed_precision")
     file_precision = inner.values.get("precision.mixed_precision", AUTO)
     for key, value in inner.values.items():

@@ -206,7 +206,9 @@ _HANDLED = (
 )
 
 
-TOP_LEVEL = frozenset(key.split(".")[0] for key in (*TABLE, *_HANDLED))
+KNOWN_PATHS = frozenset((*TABLE, *_HANDLED))
+"""Every dotted key (or whole section) a DeepSpeed config may use (for telling formats apart)."""
+TOP_LEVEL = frozenset(key.split(".")[0] for key in KNOWN_PATHS)
 """Every top-level name a DeepSpeed config may use (for telling formats apart)."""
 
 

@@ -1,10 +1,9 @@
 """One entry point for every config file: detect the format, read it, apply command-line overrides, validate.
 
-`load_config` tells the three formats apart by their content, not the file name, because people name
-Accelerate configs `.json` and DeepSpeed configs `.yaml` alike: `distributed_type` or
-`compute_environment` mean Accelerate; zerofit's section names (`launch`, `zero`, `precision`, ...)
-mean zerofit; DeepSpeed's own keys (`zero_optimization`, `train_batch_size`, `fp16`, ...) mean
-DeepSpeed. Command-line values, given as dotted zerofit keys, win over the file. Every problem (key
+`load_config` tells the three formats apart by the keys only one of them has, not the file name,
+because people name Accelerate configs `.json` and DeepSpeed configs `.yaml` alike; only a file whose
+keys DeepSpeed and zerofit share is read by its suffix ([Note: telling the formats apart]).
+Command-line values, given as dotted zerofit keys, win over the file. Every problem (key
 spelling, value type, cross-field rule) comes back in one ConfigError.
 """
 
@@ -13,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,25 +27,80 @@ _ACCELERATE_MARKERS = ("distributed_type", "compute_environment")
 _ZEROFIT_MARKERS = ("launch", "zero", "precision", "batch", "logging", "source_format")
 # Keys both DeepSpeed and zerofit spell the same way; alone they decide nothing.
 _SHARED = frozenset({"optimizer", "scheduler", "gradient_clipping", "checkpoint", "source", "compile"})
+_NAMES = {"accelerate": "an Accelerate config", "zerofit": "a zerofit config", "deepspeed": "a DeepSpeed config"}
 
 
-def detect_format(data: Mapping[str, Any], *, suffix: str = "") -> str:
-    """ "accelerate", "zerofit" or "deepspeed", from the keys of a parsed file; ConfigError if none fits.
+@dataclass(frozen=True)
+class Detected:
+    """The format a file is read in, and what decided it (see [Note: telling the formats apart])."""
 
-    A file with only keys both DeepSpeed and zerofit know (`optimizer`, `checkpoint`, ...) is read
-    the way that gives fewer problems; on a tie, as zerofit's unless it is a `.json` file.
+    kind: str
+    """"accelerate", "zerofit" or "deepspeed"."""
+    why: str
+    """The keys (or, for keys both DeepSpeed and zerofit use, the file's suffix) that decided."""
+    by_markers: bool
+    """True when keys only that format has decided; False when the suffix broke the tie."""
+
+
+def _inside(paths: frozenset[str], section: str) -> frozenset[str] | None:
+    """The names a format allows directly inside `section` (None: it takes the section whole, any names)."""
+    if section in paths:
+        return None
+    return frozenset(p[len(section) + 1:].split(".")[0] for p in paths if p.startswith(f"{section}."))
+
+
+def _markers(data: Mapping[str, Any]) -> dict[str, list[str]]:
+    """For each format, the file's keys that only that format has: top-level names, and inside a section
+    DeepSpeed and zerofit share (`checkpoint.tag_validation` is DeepSpeed's, `compile.mode` zerofit's)."""
+    keys = set(map(str, data))
+    found = {"accelerate": sorted(keys & set(_ACCELERATE_MARKERS)), "zerofit": sorted(keys & set(_ZEROFIT_MARKERS)),
+             "deepspeed": sorted(keys & (deepspeed_json.TOP_LEVEL - _SHARED))}
+    for section in sorted(keys & _SHARED):
+        value = data[section]
+        ours, theirs = _inside(zerofit_yaml.known_paths(), section), _inside(deepspeed_json.KNOWN_PATHS, section)
+        if not isinstance(value, Mapping) or ours is None or theirs is None:
+            continue
+        names = set(map(str, value))
+        found["zerofit"] += [f"{section}.{n}" for n in sorted(names & (ours - theirs))]
+        found["deepspeed"] += [f"{section}.{n}" for n in sorted(names & (theirs - ours))]
+    return {kind: names for kind, names in found.items() if names}
+
+
+def decide_format(data: Mapping[str, Any], *, suffix: str = "") -> Detected:
+    """The format of a parsed file, from what the file is; ConfigError when it is none or several.
+
+    [Note: telling the formats apart]
+    Keys only one format has decide: `distributed_type` / `compute_environment` an Accelerate config,
+    zerofit's sections (`launch`, `zero`, `precision`, `batch`, `logging`) a zerofit config, DeepSpeed's
+    own keys (`zero_optimization`, `train_batch_size`, `fp16`, ...) a DeepSpeed config, and so do the
+    names inside a section both have that only one of them knows (`compile.mode`, `checkpoint.resume`
+    zerofit's; `checkpoint.tag_validation` DeepSpeed's), whatever the suffix (Accelerate writes JSON
+    configs too, and zerofit's launcher hands its workers zerofit JSON).
+    Keys of two formats are refused, naming both. A file with only keys DeepSpeed and zerofit share
+    (`optimizer`, `scheduler`, `gradient_clipping`, `checkpoint`, `compile`) is read by its suffix: a
+    `.json` file as DeepSpeed's (its format is JSON), any other as zerofit's (its format is YAML); the
+    error of such a file then says which format was assumed and why. Never "whichever reader finds fewer
+    problems": a mistake in a zerofit `compile` section once made its file a DeepSpeed config that
+    ignores `compile`, with no word said.
     """
     keys = set(map(str, data))
-    if keys & set(_ACCELERATE_MARKERS):
-        return "accelerate"
-    if keys & set(_ZEROFIT_MARKERS):
-        return "zerofit"
-    if keys & (deepspeed_json.TOP_LEVEL - _SHARED):
-        return "deepspeed"
-    if keys <= _SHARED:
-        order = ("deepspeed", "zerofit") if suffix == ".json" else ("zerofit", "deepspeed")
-        readers = {"deepspeed": deepspeed_json.read, "zerofit": zerofit_yaml.read}
-        return min(order, key=lambda kind: len(readers[kind](data).problems))
+    found = _markers(data)
+    if len(found) > 1:
+        shown = "; ".join(f"{', '.join(names)} only in {_NAMES[kind]}" for kind, names in found.items())
+        fix = "keep the keys of the format the file is written in and remove or rename the others"
+        if "accelerate" in found and "deepspeed" in found:
+            fix += " (an Accelerate config names its DeepSpeed file in deepspeed_config.deepspeed_config_file)"
+        raise ConfigError([f"cannot tell the config format: the file mixes two ({shown}): {fix}"])
+    if found:
+        ((kind, names),) = found.items()
+        return Detected(kind, f"{', '.join(names)} only in {_NAMES[kind]}", True)
+    if keys and keys <= _SHARED:
+        kind = "deepspeed" if suffix == ".json" else "zerofit"
+        shared = ", ".join(sorted(keys))
+        why = (f"its keys ({shared}) are ones DeepSpeed and zerofit share, and it is "
+               + ("a .json file (DeepSpeed's format is JSON)" if kind == "deepspeed"
+                  else f"{'a ' + suffix if suffix else 'not a .json'} file (zerofit's format is YAML)"))
+        return Detected(kind, why, False)
     raise ConfigError(
         [
             f"cannot tell the config format from its keys ({', '.join(sorted(keys))}): an Accelerate config has "
@@ -53,6 +108,11 @@ def detect_format(data: Mapping[str, Any], *, suffix: str = "") -> str:
             "launch / zero / precision / batch sections"
         ]
     )
+
+
+def detect_format(data: Mapping[str, Any], *, suffix: str = "") -> str:
+    """ "accelerate", "zerofit" or "deepspeed", from what the parsed file is (`decide_format`)."""
+    return decide_format(data, suffix=suffix).kind
 
 
 def _parse(path: Path) -> Any:
@@ -111,7 +171,11 @@ def config_from_dict(
     settle: Settle | None = None,
 ) -> RunConfig:
     """`load_config` for an already parsed file; `config_from_dict(to_dict(cfg)) == cfg`."""
-    kind = detect_format(data, suffix=suffix) if data else "zerofit"
+    try:
+        detected = decide_format(data, suffix=suffix) if data else Detected("zerofit", "it is empty", True)
+    except ConfigError as e:
+        raise ConfigError(e.problems, source) from None
+    kind = detected.kind
     if kind == "accelerate":
         reading = accelerate_yaml.read(data, source, base_dir=base_dir)
     elif kind == "deepspeed":
@@ -125,6 +189,8 @@ def config_from_dict(
         reading.values["source_format"] = reading.source_format
     if kind != "zerofit" or "source" not in data:
         reading.values["source"] = reading.source
+    if kind != "zerofit" or "written" not in data:  # a worker's file keeps what the user's file wrote
+        reading.values["written"] = tuple(sorted(reading.written - {"source", "source_format", "written"}))
     reading.emit_warnings()
     if settle is not None and not reading.problems:
         _apply_overrides(reading, settle(tree.build_config(reading.values)))
@@ -133,7 +199,10 @@ def config_from_dict(
         validate.messages(validate.find_problems(config), skip_keys=reading.invalid)
     )
     if problems:
-        raise ConfigError(problems, reading.source)
+        where = reading.source
+        if not detected.by_markers:  # a guess from the suffix: say which, so a misread file is seen as one
+            where = f"{where or 'the config'}, read as {_NAMES[kind]} since {detected.why}"
+        raise ConfigError(problems, where)
     return config
 
 
@@ -153,6 +222,7 @@ def _apply_overrides(reading: Reading, overrides: Mapping[str, Any]) -> None:
             continue
         reading.invalid.discard(key)
         reading.put(key, f"command-line value for {key}", value)
+        reading.written.add(key)
 
 
 def _canonical_types(reading: Reading) -> None:

@@ -44,6 +44,8 @@ class Reading:
     warnings: list[str] = field(default_factory=list)
     invalid: set[str] = field(default_factory=set)
     """zerofit keys whose value was rejected; cross-field checks on them would only repeat the news."""
+    written: set[str] = field(default_factory=set)
+    """zerofit keys the file gave a value (not those a reader fills in itself): `RunConfig.written`."""
 
     def error(self, message: str, *, key: str | None = None) -> None:
         self.problems.append(message)
@@ -144,6 +146,7 @@ def _walk(
             if target in auto_means and isinstance(value, str) and value.strip().lower() == "auto":
                 value = auto_means[target]
             reading.put(target, path, value)
+            reading.written.add(target)
         elif f"{path}." in children:
             if value is None:
                 continue

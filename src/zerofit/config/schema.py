@@ -237,6 +237,9 @@ class CheckpointConfig:
     resume: Literal["restart", "auto", "must", "never"] = "restart"
     """When prepare() loads the latest complete checkpoint by itself: restart: on a restarted attempt
     (--max_restarts); auto: whenever one exists; must: always, and fail when there is none; never."""
+    overwrite: bool = False
+    """Let this run replace and prune (total_limit) checkpoints an earlier run left where it saves; false: such
+    a save is refused before it writes anything, unless the run loaded a checkpoint from that folder."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -298,6 +301,11 @@ class RunConfig:
     """The file(s) this config was loaded from, for messages."""
     source_format: Literal["zerofit", "accelerate", "deepspeed", "accelerate+deepspeed"] = "zerofit"
     """The format the user wrote, so later messages (after `auto` resolution, on workers) use the user's key names."""
+    written: tuple[str, ...] = field(default=(), compare=False, metadata={"record": True})
+    """The zerofit keys the user's file (or a command-line flag) gave a value, so a written 0 or false is told
+    from a default one (transformers' Trainer refuses a written value that disagrees with TrainingArguments);
+    filled at load, kept on workers (zerofit_yaml.dump writes it; `to_dict` leaves it out, as it is no setting);
+    not compared: two configs with the same values are equal."""
 
     def replace(self, **changes: Any) -> RunConfig:
         return dataclasses.replace(self, **changes)
@@ -306,7 +314,8 @@ class RunConfig:
 def to_dict(config: Any) -> Any:
     """Plain JSON-ready data from a config tree (AUTO becomes the string "auto")."""
     if dataclasses.is_dataclass(config) and not isinstance(config, type):
-        return {f.name: to_dict(getattr(config, f.name)) for f in dataclasses.fields(config)}
+        return {f.name: to_dict(getattr(config, f.name)) for f in dataclasses.fields(config)
+                if not f.metadata.get("record")}
     if isinstance(config, (list, tuple)):
         return [to_dict(v) for v in config]
     if isinstance(config, dict):

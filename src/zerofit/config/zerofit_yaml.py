@@ -31,6 +31,11 @@ def _table() -> dict[str, str]:
     return {key: key for key in tree.leaf_hints()}
 
 
+def known_paths() -> frozenset[str]:
+    """Every dotted key a zerofit file may use (for telling formats apart)."""
+    return frozenset((*_table(), *ignored.handled("zerofit")))
+
+
 def read(data: Mapping[str, Any], source: str | None = None) -> Reading:
     """Every key of a zerofit-format mapping, converted; problems are collected, not raised."""
     reading = Reading(source=source, source_format="zerofit")
@@ -49,6 +54,7 @@ def read(data: Mapping[str, Any], source: str | None = None) -> Reading:
 def dump(config: RunConfig, path: str | os.PathLike[str]) -> None:
     """Write `config` in this format; `.json` gives JSON, anything else YAML."""
     data = to_dict(config)
+    data["written"] = list(config.written)  # where a worker learns what the user's file wrote (RunConfig.written)
     with open(path, "w", encoding="utf-8") as f:
         if os.fspath(path).endswith(".json"):
             json.dump(data, f, indent=2)

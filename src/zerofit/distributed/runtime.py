@@ -17,6 +17,9 @@ from zerofit.errors import ConfigError
 
 CONFIG_FILE_ENV = "ZEROFIT_CONFIG_FILE"
 """Environment variable naming the resolved config file the launcher wrote for its workers."""
+RUN_ID_ENV = "ZEROFIT_RUN_ID"
+"""Set by `zerofit launch`: one id for its workers, restarted attempts included, kept in the manifests of the
+checkpoints they write (zerofit.checkpoint.ownership)."""
 
 _cache: dict[str, RunConfig] = {}
 _zerofit_state_built = False

@@ -34,6 +34,11 @@ class PersistenceMixin:
     _resume_checked = False
     _custom_to_restore: list[Any] | tuple[()] = ()
     """Saved states of registered objects that an automatic resume found before the script registered them."""
+    _adopted_folders: frozenset[Path] = frozenset()
+    """Folders whose every checkpoint this run may replace or delete: it loaded one from there, or
+    checkpoint.overwrite is on ([Note: an earlier run's checkpoints] in zerofit.checkpoint.ownership)."""
+    _checked_folders: frozenset[Path] = frozenset()
+    """Folders that held no earlier run's checkpoint at this run's first save there: later saves skip the check."""
     _checkpoint_dataloaders = True
     """False where the loop keeps its own data position (transformers' Trainer): the dataloaders' positions
     are then neither saved nor restored, so a loader prepared later (evaluation) cannot mismatch."""
@@ -146,9 +151,11 @@ class PersistenceMixin:
         return self._save(output_dir, exclude_frozen=exclude_frozen_parameters)
 
     def _save(self, output_dir: str | os.PathLike | None, *, client_state: dict[str, Any] | None = None,
-              update_latest: bool = True, exclude_frozen: bool = False) -> str:
-        """`save_state`, with a DeepSpeed-style `client_state` stored beside the loop state."""
-        from zerofit.checkpoint import retention, save_state
+              update_latest: bool = True, exclude_frozen: bool = False, guard: bool = True) -> str:
+        """`save_state`, with a DeepSpeed-style `client_state` stored beside the loop state. `guard`: refuse
+        to replace or prune an earlier run's checkpoints (False where the caller's loop owns the folder, as
+        transformers' Trainer owns its `checkpoint-<step>` folders)."""
+        from zerofit.checkpoint import ownership, retention, save_state
 
         engine = self._prepared.any_engine()
         if engine is None:
@@ -159,14 +166,50 @@ class PersistenceMixin:
                                       iteration=self.project_configuration.iteration)
         if client_state is not None:
             extra["client_state"] = dict(client_state)
-        path = save_state(self._checkpoint_dir(output_dir), engine, extra_state=extra, config=self.config,
-                          update_latest=update_latest, exclude_frozen=exclude_frozen)
+        target = Path(self._checkpoint_dir(output_dir)).absolute()
+        if guard:
+            self._refuse_earlier_runs(target)
+        run = ownership.run_id()
+        path = save_state(str(target), engine, extra_state=extra, config=self.config,
+                          update_latest=update_latest, exclude_frozen=exclude_frozen, run=run)
+        owner = None if Path(path).parent in self._adopted_folders or not guard else run
         retention.prune(path, config_limit=self.config.checkpoint.total_limit,
                         project_limit=self.project_configuration.total_limit,
-                        is_main=self.is_main_process, fixed_dir=self.config.checkpoint.output_dir)
+                        is_main=self.is_main_process, fixed_dir=self.config.checkpoint.output_dir, owner=owner)
         if self.project_configuration.automatic_checkpoint_naming:
             self.project_configuration.iteration += 1
         return path
+
+    def _refuse_earlier_runs(self, final: Path) -> None:
+        """Before a save at `final` writes anything: raise on every rank when it would replace or prune an
+        earlier run's checkpoints ([Note: an earlier run's checkpoints] in zerofit.checkpoint.ownership). Collective
+        unless the folder was checked or adopted already (the same on every rank: every decision is broadcast)."""
+        from zerofit.checkpoint import ownership, retention
+
+        folder = final.parent
+        if folder in self._adopted_folders or folder in self._checked_folders:
+            return
+        if self.config.checkpoint.overwrite:
+            self._adopted_folders |= {folder}
+            return
+        message, clean = None, False
+        if self.is_main_process:  # one decision for every rank, even if their views of the disk differ
+            pc = self.project_configuration
+            fixed = self.config.checkpoint.output_dir
+            try:
+                message, clean = ownership.refusal(
+                    final, run=ownership.run_id(),
+                    named_root=(Path(pc.project_dir, "checkpoints").absolute()
+                                if pc.automatic_checkpoint_naming and pc.project_dir else None),
+                    fixed_dir=Path(fixed).absolute() if fixed else None,
+                    limit=retention.limit_of(self.config.checkpoint.total_limit, pc.total_limit))
+            except Exception as e:  # noqa: BLE001 - the peers must not wait for a decision
+                message = f"rank 0: checking {folder} for an earlier run's checkpoints failed: {type(e).__name__}: {e}"
+        message, clean = ops.broadcast_object((message, clean))
+        if message:
+            raise CheckpointError(message)
+        if clean:
+            self._checked_folders |= {folder}
 
     def load_state(self, input_dir: str | os.PathLike | None = None, **kwargs: Any) -> None:
         """Restore what `save_state` wrote (at any world size or stage, see zerofit.checkpoint). Collective."""
@@ -175,6 +218,7 @@ class PersistenceMixin:
     def _load(self, input_dir: str | os.PathLike | None, *, custom_may_follow: bool) -> dict[str, Any]:
         """`load_state`; returns the checkpoint's extra state (its `client_state`, for one)."""
         from zerofit.checkpoint import load_state
+        from zerofit.checkpoint.commit import resolve
         from zerofit.checkpoint.ranks import Ranks
 
         engine = self._prepared.any_engine()
@@ -198,6 +242,8 @@ class PersistenceMixin:
                 error += (" (checkpoint.resume loads at the end of the prepare() call that prepares the model: "
                           "pass the model, optimizer, scheduler and dataloaders to that one call)")
         Ranks(engine.comm.group).agree(error)  # every rank raises the same error, none waits in a collective
+        # Loading from a folder continues it: its numbering and retention (see zerofit.checkpoint.ownership).
+        self._adopted_folders |= {resolve(where).absolute().parent}
         if self.project_configuration.automatic_checkpoint_naming:
             self.project_configuration.iteration = extra.get("iteration", 0) + 1
         return extra
@@ -227,6 +273,8 @@ class PersistenceMixin:
         if problems:  # raised on every rank alike, so none is left waiting in a collective
             raise ConfigError(problems) if bad_config else CheckpointError(problems[0])
         if chosen is None:
+            if self.is_main_process and root is not None and not self.config.checkpoint.overwrite:
+                self._warn_of_earlier_runs(root)
             return
         self._load(chosen, custom_may_follow=True)
         for loader in self._prepared.dataloaders:
@@ -236,6 +284,19 @@ class PersistenceMixin:
             resume.logger.warning("zerofit: resumed from checkpoint %s (attempt %d): %d optimizer step(s) done, "
                                   "continuing with step %d", chosen, process_group.restart_count(),
                                   self.completed_steps, self.completed_steps + 1)
+
+    @staticmethod
+    def _warn_of_earlier_runs(root: Path) -> None:
+        """Say at once, not only at the first save, that this fresh run's checkpoint folder holds an earlier
+        run's checkpoints (see zerofit.checkpoint.ownership); the script may still load one after prepare()."""
+        from zerofit.checkpoint import ownership
+
+        try:
+            text = ownership.held_at_start(root.absolute(), ownership.run_id())
+        except OSError:  # only a warning: the save checks again and refuses
+            return
+        if text:
+            resume.logger.warning("zerofit: %s", text)
 
 
 def _latest_checkpoint(folder: str) -> str:

@@ -23,7 +23,7 @@ import math
 from typing import Any
 
 from zerofit.config.naming import key_name
-from zerofit.config.schema import RunConfig, is_auto
+from zerofit.config.schema import AUTO, RunConfig, is_auto
 from zerofit.errors import ConfigError
 
 
@@ -67,18 +67,27 @@ class _Checker:
         self.config = config
         self.problems: list[str] = []
 
-    def take(self, key: str, written: Any, wanted: Any, argument: str, *, same=None) -> Any:
-        """`wanted` where the file left `key` "auto" or out; else `written`, noting a disagreement."""
-        if written is None or is_auto(written):
+    def take(self, key: str, written: Any, wanted: Any, argument: str, *, same=None, default: Any = None) -> Any:
+        """`wanted` where the file left `key` "auto" or out; else `written`, noting a disagreement.
+
+        Out means not among the keys the file wrote (`RunConfig.written`), so a written 0 or false is compared
+        like any value, as transformers compares a DeepSpeed file's; a config built without a file (no
+        record) counts a value other than the schema's `default` as written."""
+        if written is None or is_auto(written) or not self.is_written(key, written, default):
             return wanted
         agree = same(written, wanted) if same is not None else written == wanted
         if not agree:
             name = key_name(self.config.source_format, key)
             self.problems.append(
                 f"{name} is {written!r} in the config but TrainingArguments has {argument}={wanted!r}: Trainer "
-                f'drives this value, so write "auto" (or leave the key out) to take it from TrainingArguments, '
-                f"or pass --{argument} {written!r} to the script")
+                f'drives this value, so set {name} to "auto" (or leave it out) to take it from TrainingArguments, '
+                f"or make them equal (pass --{argument} {written!r} to the script)")
         return written
+
+    def is_written(self, key: str, value: Any, default: Any) -> bool:
+        if self.config.written or self.config.source is not None:
+            return key in self.config.written or key.startswith(("optimizer.params.", "scheduler.params."))
+        return value != default
 
 
 def _close(a: Any, b: Any) -> bool:
@@ -99,10 +108,11 @@ def trainer_config(config: RunConfig, facts: TrainerFacts) -> RunConfig:
     micro = check.take("batch.train_micro_batch_size_per_gpu", b.train_micro_batch_size_per_gpu, facts.micro_batch,
                        "per_device_train_batch_size")
     check.take("batch.gradient_accumulation_steps", b.gradient_accumulation_steps, facts.accumulation,
-               "gradient_accumulation_steps")
+               "gradient_accumulation_steps", default=AUTO)
     check.take("batch.train_batch_size", b.train_batch_size, facts.micro_batch * facts.accumulation * facts.world,
                "per_device_train_batch_size x gradient_accumulation_steps x processes")
-    check.take("gradient_clipping", config.gradient_clipping or None, facts.max_grad_norm, "max_grad_norm", same=_close)
+    check.take("gradient_clipping", config.gradient_clipping, facts.max_grad_norm, "max_grad_norm", same=_close,
+               default=0.0)
     precision = config.precision
     mode = precision.mixed_precision
     if (config.source_format != "accelerate" and mode not in ("no", facts.mixed_precision) and not is_auto(mode)):

@@ -140,7 +140,8 @@ class ZerofitTrainerMixin:
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         # no `latest` pointer beside it: Trainer finds its checkpoints by their checkpoint-N names
         # a PEFT model's frozen base is not written (as Trainer does under DeepSpeed): the resumed run loads it
-        self.accelerator._save(os.path.join(output_dir, ZEROFIT_STATE), update_latest=False,
+        # guard=False: checkpoint-N is Trainer's folder, which transformers names, replaces and rotates itself
+        self.accelerator._save(os.path.join(output_dir, ZEROFIT_STATE), update_latest=False, guard=False,
                                exclude_frozen=is_peft_model(self.model))
         if self.args.should_save and not isinstance(self.lr_scheduler, AcceleratedScheduler):
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
