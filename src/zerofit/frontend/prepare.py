@@ -113,6 +113,14 @@ class PrepareMixin:
         elif self._batch_waiting and any(k == "dataloader" for k in kinds) and self._prepared.engines:
             self._resolve(optimizer=False, scheduler=False)
         real = {id(o): self._real_optimizer(o) for o in optimizers}
+        trained = [m for m in models if any(_holds_params_of(real[id(o)], m) for o in optimizers)]
+        if len(trained) + (self._prepared.trained_engine() is not None) > 1:
+            raise ValueError(
+                f"{len(trained) + (self._prepared.trained_engine() is not None)} models with optimizers: zerofit "
+                "trains one model per Accelerator, with any number of optimizers over its parameters stepped "
+                "together in each window (a GAN's generator and discriminator, stepped after their own losses, "
+                "are not supported yet). Prepare the other models without an optimizer (frozen), or put the "
+                "trained modules in one nn.Module whose optimizers all step every window")
         for model in models:
             mine = [real[id(o)] for o in optimizers if _holds_params_of(real[id(o)], model)]
             # [Note: several optimizers over one model] in zerofit.engine.optimizer_set
