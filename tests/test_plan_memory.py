@@ -78,6 +78,25 @@ def test_offload_moves_state_to_the_host():
     assert p.params == 0 and p.host_params == 432 * 2
 
 
+def test_a_per_parameter_optimizers_parameters_keep_their_state_on_the_gpu():
+    # Muon over the blocks' weights (100 elements each, laid out as 112), AdamW over the rest: the whole
+    # groups' master and state stay on the GPU under offload; sharded, their step needs 3 full fp32 buffers
+    model = Blocks()
+    whole = frozenset(id(b.weight) for b in model.blocks)
+    c = ModelCounts.of(model, whole=whole)
+    assert c.whole == (0, 112, 112, 112)
+    work = Workload(world=2, gradient_accumulation_steps=2)
+    plain = estimate(ModelCounts.of(model), Setting(stage=2, offload_optimizer="cpu"), work, None)
+    mixed = estimate(c, Setting(stage=2, offload_optimizer="cpu"), work, None)
+    # per block: whole group 112 -> shard 64 (padded 128); the bias group 10 -> shard 16 (padded 32)
+    assert mixed.optimizer == 3 * (3 * 64 * 4)  # master + two states of each block's weights, 1/2 per rank
+    assert mixed.host_optimizer == 3 * (32 + 3 * 16) * 4  # root and the biases: offloaded as before
+    assert plain.optimizer == 0
+    assert mixed.activations == 3 * 4 * 128  # the whole step's transient buffers of one block
+    one_rank = estimate(c, Setting(stage=2, offload_optimizer="cpu"), Workload(gradient_accumulation_steps=2), None)
+    assert one_rank.activations < 3 * 4 * 112  # unsharded: stepped in place, no gathered copies
+
+
 class Toy(nn.Module):
     def __init__(self, dropout: bool):
         super().__init__()

@@ -19,7 +19,7 @@ import torch
 
 from zerofit.engine.comm import Collectives
 from zerofit.engine.flat_group import FlatGroup
-from zerofit.engine.optimizer_kinds import optimizer_kind
+from zerofit.engine.optimizer_kinds import PER_PARAMETER, optimizer_kind
 from zerofit.engine.optimizer_set import OptimizerSet, members_of
 from zerofit.errors import EngineError
 
@@ -48,6 +48,14 @@ def group_kinds(optimizer: torch.optim.Optimizer | None) -> list[str]:
     for m in members_of(optimizer):
         out += [optimizer_kind(m)] * len(m.param_groups)
     return out
+
+
+def whole_param_ids(optimizer: torch.optim.Optimizer | None) -> frozenset[int]:
+    """id() of the parameters `optimizer` holds in the param groups of a per-parameter optimizer (stepped whole:
+    see zerofit.engine.whole_step), for the memory model; refuses an optimizer zerofit cannot classify."""
+    kinds = group_kinds(optimizer)
+    return frozenset(pid for pid, g in param_group_index(optimizer).items() if kinds[g] == PER_PARAMETER) \
+        if optimizer is not None else frozenset()
 
 
 def _member_of_group(optimizer: torch.optim.Optimizer, index: int) -> torch.optim.Optimizer:

@@ -180,7 +180,8 @@ def first_batch_shape(loader: Any, micro_batch: int | None) -> tuple[int, int] |
 
 def plan_for(config: RunConfig, model: nn.Module, *, loaders: list[Any], micro_batch: int | None,
              process: Any, host_share: float | None = None,
-             rates: bandwidth.Rates | None = None) -> tuple[RunConfig, StepProbe, FirstBatchCheck | None]:
+             rates: bandwidth.Rates | None = None,
+             whole: frozenset[int] = frozenset()) -> tuple[RunConfig, StepProbe, FirstBatchCheck | None]:
     """`config` with its "auto" stage / offload resolved for `model` (the choice is printed on the local
     main process), the probe that checks the choice on the first optimizer step (`zerofit.frontend.probe`),
     and, when no DataLoader gave the batch shape, the check of the first training forward
@@ -189,12 +190,13 @@ def plan_for(config: RunConfig, model: nn.Module, *, loaders: list[Any], micro_b
     `loaders` are the DataLoaders prepared so far (the first gives the batch shape), `micro_batch` the
     script's micro-batch if known, `process` this process's place in the run (`ProcessState`),
     `host_share` the split `host_share_of` found (tried where it fits), `rates` this machine's
-    measured rates (`machine_rates`), which rank the settings that fit."""
+    measured rates (`machine_rates`), which rank the settings that fit, `whole` the parameters a per-parameter
+    optimizer steps whole (`zerofit.engine.optim.whole_param_ids`)."""
     shape = first_batch_shape(loaders[0], micro_batch) if loaders else None
     world, device = process.num_processes, process.device
     budget = budget_for(device, world)
     config_out, result = choose(config, model, world=world, shape=shape, budget=budget, host_share=host_share,
-                                rates=rates)
+                                rates=rates, whole=whole)
     if process.is_local_main_process:
         print(describe(config, result), flush=True)
     fmt = config.source_format
@@ -205,4 +207,5 @@ def plan_for(config: RunConfig, model: nn.Module, *, loaders: list[Any], micro_b
         check = FirstBatchCheck(config, result, budget, world=world, device=device,
                                 is_main=process.is_main_process, spell=lambda key: key_name(fmt, key),
                                 on_checkpointing=lambda: None)
+        check.whole = whole
     return config_out, probe, check

@@ -61,6 +61,8 @@ class FirstBatchCheck:
         self.config, self.result, self.budget = config, result, budget
         self.world, self.device, self.is_main, self.spell = world, device, is_main, spell
         self.on_checkpointing = on_checkpointing
+        self.whole: frozenset[int] = frozenset()
+        """id() of the parameters a per-parameter optimizer steps whole (the planner counts them apart)."""
         self._handle: Any = None
 
     def install(self, model: nn.Module) -> None:
@@ -93,7 +95,7 @@ class FirstBatchCheck:
         setting = chosen.setting
         precision = self.config.precision.mixed_precision
         work = workload_for(self.config, world=self.world, shape=shape)
-        counts = ModelCounts.of(model, unit_size_threshold=work.unit_size_threshold)
+        counts = ModelCounts.of(model, unit_size_threshold=work.unit_size_threshold, whole=self.whole)
         on = has_checkpointing(model)
         choices = checkpointing_choices(self.config, model)  # the planner's own rule: (True,) when on
         traces = activation_traces(model, shape, choices, precision, work)

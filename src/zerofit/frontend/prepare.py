@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader
 from zerofit.config.naming import key_name
 from zerofit.config.schema import SchedulerConfig
 from zerofit.engine import ZeroEngine
+from zerofit.engine.optim import whole_param_ids
 from zerofit.engine.optimizer_set import OptimizerSet, members_of
 from zerofit.engine.plain_backward import BackwardCaller
 from zerofit.errors import ConfigError
@@ -217,7 +218,7 @@ class PrepareMixin:
                     batch, gradient_accumulation_steps=self.planning_accumulation))
             planned_config, probe, check = plan_for(planning, model, loaders=self._prepared.dataloaders,
                                                     micro_batch=self._facts.micro_batch_size, process=self.process,
-                                                    host_share=share, rates=rates)
+                                                    host_share=share, rates=rates, whole=whole_param_ids(optimizer))
             self.config = planned_config.replace(batch=batch)
             if check is not None:  # [Note: planned without the batch]
                 check.on_checkpointing = self._checkpointing_turned_on

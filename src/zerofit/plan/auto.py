@@ -103,11 +103,13 @@ def _written(value: Any, stage: int) -> str:
 
 
 def choose(config: RunConfig, model: nn.Module, *, world: int, shape: tuple[int, int] | None,
-           budget: Budget, host_share: float | None = None, rates: Rates | None = None) -> tuple[RunConfig, Plan]:
+           budget: Budget, host_share: float | None = None, rates: Rates | None = None,
+           whole: frozenset[int] = frozenset()) -> tuple[RunConfig, Plan]:
     """`config` with the open stage / offload devices / ratio / host share / checkpointing filled by the
     planner for `budget`, and the plan behind it; `host_share`: the split between host- and GPU-stepped
     offload this machine's measured rates favour (None: none known), tried before no split where it fits;
-    `rates`: this machine's measured rates, which rank the settings that fit (None: the fixed order).
+    `rates`: this machine's measured rates, which rank the settings that fit (None: the fixed order);
+    `whole`: id() of the parameters a per-parameter optimizer steps whole (`ModelCounts.whole`).
     `zero.gradient_checkpointing` comes back true or false: what the model must run with
     (`zerofit.frontend.auto_plan.apply_checkpointing` turns it on)."""
     precision = config.precision.mixed_precision
@@ -116,7 +118,7 @@ def choose(config: RunConfig, model: nn.Module, *, world: int, shape: tuple[int,
     traces = activation_traces(model, shape, choices, precision, work)
     if len(choices) > 1 and traces.get(True) is None:
         traces.pop(True, None)  # what checkpointing saves is unknown: it would only add recomputation
-    counts = ModelCounts.of(model, unit_size_threshold=work.unit_size_threshold)
+    counts = ModelCounts.of(model, unit_size_threshold=work.unit_size_threshold, whole=whole)
     settings = [s for ck in traces for s in candidates(config, world, ck, host_share=host_share)]
     result = plan(counts, work, budget, traces, settings=settings, rates=rates,
                   open_ratio=is_auto(config.zero.offload_optimizer.ratio))

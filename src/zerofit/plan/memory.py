@@ -44,6 +44,12 @@ With `offload_optimizer.ratio` below 1 only the units the engine's `offloaded_un
 units, the last ones first) have their "with the optimizer state" terms, transient gradients and
 staging as offloaded; the other units are counted as without offload, on the GPU.
 
+The parameters a per-parameter optimizer (Adafactor, Muon) steps whole (`ModelCounts.whole`) form groups
+of their own, counted as the engine lays them out: their master and optimizer state on the GPU whatever the
+offload setting (`optimizer_states` state tensors each, 1/world per rank as the owners share them out), and,
+sharded, the step's transient full fp32 gradient, master and summed result (3*N*4 of the largest such
+group, after backward, as the step upcast is).
+
 The GPU total is the persistent terms plus the activation peak with the transient gradients and
 gathered parameters on top; `fits` adds a fixed reserve for the CUDA context and allocator.
 """
@@ -187,20 +193,27 @@ class ModelCounts:
     laid_out: tuple[tuple[int, int], ...] | None = None
     """Per unit, (trainable, frozen) elements as the flat buffers lay them out - each parameter from a
     multiple of `SHARD_ALIGN` (see [Note: flat layout]); None: as `units` says (no gaps)."""
+    whole: tuple[int, ...] | None = None
+    """Per unit, the laid-out trainable elements a per-parameter optimizer steps whole (part of the
+    trainable ones; see [Note: whole-parameter steps] in zerofit.engine.whole_step); None: none."""
 
     @property
     def numel(self) -> int:
         return sum(t + f for _, t, f in self.units)
 
     @classmethod
-    def of(cls, model: nn.Module, *, unit_size_threshold: int = 10_000_000) -> ModelCounts:
+    def of(cls, model: nn.Module, *, unit_size_threshold: int = 10_000_000,
+           whole: frozenset[int] = frozenset()) -> ModelCounts:
+        """`whole`: id() of the parameters a per-parameter optimizer steps whole (`optim.whole_param_ids`)."""
         specs: list[UnitSpec] = plan_units(model, size_threshold=unit_size_threshold)
         units = tuple((s.name, sum(p.numel() for _, p in s.params if p.requires_grad),
                        sum(p.numel() for _, p in s.params if not p.requires_grad)) for s in specs)
         laid_out = tuple((_laid_out([p.numel() for _, p in s.params if p.requires_grad]),
                           _laid_out([p.numel() for _, p in s.params if not p.requires_grad])) for s in specs)
+        held_whole = tuple(_laid_out([p.numel() for _, p in s.params if p.requires_grad and id(p) in whole])
+                           for s in specs) if whole else None
         return cls(units=units, buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
-                   laid_out=laid_out)
+                   laid_out=laid_out, whole=held_whole)
 
 
 def _laid_out(numels: list[int]) -> int:
@@ -231,13 +244,20 @@ def estimate(counts: ModelCounts, setting: Setting, work: Workload, trace: Activ
         unit_numel = true_trainable + true_frozen
         trainable, frozen = counts.laid_out[u] if counts.laid_out is not None else (true_trainable, true_frozen)
         transient.append(0)
-        for numel, is_trainable in ((trainable, True), (frozen, False)):
+        whole = counts.whole[u] if counts.whole is not None else 0
+        for numel, is_trainable, is_whole in ((trainable - whole, True, False), (whole, True, True),
+                                              (frozen, False, False)):
             if numel == 0:
                 continue
-            pl = policy.placement(trainable=is_trainable, unit_numel=unit_numel, state_home=homes[u])
+            # a per-parameter optimizer's groups keep their state on the device, stepped whole by owners
+            pl = policy.placement(trainable=is_trainable, unit_numel=unit_numel,
+                                  state_home=StateHome.DEVICE if is_whole else homes[u])
             lay = plan_layout([numel], pl.shard_world, align=SHARD_ALIGN)
-            compact = is_trainable and keeps_compact_grads(pl, world=work.world, low_precision=c != 4,
-                                                           gradient_accumulation_steps=work.gradient_accumulation_steps)
+            compact = is_trainable and not is_whole and keeps_compact_grads(
+                pl, world=work.world, low_precision=c != 4,
+                gradient_accumulation_steps=work.gradient_accumulation_steps)
+            if is_whole and pl.shard_world > 1:  # the step's full fp32 gradient, master and summed result
+                step_transient = max(step_transient, 3 * 4 * lay.padded_numel)
             b = group_buffers(lay, pl, trainable=is_trainable, compute_dtype=dtype, compact=compact,
                               optimizer_states=k, accumulates=work.gradient_accumulation_steps > 1)
             if b.params_released:
