@@ -21,8 +21,9 @@ requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs 
 
 
 def _zero(stage: int, offload: str) -> ZeroConfig:
+    step_on = "device" if offload != "none" else "auto"
     return ZeroConfig(stage=stage, param_persistence_threshold=0,
-                      offload_optimizer=OffloadConfig(device=offload, step_on="device" if offload != "none" else "auto"))
+                      offload_optimizer=OffloadConfig(device=offload, step_on=step_on))
 
 
 def _train(stage: int, offload: str, precision: str, plain: bool):
