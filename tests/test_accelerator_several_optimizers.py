@@ -50,8 +50,9 @@ def reference(world: int = 2):
 
 def train(rank: int, world: int, stage: int, offload: str, steps=range(STEPS), save_to: str | None = None,
           load_from: str | None = None, skip_adamw_at: int = -1):
+    device, _, step_on = offload.partition("-")  # "cpu-device": GPU-stepped, the CPU standing in for the GPU
     config = RunConfig(zero=ZeroConfig(stage=stage, param_persistence_threshold=0,
-                                       offload_optimizer=OffloadConfig(device=offload)))
+                                       offload_optimizer=OffloadConfig(device=device, step_on=step_on or "auto")))
     acc = Accelerator(config=config)
     model, opts = build("muon_adamw")
     scheds = _schedules(opts)
@@ -76,7 +77,7 @@ def train(rank: int, world: int, stage: int, offload: str, steps=range(STEPS), s
     return acc._prepared.engine_of(model).named_full_tensors("master"), [s.get_last_lr() for s in (s_muon, s_adamw)]
 
 
-CONFIGS = [(0, "none"), (1, "none"), (2, "none"), (3, "none"), (2, "cpu")]
+CONFIGS = [(0, "none"), (1, "none"), (2, "none"), (3, "none"), (2, "cpu"), (3, "cpu-device")]
 
 
 def run_all(rank: int, world: int, folder: str) -> dict:

@@ -93,16 +93,18 @@ def reference(kind: str, world: int = 1) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-CONFIGS = [  # (stage, offload_optimizer, offload_param)
+CONFIGS = [  # (stage, offload_optimizer, offload_param); "cpu-device": GPU-stepped, the CPU standing in for the GPU
     (0, "none", "none"), (1, "none", "none"), (2, "none", "none"), (3, "none", "none"),
-    (2, "cpu", "none"), (3, "cpu", "cpu"),
+    (2, "cpu", "none"), (3, "cpu", "cpu"), (2, "cpu-device", "none"), (3, "cpu-device", "cpu"),
 ]
 
 
 def engine_for(kind: str, stage: int, offload: str, offload_param: str):
     model, opt = build(kind)
     optimizer = OptimizerSet(opt) if isinstance(opt, list) else opt
-    zero = ZeroConfig(stage=stage, param_persistence_threshold=0, offload_optimizer=OffloadConfig(device=offload),
+    device, _, step_on = offload.partition("-")
+    zero = ZeroConfig(stage=stage, param_persistence_threshold=0,
+                      offload_optimizer=OffloadConfig(device=device, step_on=step_on or "auto"),
                       offload_param=OffloadConfig(device=offload_param))
     return model, ZeroEngine(model, optimizer, zero=zero)
 

@@ -58,7 +58,8 @@ def whole_param_ids(optimizer: torch.optim.Optimizer | None) -> frozenset[int]:
         if optimizer is not None else frozenset()
 
 
-def _member_of_group(optimizer: torch.optim.Optimizer, index: int) -> torch.optim.Optimizer:
+def member_of_group(optimizer: torch.optim.Optimizer, index: int) -> torch.optim.Optimizer:
+    """The optimizer that owns param group `index` of `optimizer`: a set's member, else `optimizer` itself."""
     return optimizer.member_of_group(index) if isinstance(optimizer, OptimizerSet) else optimizer
 
 
@@ -79,7 +80,7 @@ def rebind_optimizer(optimizer: torch.optim.Optimizer, groups: list[FlatGroup], 
             fg.piece_masters.append((piece.index, master))
     for gi, (group, tensors) in enumerate(zip(optimizer.param_groups, pieces)):
         group["params"] = tensors
-        member = _member_of_group(optimizer, gi)
+        member = member_of_group(optimizer, gi)
         # Fused kernels step many big flat tensors fastest, on CPU as on GPU (unless the script chose).
         if type(member).__name__ in _FUSED_CAPABLE and group.get("fused") is None and not group.get("foreach") \
                 and not group.get("differentiable") and "fused" in member.defaults:

@@ -14,6 +14,7 @@ as `accelerator.clip_grad_norm_(model.parameters())` does under DDP.
 
 from __future__ import annotations
 
+import weakref
 from collections import defaultdict
 from collections.abc import Iterator, MutableMapping
 from typing import Any
@@ -69,12 +70,18 @@ class OptimizerSet(torch.optim.Optimizer):
     def __init__(self, members: list[torch.optim.Optimizer]):
         self.members = list(members)
         self._state = _RoutedState(self)
+        self._found: dict[int, tuple[weakref.ref, torch.optim.Optimizer]] = {}
+        """id(tensor) -> (a weak reference to it, its member): lookups of state by tensor stay O(1)."""
 
     def member_of(self, t: torch.Tensor) -> torch.optim.Optimizer | None:
         """The member whose param groups hold `t` (by identity), or None."""
+        hit = self._found.get(id(t))
+        if hit is not None and hit[0]() is t:
+            return hit[1]
         for m in self.members:
             for g in m.param_groups:
                 if any(p is t for p in g["params"]):
+                    self._found[id(t)] = (weakref.ref(t), m)
                     return m
         return None
 

@@ -80,7 +80,7 @@ from zerofit.engine.offload.gpu_runs import (  # noqa: F401 - ChunkSpan and plan
 )
 from zerofit.engine.offload.nvme import NvmeSwapper
 from zerofit.engine.offload.part import OffloadPart
-from zerofit.engine.optim import folds_grad_scale, step_with_factor
+from zerofit.engine.optim import folds_grad_scale, member_of_group, step_with_factor
 from zerofit.engine.pinned import pinned_empty
 from zerofit.engine.step_mode import StepFactors, StepMode, gather_params
 from zerofit.engine.timing import StepTimes
@@ -389,12 +389,13 @@ class StreamStep(OffloadPart):
     def _optimizer_for(self, index: int, settings: dict) -> torch.optim.Optimizer:
         """The one-tensor optimizer of param group `index`, with this step's `settings` of that group."""
         settings = dict(settings)
-        if self._cuda and settings.get("fused") and type(self.optimizer).__name__ not in _FUSED_ON_CUDA:
+        cls = type(member_of_group(self.optimizer, index))  # several optimizers: the group's own
+        if self._cuda and settings.get("fused") and cls.__name__ not in _FUSED_ON_CUDA:
             settings["fused"] = None  # a CPU-only fused kernel: the default implementation on the device
         opt = self._opts.get(index)
         if opt is None:
             placeholder = torch.zeros(1, device=self.device)
-            opt = type(self.optimizer)([{**settings, "params": [placeholder]}], lr=settings.get("lr", 1e-3))
+            opt = cls([{**settings, "params": [placeholder]}], lr=settings.get("lr", 1e-3))
             self._opts[index] = opt
         opt.param_groups[0].update(settings)
         return opt
