@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -52,16 +53,15 @@ def test_a_trainer_under_zerofit_launch_cpu_sees_the_launchers_world(tmp_path):
     for variant, extra in (("as the docs say", ()), ("with --use_cpu", ("--use_cpu", "true"))):
         out = tmp_path / variant.replace(" ", "_")
         text = _launch(out, *extra)
-        seen = sorted((json.loads(line.split("world: ", 1)[1]) for line in text.splitlines() if "world: " in line),
-                      key=lambda s: s["rank"])
+        # the two processes share one stdout: their lines may run into each other, so find each record
+        seen = sorted((json.loads(m) for m in re.findall(r"world: (\{[^}]*\})", text)), key=lambda s: s["rank"])
         assert [(s["world_size"], s["process_index"], s["device"].split(":")[0]) for s in seen] == \
             [(2, 0, "cpu"), (2, 1, "cpu")], variant
         assert [s["should_save"] for s in seen] == [True, False], variant  # rank 0 alone writes files
         # Trainer's main process alone logs: one line of the global batch, one set of losses
-        totals = [line for line in text.splitlines() if "Total train batch size" in line]
-        assert len(totals) == 1 and totals[0].rstrip().endswith(f"= {PER_DEVICE * ACCUMULATION * 2}"), totals
-        losses = [json.loads(line.replace("'", '"'))["loss"] for line in text.splitlines()
-                  if line.startswith("{'loss'")]
+        totals = re.findall(r"Total train batch size [^=]*= (\d+)", text)
+        assert totals == [str(PER_DEVICE * ACCUMULATION * 2)], totals
+        losses = [json.loads(m.replace("'", '"'))["loss"] for m in re.findall(r"\{'loss'[^}]*\}", text)]
         assert len(losses) == 2, (variant, losses)
         logged[variant] = losses
         results = json.loads((out / "all_results.json").read_text())  # whole: written by one process
