@@ -13,7 +13,7 @@ import os
 
 import pytest
 import torch
-from test_engine_shape_optimizers import BATCH, STEPS, build, data, loss_of
+from test_engine_shape_optimizers import BATCH, STEPS, build, data, loss_of, set_ddp_grads
 
 from zerofit import Accelerator
 from zerofit.config.schema import OffloadConfig, RunConfig, ZeroConfig
@@ -31,15 +31,9 @@ def reference(world: int = 2):
     """Plain PyTorch; each scheduler steps `world` times per optimizer step, as Accelerate's wrapper does."""
     model, opts = build("muon_adamw")
     scheds = _schedules(opts)
-    params = list(model.parameters())
     for x, y in data():
-        parts = [torch.autograd.grad(loss_of(model, xs, ys), params) for xs, ys in zip(x.chunk(world), y.chunk(world))]
-        for i, p in enumerate(params):
-            total = parts[0][i].clone()
-            for part in parts[1:]:
-                total += part[i]
-            p.grad = total / world
-        torch.nn.utils.clip_grad_norm_(params, CLIP)
+        set_ddp_grads(model, x, y, world)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         for o, s in zip(opts, scheds):
             o.step()
             for _ in range(world):

@@ -74,19 +74,25 @@ def loss_of(model, x, y):
     return nn.functional.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1))
 
 
+def set_ddp_grads(model: nn.Module, x: torch.Tensor, y: torch.Tensor, world: int) -> None:
+    """Each parameter's `.grad`: the mean of the gradients of `world` row blocks of the batch, summed in rank
+    order, as DDP (and zerofit) compute it."""
+    params = list(model.parameters())
+    parts = [torch.autograd.grad(loss_of(model, xs, ys), params) for xs, ys in zip(x.chunk(world), y.chunk(world))]
+    for i, p in enumerate(params):
+        total = parts[0][i].clone()
+        for part in parts[1:]:
+            total += part[i]
+        p.grad = total / world
+
+
 def reference(kind: str, world: int = 1) -> dict[str, torch.Tensor]:
     """Plain PyTorch on the whole global batch; with `world`, its gradient is the mean of the `world` row
     blocks' gradients, summed in rank order, as DDP (and zerofit) compute it."""
     model, opt = build(kind)
     opts = opt if isinstance(opt, list) else [opt]
-    params = list(model.parameters())
     for x, y in data():
-        parts = [torch.autograd.grad(loss_of(model, xs, ys), params) for xs, ys in zip(x.chunk(world), y.chunk(world))]
-        for i, p in enumerate(params):
-            total = parts[0][i].clone()
-            for part in parts[1:]:
-                total += part[i]
-            p.grad = total / world
+        set_ddp_grads(model, x, y, world)
         for o in opts:
             o.step()
             o.zero_grad()

@@ -12,8 +12,9 @@ elementwise (Adam, AdamW, SGD with momentum, ...) computes exactly what it would
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -98,17 +99,21 @@ def _by_device(groups: list[FlatGroup]) -> dict[torch.device, list[torch.Tensor]
     return out
 
 
-def sub_optimizer(optimizer: torch.optim.Optimizer, tensors: list[torch.Tensor]):
-    """An optimizer of `optimizer`'s class over a subset of its tensors, sharing its state dict.
+def sub_optimizer(optimizer: torch.optim.Optimizer, tensors: list[torch.Tensor], *,
+                  match: Callable[[torch.Tensor], int] = torch.Tensor.data_ptr):
+    """An optimizer of `optimizer`'s class (a set: of each member's) over a subset of its tensors, found by
+    `match` (their address by default; `id` for tensors that are re-pointed, as whole-parameter stand-ins
+    are), sharing its state dict.
 
     Returns (sub, index): `index[i]` is the script param group that sub group i mirrors; call
     `sync_hyperparams` before each step so schedulers' changes reach it. None when nothing matches.
     """
-    wanted = {t.data_ptr() for t in tensors}
+    wanted = {match(t) for t in tensors}
     if isinstance(optimizer, OptimizerSet):  # a sub-optimizer per member, as one set
         subs, index, base = [], [], 0
         for m in optimizer.members:
-            sub, idx = sub_optimizer(m, [t for g in m.param_groups for t in g["params"] if t.data_ptr() in wanted])
+            sub, idx = sub_optimizer(m, [t for g in m.param_groups for t in g["params"] if match(t) in wanted],
+                                     match=match)
             if sub is not None:
                 subs.append(sub)
                 index.extend(base + i for i in idx)
@@ -116,14 +121,16 @@ def sub_optimizer(optimizer: torch.optim.Optimizer, tensors: list[torch.Tensor])
         return (OptimizerSet(subs), index) if subs else (None, [])
     groups, index = [], []
     for i, pg in enumerate(optimizer.param_groups):
-        mine = [t for t in pg["params"] if t.data_ptr() in wanted]
+        mine = [t for t in pg["params"] if match(t) in wanted]
         if mine:
             groups.append({**{k: v for k, v in pg.items() if k != "params"}, "params": mine})
             index.append(i)
     if not groups:
         return None, []
-    # Every group carries all its settings; the constructor's own defaults only fill what is missing.
-    sub = type(optimizer)(groups, lr=groups[0].get("lr", optimizer.defaults.get("lr")))
+    # Every group carries all its settings; the constructor gets the script's own (transformers' Adafactor
+    # refuses an lr beside its default relative_step=True), so its checks see what the script built.
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    sub = type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted and k != "params"})
     sub.state = optimizer.state  # one state dict: checkpoints and inspection see every piece
     return sub, index
 

@@ -28,14 +28,11 @@ pointed at the full buffers for the step only (`.data`), then back.
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 
 from zerofit.engine.comm import Collectives
 from zerofit.engine.flat_group import FlatGroup
-from zerofit.engine.optim import mark_stepped, sync_hyperparams
-from zerofit.engine.optimizer_set import OptimizerSet
+from zerofit.engine.optim import mark_stepped, sub_optimizer, sync_hyperparams
 from zerofit.engine.step_mode import StepFactors, StepMode, publish
 
 STAND_IN = "_zerofit_whole"
@@ -134,7 +131,7 @@ class WholeStep(ForwardingStep):
                 setattr(stand_in, STAND_IN, g.names[i])
                 optimizer.param_groups[g.layout.groups[i]]["params"].append(stand_in)
                 self.owned.append((g, i, stand_in))
-        self._sub, self._index = _optimizer_over(optimizer, [t for *_, t in self.owned])
+        self._sub, self._index = sub_optimizer(optimizer, [t for *_, t in self.owned], match=id)
 
     def _resting(self, shape: torch.Size) -> torch.Tensor:
         """A tensor of `shape` holding no memory: a stand-in between steps."""
@@ -191,34 +188,3 @@ class WholeStep(ForwardingStep):
             lo, hi = g.layout.shard_range(g.placement.rank)
             g.master.copy_(out[lo:hi])
         del full_grad, full_master, out
-
-
-def _optimizer_over(optimizer: torch.optim.Optimizer, tensors: list[torch.Tensor]):
-    """(sub, index): an optimizer of `optimizer`'s class (a set: of each member's) over `tensors`, matched by
-    identity, sharing its state; `index[i]` is the script param group sub group i mirrors."""
-    if not tensors:
-        return None, []
-    wanted = {id(t) for t in tensors}
-    if isinstance(optimizer, OptimizerSet):
-        subs, index, base = [], [], 0
-        for m in optimizer.members:
-            sub, idx = _optimizer_over(m, [t for g in m.param_groups for t in g["params"] if id(t) in wanted])
-            if sub is not None:
-                subs.append(sub)
-                index.extend(base + i for i in idx)
-            base += len(m.param_groups)
-        return OptimizerSet(subs), index
-    groups, index = [], []
-    for i, pg in enumerate(optimizer.param_groups):
-        mine = [t for t in pg["params"] if id(t) in wanted]
-        if mine:
-            groups.append({**{k: v for k, v in pg.items() if k != "params"}, "params": mine})
-            index.append(i)
-    if not groups:
-        return None, []
-    # The script's constructor settings (Adafactor's relative_step=False, say) rebuild it; each group carries its own.
-    accepted = inspect.signature(type(optimizer).__init__).parameters
-    settings = {k: v for k, v in optimizer.defaults.items() if k in accepted and k != "params"}
-    sub = type(optimizer)(groups, **settings)
-    sub.state = optimizer.state  # one state dict: checkpoints and inspection see every stand-in's state
-    return sub, index
