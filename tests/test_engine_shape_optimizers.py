@@ -14,6 +14,7 @@ resumes to the same weights, at another stage.
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 import torch
@@ -99,9 +100,11 @@ def reference(kind: str, world: int = 1) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-CONFIGS = [  # (stage, offload_optimizer, offload_param); "cpu-device": GPU-stepped, the CPU standing in for the GPU
+# (stage, offload_optimizer, offload_param); "cpu-device": GPU-stepped, the CPU standing in for the GPU; "nvme": the
+# elementwise part's state in files (the per-parameter optimizer's state stays on the device either way)
+CONFIGS = [
     (0, "none", "none"), (1, "none", "none"), (2, "none", "none"), (3, "none", "none"),
-    (2, "cpu", "none"), (3, "cpu", "cpu"), (2, "cpu-device", "none"), (3, "cpu-device", "cpu"),
+    (2, "cpu", "none"), (3, "cpu", "cpu"), (2, "cpu-device", "none"), (3, "cpu-device", "cpu"), (3, "nvme", "cpu"),
 ]
 
 
@@ -109,8 +112,9 @@ def engine_for(kind: str, stage: int, offload: str, offload_param: str):
     model, opt = build(kind)
     optimizer = OptimizerSet(opt) if isinstance(opt, list) else opt
     device, _, step_on = offload.partition("-")
+    nvme_path = tempfile.mkdtemp(prefix="zerofit-nvme-") if device == "nvme" else None
     zero = ZeroConfig(stage=stage, param_persistence_threshold=0,
-                      offload_optimizer=OffloadConfig(device=device, step_on=step_on or "auto"),
+                      offload_optimizer=OffloadConfig(device=device, step_on=step_on or "auto", nvme_path=nvme_path),
                       offload_param=OffloadConfig(device=offload_param))
     return model, ZeroEngine(model, optimizer, zero=zero)
 
