@@ -116,11 +116,3 @@ def test_an_optimizer_left_unstepped_in_a_window_is_refused_by_name(world2):
         assert result["refused"] is not None
         assert "AdamW #1 did not call step()" in result["refused"]
 
-
-def test_two_trained_models_are_refused_at_prepare_naming_why():
-    from zerofit.config.schema import RunConfig
-
-    acc = Accelerator(config=RunConfig())
-    g, d = torch.nn.Linear(3, 3), torch.nn.Linear(3, 1)
-    with pytest.raises(ValueError, match="2 models with optimizers: zerofit trains one model per Accelerator.*GAN"):
-        acc.prepare(g, d, torch.optim.AdamW(g.parameters()), torch.optim.AdamW(d.parameters()))

@@ -130,6 +130,8 @@ class Accelerator(PrepareMixin, PersistenceMixin, ProcessMethods):
         self._batch_waiting = True
         self._prepared = Prepared()
         self._no_sync_depth = 0
+        self._sync_of_backward: bool | None = None
+        """Inside `backward()` with several trained models: whether it closes the window (else None)."""
         self._seed: int | None = None
         self._warned: set[str] = set()
         self.step = 0
@@ -230,12 +232,29 @@ class Accelerator(PrepareMixin, PersistenceMixin, ProcessMethods):
         """Backpropagate `loss`: divided by the accumulation steps, loss-scaled under fp16, reduced per stage.
 
         A script's own `loss.backward()` is trained too, without the division and the loss scale (see
-        [Note: a backward the engine did not start] in zerofit.engine.plain_backward)."""
-        engine = self._prepared.trained_engine()
-        if engine is None:
-            self._backward_begins()
-            (loss / self.gradient_accumulation_steps).backward(**kwargs)
+        [Note: a backward the engine did not start] in zerofit.engine.plain_backward).
+
+        [Note: several trained models]
+        A GAN prepares two models, each with its optimizer: one engine each. A loss may run through both
+        (the generator's loss through the discriminator), so no one engine can bracket its backward. With
+        several trained models `backward()` decides once whether this micro-step closes the window (and
+        agrees on out-of-memory failures once), divides the loss by the accumulation steps and runs autograd
+        itself; each engine the loss reaches notices the backward from its hooks, as it notices a script's
+        own `loss.backward()`, and takes that decision. Each optimizer steps its own model's engine, so the
+        discriminator's gradients from the generator's loss stay until its own `zero_grad()`, as in PyTorch.
+        `clip_grad_norm_` clips the model whose parameters it is given; fp16 loss scaling (one scale per
+        engine) and `save_state` / `load_state` (one trained model per checkpoint) are refused."""
+        trained = self._prepared.trained_engines()
+        if len(trained) != 1:  # none prepared yet, or several: [Note: several trained models]
+            sync = self._backward_begins()
+            self._sync_of_backward = sync
+            try:
+                (loss / self.gradient_accumulation_steps).backward(**kwargs)
+            finally:
+                self._sync_of_backward = None
+            self._backward_ended(sync)
             return
+        engine = trained[0]
         sync = self._backward_begins()
         # Tensor.backward's own arguments; others (DeepSpeed's scale_wrt_gas, which transformers' Trainer
         # passes when distributed_type is DEEPSPEED) have no meaning here.
@@ -249,6 +268,16 @@ class Accelerator(PrepareMixin, PersistenceMixin, ProcessMethods):
             require_micro_batch(self.config)
         self._backoff.before_backward()  # several ranks: agree that no rank ran out of memory in forward
         return self.sync_gradients and self._no_sync_depth == 0
+
+    def _engine_backward_begins(self) -> bool:
+        """An engine noticed a backward it did not start: inside `backward()` with several trained models, the
+        sync that call decided (agreed once, for every engine its loss reaches); else a script's own
+        `loss.backward()`, which begins here."""
+        return self._sync_of_backward if self._sync_of_backward is not None else self._backward_begins()
+
+    def _engine_backward_ended(self, sync: bool) -> None:
+        if self._sync_of_backward is None:  # inside backward(), that call ends it once for every engine
+            self._backward_ended(sync)
 
     def _backward_ended(self, sync: bool) -> None:
         self._backoff.after_backward()
@@ -284,7 +313,7 @@ class Accelerator(PrepareMixin, PersistenceMixin, ProcessMethods):
         if float(norm_type) != 2.0:
             raise ValueError(f"clip_grad_norm_(norm_type={norm_type}) is not supported: zerofit clips the global "
                              "L2 norm; use norm_type=2")
-        engine = self._prepared.trained_engine()
+        engine = self._clipped_engine(parameters)
         if engine is None:
             return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type)
         if not self.sync_gradients:
@@ -293,6 +322,19 @@ class Accelerator(PrepareMixin, PersistenceMixin, ProcessMethods):
                             "`if accelerator.sync_gradients:`")
             return None
         return engine.clip_grad_norm_(max_norm)
+
+    def _clipped_engine(self, parameters: Any):
+        """The trained engine whose model `parameters` belong to (the only one, when one model trains)."""
+        trained = self._prepared.trained_engines()
+        if len(trained) <= 1:
+            return trained[0] if trained else None
+        ids = {id(p) for p in (parameters if not isinstance(parameters, torch.Tensor) else [parameters])}
+        owners = [e for e in trained if any(id(p) in ids for p in e.model.parameters())]
+        if len(owners) != 1:
+            raise ValueError(f"clip_grad_norm_ got parameters of {len(owners)} of the {len(trained)} trained models: "
+                             "with several models (a GAN's), clip each model's own, e.g. "
+                             "accelerator.clip_grad_norm_(discriminator.parameters(), 1.0)")
+        return owners[0]
 
     def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
         raise NotImplementedError("clip_grad_value_ is not supported by zerofit (gradients are sharded): use "

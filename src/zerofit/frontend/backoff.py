@@ -205,7 +205,7 @@ class OomBackoff:
         """The agreement point of a healthy rank (world > 1); raises PeerOutOfMemory if any rank failed.
 
         Skipped where a forward OOM is not recoverable anyway (the failing rank does not wait for it)."""
-        if self.phase == "forward" and self._silent_forward(self.prepared.trained_engine()) and self._agree(False):
+        if self.phase == "forward" and self._silent_forward() and self._agree(False):
             raise PeerOutOfMemory()
         if self.phase != "idle":
             self.phase = "backward"
@@ -231,23 +231,22 @@ class OomBackoff:
             dist.all_reduce(flag)  # host sync on purpose: the answer decides which collectives come next
         return bool(flag.item() > 0)
 
-    def _silent_forward(self, engine: Any) -> bool:
-        """Forward runs no collective (stage 0-2 without optimizer offload, or one rank)."""
-        if self._world() == 1 or engine is None:
-            return True
-        return not engine.forward_communicates
+    def _silent_forward(self) -> bool:
+        """Forward runs no collective (stage 0-2 without optimizer offload, or one rank), in any trained model."""
+        return self._world() == 1 or not any(e.forward_communicates for e in self.prepared.trained_engines())
 
     def _handle(self, error: BaseException) -> None:
         rank = self.process.process_index
-        engine = self.prepared.trained_engine()
+        engines = self.prepared.trained_engines()
+        engine = engines[0] if engines else None  # the advice names the first trained model
         peer = isinstance(error, PeerOutOfMemory)
         phase = self.phase
         if not peer:
             traceback.clear_frames(error.__traceback__)  # the failed forward's locals hold its activations
             where = {"forward": "forward", "backward": "backward", "after-backward": "the optimizer step"}[phase]
-            started = engine is not None and engine.update_started  # host steps began during backward
+            started = any(e.update_started for e in engines)  # host steps began during backward
             recoverable = phase != "after-backward" and not started and (
-                self._world() == 1 or (phase == "forward" and self._silent_forward(engine)))
+                self._world() == 1 or (phase == "forward" and self._silent_forward()))
             if not recoverable:
                 why = self._why("after-backward" if started else phase)
                 raise EngineError(f"rank {rank}: CUDA out of memory in {where}, where zerofit cannot back off "
@@ -259,7 +258,8 @@ class OomBackoff:
             raise EngineError(f"rank {rank}: out of memory, and the batch did not come from a DataLoader prepared "
                               f"by this Accelerator, so zerofit cannot replay it smaller. {self._advice(engine)}"
                               ) from (None if peer else error)
-        discard_partial_step(engine)
+        for e in engines:
+            discard_partial_step(e)
         piece = loader.splitter.piece_size()
         old_accum = self.gradient_state.gradient_accumulation_steps
         if self.backoffs >= self.max_backoffs or piece is None or piece < 2:

@@ -157,7 +157,7 @@ class PersistenceMixin:
         transformers' Trainer owns its `checkpoint-<step>` folders)."""
         from zerofit.checkpoint import ownership, retention, save_state
 
-        engine = self._prepared.any_engine()
+        engine = self._prepared.only_trained_engine("save_state") or self._prepared.any_engine()
         if engine is None:
             raise ValueError("save_state() needs a prepared model: call prepare(model, optimizer, ...) first")
         arrival.check_in(arrival.SAVE_STATE)  # collective from here: every rank must be here too
@@ -221,7 +221,7 @@ class PersistenceMixin:
         from zerofit.checkpoint.commit import resolve
         from zerofit.checkpoint.ranks import Ranks
 
-        engine = self._prepared.any_engine()
+        engine = self._prepared.only_trained_engine("load_state") or self._prepared.any_engine()
         if engine is None:
             raise ValueError("load_state() needs the prepared model: call prepare(model, optimizer, ...) first")
         arrival.check_in(arrival.LOAD_STATE)  # collective from here: every rank must be here too
@@ -251,7 +251,7 @@ class PersistenceMixin:
     def _resume_if_configured(self) -> None:
         """At the end of the first prepare() of the trained model: load the checkpoint `checkpoint.resume`
         asks for (see zerofit.checkpoint.resume), so the script continues where the checkpoint left off. Collective."""
-        if self._resume_checked or self._prepared.trained_engine() is None:
+        if self._resume_checked or not self._prepared.trained_engines():
             return
         self._resume_checked = True
         pc = self.project_configuration

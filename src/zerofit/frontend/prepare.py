@@ -66,12 +66,23 @@ class Prepared:
         """The engine that shards `model`, looked up through a `torch.compile` wrapper; None: not prepared."""
         return self.engines.get(id(compiling.uncompiled(model)))
 
+    def trained_engines(self) -> list[ZeroEngine]:
+        """The engines of the models prepared with an optimizer, in the order they were prepared."""
+        return [e for e in self.engines.values() if e.optimizer is not None]
+
     def trained_engine(self) -> ZeroEngine | None:
-        """The engine of the one model prepared with an optimizer (None before that)."""
-        trained = [e for e in self.engines.values() if e.optimizer is not None]
+        """The engine of the one model prepared with an optimizer; None before that, or where several are
+        (a GAN's generator and discriminator: see [Note: several trained models] in zerofit.frontend.accelerator)."""
+        trained = self.trained_engines()
+        return trained[0] if len(trained) == 1 else None
+
+    def only_trained_engine(self, what: str) -> ZeroEngine | None:
+        """`trained_engine()`, or an error saying that `what` takes one trained model where several are."""
+        trained = self.trained_engines()
         if len(trained) > 1:
-            raise ValueError(f"{len(trained)} models with optimizers are prepared: zerofit trains one model per "
-                             "Accelerator (prepare other models without an optimizer, frozen)")
+            raise ValueError(f"{what} with {len(trained)} models with optimizers is not supported yet: zerofit "
+                             "checkpoints one trained model per Accelerator; save each model's weights with "
+                             "accelerator.get_state_dict(model) or save_model(model, dir) instead")
         return trained[0] if trained else None
 
     def any_engine(self) -> ZeroEngine | None:
@@ -115,13 +126,10 @@ class PrepareMixin:
             self._resolve(optimizer=False, scheduler=False)
         real = {id(o): self._real_optimizer(o) for o in optimizers}
         trained = [m for m in models if any(_holds_params_of(real[id(o)], m) for o in optimizers)]
-        if len(trained) + (self._prepared.trained_engine() is not None) > 1:
-            raise ValueError(
-                f"{len(trained) + (self._prepared.trained_engine() is not None)} models with optimizers: zerofit "
-                "trains one model per Accelerator, with any number of optimizers over its parameters stepped "
-                "together in each window (a GAN's generator and discriminator, stepped after their own losses, "
-                "are not supported yet). Prepare the other models without an optimizer (frozen), or put the "
-                "trained modules in one nn.Module whose optimizers all step every window")
+        if len(trained) + len(self._prepared.trained_engines()) > 1 and self.config.precision.mixed_precision == "fp16":
+            raise ValueError("fp16 loss scaling with several models with optimizers (a GAN's) is not supported: "
+                             "each model's engine keeps a loss scale of its own, and one backward through both "
+                             "cannot honour two; use bf16 (mixed_precision: bf16) or fp32")
         for model in models:
             mine = [real[id(o)] for o in optimizers if _holds_params_of(real[id(o)], model)]
             # [Note: several optimizers over one model] in zerofit.engine.optimizer_set
@@ -232,7 +240,7 @@ class PrepareMixin:
                             gradient_clipping=cfg.gradient_clipping, device=self.device)
         self._prepared.engines[id(model)] = engine  # the wrapper's calls look through it (Prepared.engine_of)
         # A script's own loss.backward() closes the window as accelerator.backward(loss) would there.
-        engine.watch.caller = BackwardCaller(begins=self._backward_begins, ended=self._backward_ended)
+        engine.watch.caller = BackwardCaller(begins=self._engine_backward_begins, ended=self._engine_backward_ended)
         if self.is_main_process and not planned:  # the planner's line already said what runs
             print(describe_engine(engine, num_processes=self.num_processes, backend=self.process.backend,
                                   spell=lambda key: key_name(cfg.source_format, key)), flush=True)
