@@ -108,6 +108,17 @@ def test_a_hostfile_reads_hosts_slots_and_comments_and_names_bad_lines():
         hostfile.launch_values(hostfile.parse("a slots=1\nb slots=2\n", "hf"), "hf")
 
 
+def test_a_hostfile_refuses_a_host_ssh_reads_as_an_option_and_drops_a_byte_order_mark(tmp_path):
+    with pytest.raises(ConfigError, match=r"line 2: host '-oProxyCommand=x' starts with '-', which ssh reads as an "
+                                          r"option: write the machine's name"):
+        hostfile.parse("a slots=1\n-oProxyCommand=x slots=1\n", "hf")
+    path = tmp_path / "hosts"
+    path.write_bytes("worker-1 slots=2\nworker-2 slots=2\n".encode("utf-8-sig"))
+    hosts = hostfile.read(str(path))
+    assert [h.name for h in hosts] == ["worker-1", "worker-2"]
+    assert hostfile.launch_values(hosts, "hf")["launch.main_process_ip"][0] == "worker-1"
+
+
 def test_a_cluster_launch_reads_its_file_once_and_warns_once(tmp_path, capsys, monkeypatch):
     """SLURM's values and a hostfile's settle the config as it is read: no second load repeats its warnings,
     and a --machine_rank 1 that holds only with the hostfile's machine count is no problem."""

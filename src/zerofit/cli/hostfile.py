@@ -44,7 +44,8 @@ def parse(text: str, source: str) -> list[Host]:
     """The hosts of a hostfile: `host [slots=N]` per line, `#` comments and blank lines skipped."""
     hosts: list[Host] = []
     problems = []
-    for lineno, raw in enumerate(text.splitlines(), 1):
+    # Editors on Windows save UTF-8 with a byte-order mark; left in, it would lead machine 0's address.
+    for lineno, raw in enumerate(text.removeprefix("\ufeff").splitlines(), 1):
         fields = raw.split("#", 1)[0].split()
         if not fields:
             continue
@@ -55,6 +56,10 @@ def parse(text: str, source: str) -> list[Host]:
                 slots = int(value)
             else:
                 problems.append(f"{source} line {lineno}: {extra!r} is not slots=N (N > 0): write `host slots=N`")
+        if fields[0].startswith("-"):
+            # ssh reads an argument starting with `-` as one of its options, not as the host to reach.
+            problems.append(f"{source} line {lineno}: host {fields[0]!r} starts with '-', which ssh reads as an "
+                            "option: write the machine's name or address")
         if any(h.name == fields[0] for h in hosts):
             problems.append(f"{source} line {lineno}: host {fields[0]!r} is listed twice: list each machine once")
         hosts.append(Host(fields[0], slots))
