@@ -66,24 +66,25 @@ def test_the_model_saved_after_load_best_model_at_end_is_the_best_checkpoints(tm
             torch.testing.assert_close(final[key], tensor, rtol=0, atol=0, msg=f"{name} {key}")
 
 
-def _train_saving_only_the_model(rank: int, world: int, root: str) -> str:
+def _construct_saving_only_the_model(rank: int, world: int, root: str) -> str:
     import transformers
 
-    from zerofit.errors import CheckpointError
+    from zerofit.errors import ConfigError
     from zerofit.integrations.transformers import Trainer
 
     args = transformers.TrainingArguments(
         output_dir=root, per_device_train_batch_size=4, max_steps=2, eval_strategy="steps", eval_steps=2,
         save_steps=2, save_only_model=True, load_best_model_at_end=True, report_to=[], use_cpu=True,
         disable_tqdm=True)
-    trainer = Trainer(model=tc.tiny_gpt2(), args=args, train_dataset=tc.token_data(), eval_dataset=tc.token_data()[:8])
-    try:
-        trainer.train()
-    except CheckpointError as e:
-        return str(e)
-    return "no error"
+    with pytest.raises(ConfigError, match=r"save_only_model=True\) with load_best_model_at_end=True: .*drop "
+                                          r"--save_only_model, or drop --load_best_model_at_end") as info:
+        Trainer(model=tc.tiny_gpt2(), args=args, train_dataset=tc.token_data(), eval_dataset=tc.token_data()[:8])
+    return str(info.value)
 
 
-def test_save_only_model_with_load_best_model_at_end_is_one_error_naming_the_fix(tmp_path):
-    message = run_distributed(_train_saving_only_the_model, 1, str(tmp_path), timeout=120)[0]
-    assert "checkpoint-2 has no zerofit_state/ folder" in message and "drop --save_only_model" in message, message
+def test_save_only_model_with_load_best_model_at_end_is_refused_before_training(tmp_path):
+    """Refused at `Trainer()`, as transformers does under DeepSpeed and FSDP: found after training, the
+    error would skip the script's final save and lose the run."""
+    message = run_distributed(_construct_saving_only_the_model, 1, str(tmp_path), timeout=120)[0]
+    assert "zerofit_state/" in message, message
+    assert not os.listdir(tmp_path), os.listdir(tmp_path)  # nothing trained, nothing written

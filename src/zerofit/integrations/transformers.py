@@ -169,9 +169,9 @@ class ZerofitTrainerMixin:
         state = os.path.join(best, ZEROFIT_STATE)
         if not os.path.isdir(state):
             raise CheckpointError(
-                f"load_best_model_at_end: the best checkpoint {best} has no {ZEROFIT_STATE}/ folder (save_only_model="
-                "True writes none), and zerofit loads the best weights from it: drop --save_only_model, as "
-                "Trainer asks of DeepSpeed and FSDP runs, or drop --load_best_model_at_end")
+                f"load_best_model_at_end: the best checkpoint {best} has no {ZEROFIT_STATE}/ folder, and zerofit loads "
+                "the best weights from it: resume from or point to a checkpoint zerofit's Trainer wrote, or drop "
+                "--load_best_model_at_end")
         self.accelerator.load_state(state)
 
     def get_resumed_dataloader(self, dataloader: Any, num_batches: int) -> Any:
@@ -245,6 +245,13 @@ def _refuse_other_engines(args: Any) -> None:
     if getattr(args, "fsdp", None):
         problems.append(f"TrainingArguments(fsdp={args.fsdp!r}) hands the run to FSDP: drop --fsdp; zerofit's ZeRO "
                         "stage 3 (zero_optimization.stage: 3 in the launch config) shards parameters as FSDP does")
+    if getattr(args, "save_only_model", False) and getattr(args, "load_best_model_at_end", False):
+        # Found only after training otherwise: the best weights are read back from the best checkpoint's
+        # zerofit_state/, which save_only_model leaves out, so the script's final save would never run.
+        problems.append("TrainingArguments(save_only_model=True) with load_best_model_at_end=True: zerofit loads the "
+                        f"best model from the best checkpoint's {ZEROFIT_STATE}/ folder, which save_only_model does "
+                        "not write (Trainer refuses the pair under DeepSpeed and FSDP too): drop --save_only_model, "
+                        "or drop --load_best_model_at_end")
     if getattr(args, "auto_find_batch_size", False):
         problems.append("TrainingArguments(auto_find_batch_size=True) retries training with a new Accelerator, "
                         "which zerofit's Trainer does not support yet: set --per_device_train_batch_size, or let "
