@@ -280,6 +280,33 @@ def test_a_commit_killed_at_any_step_resumes_from_the_newest_complete_copy(tmp_p
         assert all(float(g.master.flatten()[0]) == expect[step] for g in engine.groups), step
 
 
+
+def test_a_full_disk_while_moving_latest_says_the_checkpoint_is_saved_and_leaves_no_stray_file(
+        tmp_path, engine, monkeypatch):
+    """#40: a full disk while `latest` was written said "committing checkpoint_1 failed" of a checkpoint that
+    was complete and loaded, and left `.latest.tmp-*` behind. The disk fills up only in the test: the
+    temporary `latest` is created and its write fails with ENOSPC."""
+    import errno
+
+    from zerofit.checkpoint import commit
+
+    first = Path(save_state(tmp_path / "checkpoint_0", engine))
+
+    def disk_full(path: Path, data: bytes) -> None:
+        path.write_bytes(b"")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+    monkeypatch.setattr(commit, "write_durable", disk_full)
+    second = tmp_path / "checkpoint_1"
+    with pytest.raises(CheckpointError, match=r"checkpoint_1 is saved and complete .*latest could not be moved to "
+                                              r"it \(No space left on device\): latest still names 'checkpoint_0'"):
+        save_state(second, engine)
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint_0", "checkpoint_1", "latest"]
+    assert (tmp_path / "latest").read_text().strip() == first.name
+    load_state(second, engine)  # what the error says is saved loads
+
+
 # --- rank files that cannot be parsed, on two ranks (#18) ------------------------------------------
 MAX_JSON = 64 << 20  # zerofit.checkpoint.tree.MAX_JSON_BYTES
 RANK_FILE_DAMAGE = {

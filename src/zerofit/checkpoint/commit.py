@@ -10,8 +10,9 @@ the same name removes. A kill between the two renames leaves no `<name>`, but tw
 beside it: loading and resuming put the newer (`.tmp-`, the save being committed) back in its place
 (`recover`). After the commit, the parent's `latest` file is replaced atomically (write a temporary
 file, fsync, `os.replace`): it always names a complete checkpoint; a kill before the replace leaves the
-temporary `.latest.tmp-<token>`, which the next save removes. tests/test_checkpoint_commit_kill.py
-SIGKILLs a save at each of these steps.
+temporary `.latest.tmp-<token>`, which the next save removes, and an error there (a full disk) removes it
+at once and says that the checkpoint itself is saved while `latest` names the previous one.
+tests/test_checkpoint_commit_kill.py SIGKILLs a save at each of these steps.
 
 [Note: atomic removal]
 Deleting a checkpoint (`remove`, what `checkpoint.total_limit` does to old ones) first renames it to
@@ -166,10 +167,24 @@ def commit(tmp: Path, final: Path, token: str) -> None:
 
 
 def point_latest(final: Path, token: str) -> None:
-    """Make `<parent>/latest` name `final` (atomic replace)."""
+    """Make `<parent>/latest` name `final` (atomic replace). On failure `latest` is as it was and the
+    temporary file is gone; the CheckpointError says that `final` itself is saved (it is committed by now)."""
     tmp = final.parent / f".{LATEST}.tmp-{token}"
-    write_durable(tmp, f"{final.name}\n".encode())
-    os.replace(tmp, final.parent / LATEST)
+    try:
+        before = read_latest(final.parent)
+    except CheckpointError:  # check_replaceable refused such a file before the save began
+        before = None
+    try:
+        write_durable(tmp, f"{final.name}\n".encode())
+        os.replace(tmp, final.parent / LATEST)
+    except Exception as e:
+        tmp.unlink(missing_ok=True)  # a full disk still lets a file go; the next save would remove it otherwise
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        left = (f"{LATEST} still names {before!r}, so resuming from {final.parent} loads that one" if before
+                else f"there is no {LATEST} file beside it")
+        raise CheckpointError(f"{final} is saved and complete (it loads when passed by its own path), but "
+                              f"{final.parent / LATEST} could not be moved to it ({reason}): {left}. Free space "
+                              f"there and save again, or pass {final} to load_state") from e
     _fsync_dir(final.parent)
 
 

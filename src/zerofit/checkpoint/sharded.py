@@ -211,10 +211,14 @@ def _seal(tmp: Path, final: Path, token: str, ranks: Ranks, update_latest: bool,
         try:
             write_manifest(tmp, {k: v for _, d in parts for k, v in d.items()}, run)
             files.commit(tmp, final, token)
-            if update_latest:
-                files.point_latest(final, token)
         except Exception as e:
             error = f"committing {final} failed: {e}"
+        else:
+            if update_latest:
+                try:
+                    files.point_latest(final, token)
+                except CheckpointError as e:  # `final` is committed: the error says what is saved and what not
+                    error = str(e)
     ranks.agree(error)
 
 
