@@ -49,6 +49,36 @@ def test_dry_run_reads_a_deepspeed_config_and_flags_override_it(capsys, tmp_path
     assert resolved["batch"]["oom_backoff"] is True  # on unless asked otherwise
 
 
+def test_dry_run_checks_the_trackers_and_the_nvme_directory_in_the_files_own_spelling(capsys, tmp_path):
+    """#40: a misspelt tracker and an NVMe directory that does not exist passed --dry_run and failed in every
+    worker after the model and data loaded, the directory named in DeepSpeed's words for a zerofit YAML."""
+    missing = tmp_path / "no_such_dir"
+    files = {
+        "zerofit.yaml": (yaml.safe_dump({"zero": {"stage": 3, "offload_optimizer": {
+            "device": "nvme", "nvme_path": str(missing)}}, "logging": {"log_with": ["tensorbord"]}}),
+            "zero.offload_optimizer.nvme_path", "logging.log_with"),
+        "ds.json": (json.dumps({"zero_optimization": {"stage": 3, "offload_optimizer": {
+            "device": "nvme", "nvme_path": str(missing)}}}), "zero_optimization.offload_optimizer.nvme_path", None),
+        "accelerate.yaml": (yaml.safe_dump({"distributed_type": "DEEPSPEED", "deepspeed_config": {
+            "zero_stage": 3, "offload_optimizer_device": "nvme", "offload_optimizer_nvme_path": str(missing)}}),
+            "deepspeed_config.offload_optimizer_nvme_path", None),
+    }
+    for name, (text, nvme_key, trackers_key) in files.items():
+        (tmp_path / name).write_text(text)
+        assert main(["launch", "--dry_run", "--cpu", "--config_file", str(tmp_path / name), str(CHECK)]) == 2, name
+        err = capsys.readouterr().err
+        assert f"{nvme_key} '{missing}' does not exist (this machine): create the directory or point {nvme_key}" \
+            in err, (name, err)
+        assert "zero_optimization" not in err or name == "ds.json", err
+        if trackers_key:
+            assert re.search(rf"{trackers_key}: 'tensorbord' is not a tracker zerofit has; did you mean "
+                             r"'tensorboard'\? choose from jsonl, tensorboard", err), err
+    missing.mkdir()  # the directory exists and the tracker is spelt right: the launch plan prints
+    (tmp_path / "good.yaml").write_text(files["zerofit.yaml"][0].replace("tensorbord", "jsonl"))
+    assert main(["launch", "--dry_run", "--cpu", "--config_file", str(tmp_path / "good.yaml"), str(CHECK)]) == 0
+    assert "nvme_path: " in capsys.readouterr().out and sorted(missing.iterdir()) == []  # the probe is gone
+
+
 def test_the_oom_backoff_flag_reaches_a_deepspeed_run(capsys, tmp_path):
     ds = tmp_path / "ds.json"
     ds.write_text(json.dumps({"zero_optimization": {"stage": 2}, "bf16": {"enabled": True}}))
@@ -267,6 +297,35 @@ def test_the_failure_summary_names_the_first_rank_and_how_the_others_ended():
         "  then rank 2 (exit code 2): exited with code 2 without an exception (the script called sys.exit, or "
         "rejected its arguments): see its output above"]
     assert "x" * 401 not in summary("t.py", {0: failure(1, "E: " + "x" * 5000)}, first_rank=0)
+
+
+def test_the_rank_named_first_is_the_one_whose_error_is_its_own_not_a_peer_that_saw_it_leave():
+    """#40: torchelastic orders failures by whole-second timestamps, so rank 0's "another rank left the run"
+    (or, at a checked place, "rank 1 has left the script") was named first when rank 1 raised in the same
+    second."""
+    from types import SimpleNamespace
+
+    from zerofit.cli.failure_report import first_failure, summary
+
+    def failure(message=None, timestamp=1000, exitcode=1):
+        data = {"message": {"message": message}} if message else {}
+        return SimpleNamespace(exitcode=exitcode, error_file_data=data, message="", local_rank=0, timestamp=timestamp,
+                               signal_name=lambda: "SIGKILL")
+
+    left = failure("CollectiveError: rank 0: collective grad_norm failed because another rank left the run (it "
+                   "crashed, was killed, ...)")
+    own = failure("ValueError: bad batch")
+    assert first_failure({0: left, 1: own}) == 1
+    assert first_failure({0: left, 1: failure("ValueError: bad batch", timestamp=1001)}) == 1
+    assert first_failure({0: left, 1: failure(exitcode=-9)}) == 1  # killed without a record: its own end
+    assert first_failure({0: failure(exitcode=-9), 1: own}) == 1  # a recorded error says more
+    assert first_failure({0: own, 1: failure("OSError: disk", timestamp=999)}) == 1  # else the earliest
+    assert first_failure({0: left, 1: left}) == 0
+    apart = failure("RanksApartError: rank 0 is in accelerator.wait_for_everyone(), while rank 1 has left the script "
+                    "(its process is exiting): each waits for the other, ...")
+    assert first_failure({0: apart, 1: own}) == 1
+    assert summary("train.py", {0: left, 1: own}, first_failure({0: left, 1: own})).startswith(
+        "zerofit launch: train.py failed: rank 1 first (local rank 0, exit code 1): ValueError: bad batch")
 
 
 def test_a_sigsegv_under_zero3_names_reading_a_weight_outside_forward_and_the_fix():

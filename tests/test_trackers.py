@@ -84,7 +84,7 @@ def test_log_with_names_lists_all_and_objects():
 
 def test_unknown_names_and_objects_missing_a_method_are_errors_at_construction():
     with pytest.raises(ConfigError, match=r"Accelerator\(log_with=...\): 'wandbb' is not a tracker zerofit has; "
-                                          r"choose from jsonl, tensorboard, wandb, mlflow"):
+                                          r"did you mean 'wandb'\? choose from jsonl, tensorboard, wandb, mlflow"):
         Accelerator(config=RunConfig(), log_with=["wandbb"])
     with pytest.raises(ConfigError, match=r"logging.log_with: 'csv' is not a tracker"):
         Accelerator(config=config_from_dict({"logging": {"log_with": ["csv"]}}))

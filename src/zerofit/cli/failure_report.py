@@ -4,7 +4,8 @@ Each failing worker prints its own traceback as it dies, from the user's first f
 prefixed `[rankN]:` (zerofit.cli.worker). torchelastic's own summary would
 print every recorded traceback again - the first failure twice - so the launcher prints this
 instead: which rank failed first and with what error, and how each other rank ended (often a
-`CollectiveError` that names the collective it was waiting in when the first rank left).
+`CollectiveError` that names the collective it was waiting in when the first rank left). "First" is the
+rank whose error is its own (`first_failure`), never one that failed because that rank left.
 
 Stopping the workers, torchrun's agent also logs a line for the signal it got and one per worker it
 signals; the launcher's summary (`stopped by SIGINT`, or the failure summary) says that already, so
@@ -26,7 +27,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from zerofit.cli import flight_recorder
-from zerofit.distributed.failures import TIMEOUT_FLAG, TIMEOUT_KEY
+from zerofit.distributed.arrival import EXITED
+from zerofit.distributed.failures import PEER_LEFT, TIMEOUT_FLAG, TIMEOUT_KEY
 
 TORCHRUN_STOP_LINES = {
     "torch.distributed.elastic.agent.server.api": "Received %s death signal, shutting down workers",
@@ -80,6 +82,31 @@ def _error_line(failure: Any) -> str:
         text = lines[-1].strip() if lines else ""
     text = " ".join(text.split())
     return text[:_MAX_LINE] + (" ..." if len(text) > _MAX_LINE else "") if text else f"exit code {failure.exitcode}"
+
+
+PEER_GONE = (PEER_LEFT, EXITED.doing)
+"""Words of errors raised because another rank had already ended: a collective whose peer left
+(zerofit.distributed.failures), a checked place where another rank "has left the script"
+(zerofit.distributed.arrival). A rank's own exit never raises the second: its error is what made it exit."""
+
+
+def _peer_left(failure: Any) -> bool:
+    """The rank's recorded error is a consequence of another rank's end, not an error of its own."""
+    text = str(failure.error_file_data["message"].get("message") or "") if _recorded(failure) else ""
+    return any(words in text for words in PEER_GONE)
+
+
+def first_failure(failures: dict[int, Any]) -> int:
+    """The rank the summary names first: one whose recorded error is its own, then one that left without a
+    record (a signal, sys.exit: nothing says it followed a peer), then one whose collective failed because
+    another rank left the run; the earliest within each. torchelastic's own choice (`get_first_failure`)
+    goes by the error files' timestamps, whole seconds, so a rank that failed because of its peer's error
+    in the same second often came first."""
+    def order(rank: int) -> tuple[int, float, int]:
+        failure = failures[rank]
+        kind = 2 if _peer_left(failure) else 0 if _recorded(failure) else 1
+        return kind, getattr(failure, "timestamp", 0), rank
+    return min(failures, key=order)
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from zerofit.cli import failure_report, flight_recorder, hostfile, rendezvous, slurm
+from zerofit.cli import failure_report, flight_recorder, hostfile, preflight, rendezvous, slurm
 from zerofit.cli.cluster import MachineSettings
 from zerofit.cli.flags import add_flag
 from zerofit.config import load_config, save_config, validate_config
@@ -462,7 +462,8 @@ def execute(plan: LaunchPlan) -> int:
             except ChildFailedError as e:
                 # Each rank printed its traceback as it failed; one summary names them (zerofit.cli.failure_report).
                 name = " ".join(plan.target[:2] if plan.target[0] == "-m" else plan.target[:1])
-                first_rank, first = e.get_first_failure()
+                first_rank = failure_report.first_failure(e.failures)
+                first = e.failures[first_rank]
                 print(failure_report.summary(name, e.failures, first_rank, nccl), file=sys.stderr, flush=True)
                 for hint in (failure_report.engine_argument_hint(plan.target),
                              failure_report.segfault_hint(e.failures, plan.config.zero.stage)):
@@ -542,6 +543,7 @@ def run(args: argparse.Namespace) -> int:
 
     plan = plan_launch(config, target, gpu_count=torch.cuda.device_count())
     check_target(target)
+    preflight.check(plan.config)  # what every worker would refuse after loading the model and data
     if args.dry_run:
         sys.stdout.write(describe(plan, origin))
         return 0

@@ -27,6 +27,9 @@ from zerofit.distributed import arrival, process_group
 from zerofit.errors import CollectiveError
 
 TIMEOUT_KEY = "launch.process_group_timeout"
+PEER_LEFT = "because another rank left the run"
+"""Words of every error raised because a peer had already failed: the launcher's summary reads them so as to
+name the rank whose error is its own first (zerofit.cli.failure_report.first_failure)."""
 TIMEOUT_FLAG = "--process_group_timeout"
 
 
@@ -45,7 +48,7 @@ def describe(label: str, rank: int, error: BaseException) -> str:
                 f"Check the other ranks' logs (under NCCL a rank stuck this way is aborted by the watchdog, "
                 f"SIGABRT, and the launcher's summary says where it was); if the step is only slow, raise "
                 f"{TIMEOUT_KEY} ({TIMEOUT_FLAG} SECONDS). [{_first_line(text)}]")
-    return (f"rank {rank}: collective {label} failed because another rank left the run (it crashed, was "
+    return (f"rank {rank}: collective {label} failed {PEER_LEFT} (it crashed, was "
             f"killed, or finished early, e.g. it ran out of batches of a DataLoader not passed to prepare()): "
             f"check the other ranks' logs. [{_first_line(text)}]")
 

@@ -22,6 +22,7 @@ import sys
 import time
 from typing import Any
 
+from zerofit.config.reading import did_you_mean
 from zerofit.errors import ConfigError
 from zerofit.frontend.tracker_base import GeneralTracker, missing_attributes, numbers
 from zerofit.frontend.tracker_services import CLASSES, SERVICES, Service
@@ -134,7 +135,9 @@ def requested(log_with: Any, where: str = "log_with") -> list[str | Any]:
             elif name in BUILDERS:
                 chosen.append(name)
             else:
-                problems.append(f"{where}: {text!r} is not a tracker zerofit has; choose from "
+                guess = did_you_mean(name, (*NAMES, "all"))
+                hint = f"did you mean {guess!r}? " if guess else ""
+                problems.append(f"{where}: {text!r} is not a tracker zerofit has; {hint}choose from "
                                 f"{', '.join(NAMES)} or 'all', or pass a tracker object")
         elif missing := missing_attributes(item):
             problems.append(f"{where}: {item!r} is not a tracker object: it has no {', '.join(missing)} "

@@ -91,15 +91,17 @@ def planned_bytes(groups: list[FlatGroup], state_tensors: int) -> int:
     return sum(g.layout.shard_numel * 4 * (1 + state_tensors) for g in groups)
 
 
-def preflight_error(path: str | None, need_bytes: int, rank: int) -> str | None:
-    """Why `path` cannot hold `need_bytes` of swap files for `rank` (None: it can)."""
-    where = f"{_KEY}.nvme_path"
+def preflight_error(path: str | None, need_bytes: int, rank: int, *, key: str = f"{_KEY}.nvme_path",
+                    who: str | None = None) -> str | None:
+    """Why `path` cannot hold `need_bytes` of swap files for `rank` (None: it can). `key` is the setting as the
+    user's file spells it, `who` the one that checks (default: the rank)."""
+    where, who = key, who or f"rank {rank}"
     if not path:
         return f"{_KEY}.device is 'nvme' but {where} is not set: set it to a directory on a fast local disk"
     if not os.path.exists(path):
-        return f"{where} '{path}' does not exist (rank {rank}): create the directory or point {where} at one"
+        return f"{where} '{path}' does not exist ({who}): create the directory or point {where} at one"
     if not os.path.isdir(path):
-        return f"{where} '{path}' is not a directory (rank {rank}): point {where} at a directory"
+        return f"{where} '{path}' is not a directory ({who}): point {where} at a directory"
     probe = os.path.join(path, f".zerofit-probe-{rank}-{os.getpid()}")
     try:  # os.access is not enough: root, read-only mounts and ACLs all disagree with mode bits
         fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -110,12 +112,12 @@ def preflight_error(path: str | None, need_bytes: int, rank: int) -> str | None:
             os.close(fd)
         os.unlink(probe)
     except OSError as e:
-        return (f"{where} '{path}' is not writable by rank {rank} ({e.strerror or e}): make it writable "
+        return (f"{where} '{path}' is not writable by {who} ({e.strerror or e}): make it writable "
                 f"(chmod/chown) or point {where} at a writable directory")
     free = shutil.disk_usage(path).free
     want = need_bytes + max(_MARGIN_BYTES, int(need_bytes * _MARGIN_FRACTION))
     if free < want:
-        return (f"{where} '{path}' has {free / 2**30:.2f} GiB free but rank {rank} needs {want / 2**30:.2f} GiB "
+        return (f"{where} '{path}' has {free / 2**30:.2f} GiB free but {who} needs {want / 2**30:.2f} GiB "
                 f"({need_bytes} bytes of optimizer state and master weights plus margin): free space there, "
                 f"point {where} at a larger disk, or lower offload_optimizer.ratio")
     return None
