@@ -175,6 +175,26 @@ def test_config_offers_no_nvme_for_parameters(extra, tmp_path, capsys):
     assert "--offload_param {none,cpu}" in capsys.readouterr().out
 
 
+def test_config_stage_auto_writes_a_planned_config_and_dash_writes_to_stdout(tmp_path, capsys):
+    """`stage: auto` is the README's headline: `--stage auto` writes it (offload left to the planner unless
+    given), and `-o -` prints the file instead of writing one named `-`."""
+    assert main(["config", "--stage", "auto", "--mixed_precision", "bf16", "-o", "-"]) == 0
+    out = capsys.readouterr()
+    assert yaml.safe_load(out.out) == {"zero": {"stage": "auto"}, "precision": {"mixed_precision": "bf16"}}
+    assert "wrote zerofit config to stdout" in out.err and not (tmp_path / "-").exists()
+    path = tmp_path / "auto.yaml"
+    path.write_text(out.out)
+    cfg = load_config(path)
+    assert cfg.zero.stage == AUTO and cfg.zero.offload_optimizer.device == AUTO
+    assert main(["config", "--stage", "auto", "--offload_param", "none", "-o", str(path)]) == 0
+    assert load_config(path).zero.offload_param.device == "none"
+    assert main(["config", "--stage", "auto", "--format", "deepspeed", "-o", "-"]) == 2
+    assert "--stage auto is planned by zerofit at launch" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["config", "--stage", "4", "-o", "-"])
+    assert "invalid choice: 4 (choose from 0, 1, 2, 3, 'auto')" in capsys.readouterr().err
+
+
 def test_demo_is_a_two_process_cpu_launch_of_the_demo_module(monkeypatch):
     seen = {}
 
