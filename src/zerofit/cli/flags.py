@@ -12,6 +12,7 @@ freezes the canonical names and aliases of every subcommand.
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import sys
 from typing import Any
@@ -40,6 +41,27 @@ class _DeprecatedAlias(argparse.Action):
         if os.environ.get("RANK", "0") == "0":
             print(f"zerofit: warning: {option_string} is deprecated: use {self.new_name}", file=sys.stderr)
         self.canonical(parser, namespace, values, self.new_name)
+
+
+def as_typed(name: str, argv: list[str]) -> str:
+    """The spelling of option `name` the user typed in `argv` (`--num-processes` for `--num_processes`), so an
+    error about its value quotes the command line; `name` itself when neither twin is there."""
+    for arg in argv:
+        given = arg.split("=", 1)[0]
+        if given in twins(name):
+            return given
+    return name
+
+
+def did_you_mean(unknown: list[str], parser: argparse.ArgumentParser) -> str:
+    """`unrecognized arguments: ...` plus the nearest option `parser` has for each mistyped one."""
+    known = [s for a in parser._actions for s in a.option_strings if s.startswith("--")]
+    hints = []
+    for arg in unknown:
+        close = difflib.get_close_matches(arg.split("=", 1)[0], known, n=1) if arg.startswith("--") else []
+        if close:
+            hints.append(f"{arg.split('=', 1)[0]}: did you mean {close[0]}?")
+    return f"unrecognized arguments: {' '.join(unknown)}" + (f" ({'; '.join(hints)})" if hints else "")
 
 
 def add_flag(parser: argparse.ArgumentParser, *names: str, aliases: tuple[str, ...] = (),

@@ -42,7 +42,7 @@ from typing import Any
 
 from zerofit.cli import failure_report, flight_recorder, hostfile, rendezvous, slurm
 from zerofit.cli.cluster import MachineSettings
-from zerofit.cli.flags import add_flag
+from zerofit.cli.flags import add_flag, as_typed
 from zerofit.config import load_config, save_config, validate_config
 from zerofit.config.schema import RunConfig
 from zerofit.distributed.runtime import CONFIG_FILE_ENV, RUN_ID_ENV, backend_for
@@ -124,6 +124,28 @@ def add_target_arguments(p: argparse.ArgumentParser) -> None:
     add_flag(p, "-m", "--module", action="store_true", help="TARGET is a module, run as with `python -m`")
     p.add_argument("target", metavar="TARGET", help="the training script (or module, with -m)")
     p.add_argument("target_args", nargs=argparse.REMAINDER, metavar="...", help="arguments for the script")
+
+
+def check_flag_values(args: argparse.Namespace) -> None:
+    """Numbers given as flags, checked against the config's own bounds before the config is read, so the
+    error quotes the flag as typed (`--num_processes 0`) rather than the config key it sets."""
+    from zerofit.config.validate import MAXIMUMS, MINIMUMS
+
+    problems = []
+    argv = list(getattr(args, "argv", None) or [])
+    for flag, key in FLAG_TO_KEY.items():
+        value = getattr(args, flag)
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            continue
+        least, most = MINIMUMS.get(key), MAXIMUMS.get(key)
+        typed = as_typed(f"--{flag}", argv)
+        if least is not None and value < least:
+            problems.append(f"{typed} {value}: must be at least {least} (it sets {key}): pass {least} or more")
+        elif most is not None and value > most:
+            problems.append(f"{typed} {value}: more than the {most} zerofit accepts (it sets {key}): pass a "
+                            "smaller value")
+    if problems:
+        raise ConfigError(problems)
 
 
 def overrides_from_args(args: argparse.Namespace) -> dict[str, object]:
@@ -525,6 +547,7 @@ def launch_argv(args: argparse.Namespace, config_file: str | os.PathLike[str] | 
 
 def run(args: argparse.Namespace) -> int:
     target = ("-m", args.target, *args.target_args) if args.module else (args.target, *args.target_args)
+    check_flag_values(args)
     config_file, origin = config_file_of(args)
     flags = overrides_from_args(args)
     if args.hostfile_print and args.dry_run:
