@@ -42,9 +42,8 @@ from typing import Any
 
 from zerofit.cli import failure_report, flight_recorder, hostfile, rendezvous, slurm
 from zerofit.cli.cluster import MachineSettings
-from zerofit.cli.flags import add_flag, as_typed
+from zerofit.cli.flags import add_flag, flag_value_problems, flags_named
 from zerofit.config import load_config, save_config, validate_config
-from zerofit.config.naming import key_name
 from zerofit.config.schema import RunConfig
 from zerofit.distributed.runtime import CONFIG_FILE_ENV, RUN_ID_ENV, backend_for
 from zerofit.errors import ConfigError
@@ -125,47 +124,6 @@ def add_target_arguments(p: argparse.ArgumentParser) -> None:
     add_flag(p, "-m", "--module", action="store_true", help="TARGET is a module, run as with `python -m`")
     p.add_argument("target", metavar="TARGET", help="the training script (or module, with -m)")
     p.add_argument("target_args", nargs=argparse.REMAINDER, metavar="...", help="arguments for the script")
-
-
-def flag_value_problems(args: argparse.Namespace) -> dict[str, str]:
-    """config key -> the problem with the number a flag gave it, checked against the config's own bounds so
-    the error quotes the flag as typed (`--num_processes 0`) rather than the config key it sets."""
-    from zerofit.config.validate import MAXIMUMS, MINIMUMS
-
-    problems = {}
-    argv = list(getattr(args, "argv", None) or [])
-    for flag, key in FLAG_TO_KEY.items():
-        value = getattr(args, flag)
-        if not isinstance(value, (int, float)) or isinstance(value, bool):
-            continue
-        least, most = MINIMUMS.get(key), MAXIMUMS.get(key)
-        typed = as_typed(f"--{flag}", argv)
-        if least is not None and value < least:
-            problems[key] = f"{typed} {value}: must be at least {least} (it sets {key}): pass {least} or more"
-        elif most is not None and value > most:
-            problems[key] = (f"{typed} {value}: more than the {most} zerofit accepts (it sets {key}): pass a "
-                             "smaller value")
-    return problems
-
-
-@contextlib.contextmanager
-def flags_named(problems: dict[str, str]) -> Iterator[None]:
-    """Inside, a ConfigError's problem about a key a flag set out of bounds is told as `problems` tells it
-    (the flag as typed), the other problems as they are, all in one error."""
-    try:
-        yield
-    except ConfigError as e:
-        if not problems:
-            raise
-        names = {k: {k, *(key_name(f, k) for f in ("deepspeed", "accelerate", "accelerate+deepspeed"))}
-                 for k in problems}
-        # the bounds' own wording (zerofit.config.validate `_minimums`, `_finite_and_bounded`), not the
-        # cross-field rules, which name the same key followed by its value in parentheses
-        said = tuple(f"{n} {verb} " for k in problems for n in names[k] for verb in ("must be", "is"))
-        rest = [p for p in e.problems if not p.startswith(said)]
-        raise ConfigError([*problems.values(), *rest]) from None
-    if problems:
-        raise ConfigError(list(problems.values()))
 
 
 def overrides_from_args(args: argparse.Namespace) -> dict[str, object]:
@@ -572,7 +530,7 @@ def run(args: argparse.Namespace) -> int:
     if args.hostfile_print and args.dry_run:
         raise ConfigError("--hostfile_print and --dry_run both print instead of running: pass one of them")
     machines = MachineSettings(flags, slurm.launch_values(os.environ) if "launch.hostfile" not in flags else None)
-    with flags_named(flag_value_problems(args)):
+    with flags_named(flag_value_problems(args, FLAG_TO_KEY)):
         config = load_config(config_file, overrides=flags, settle=machines)
     hosts = machines.hosts
     if args.hostfile_print and not hosts:
