@@ -277,3 +277,21 @@ def test_mfu_is_the_progress_lines_formula_against_the_probed_rate():
     per_gpu = 8 * 128 / 0.5
     assert x["equal_tokens_per_s"] == 2 * per_gpu and x["equal_mfu"] == pytest.approx(mfu(6e9, per_gpu, 400.0))
     assert report.derive(row, table, world=2)["equal_mfu"] is None  # no rate (CPU, never probed): no MFU
+
+
+def test_bench_speaks_of_what_a_user_measures(capsys):
+    """No internal words ("the seed's tables", "seed, 2 x 24 GB", a bounds dict) in what `zerofit bench` prints."""
+    from zerofit.bench.run import searched_said
+    from zerofit.bench.workloads import WORKLOADS
+    from zerofit.cli.main import main
+
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    shown = capsys.readouterr().out
+    assert "largest batch and epoch time" in shown and "seed" not in shown
+    assert all("seed" not in w.seed_result.replace("seeded", "") for w in WORKLOADS.values())
+    assert report.published("seed, 2 x 24 GB: DDP largest batch 8") == (
+        "the Accelerate + DeepSpeed ZeRO blog measured, on 2 x 24 GB Titan RTX: DDP largest batch 8")
+    assert searched_said({"train": [16, None], "eval": [0, None]}) == "train batch 16 fits; eval batch not tried yet"
+    assert searched_said({"train": [16, 32]}) == "train batch 16 fits, 32 runs out of memory"
+    assert searched_said({"train": [0, 1]}) == "train batch 1 runs out of memory"

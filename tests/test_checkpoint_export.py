@@ -134,3 +134,25 @@ def test_bad_max_shard_size_is_refused():
     assert parse_size("5GB") == 5 * 10**9 and parse_size("2MiB") == 2 * 2**20 and parse_size(123) == 123
     with pytest.raises(CheckpointError, match=r"max_shard_size='5 gigs' is not a size"):
         parse_size("5 gigs")
+
+
+def gather_everywhere(rank, world):
+    """The export's gather to every rank (a stage 1-2 master split over the ranks, an adapter at stage 3)."""
+    import warnings
+
+    from zerofit.checkpoint.consolidate import _gather_to_host
+    from zerofit.checkpoint.ranks import Ranks
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        full = _gather_to_host(torch.full((3,), float(rank)), Ranks(None), torch.device("cpu"), everywhere=True,
+                               label="test")
+    return full, [f"{w.category.__name__}: {w.message}" for w in caught]
+
+
+def test_the_export_gathers_without_torchs_deprecation_warning():
+    """consolidate.py called dist.all_gather_into_tensor itself, which newer torch marks deprecated (a
+    FutureWarning on every save); it goes through the engine's shim, torch's newer name where there is one."""
+    for full, caught in run_distributed(gather_everywhere, 2):
+        assert torch.equal(full, torch.tensor([0.0, 0, 0, 1, 1, 1]))
+        assert not [w for w in caught if "deprecated" in w], caught

@@ -205,6 +205,26 @@ def test_config_offers_no_nvme_for_parameters(extra, tmp_path, capsys):
     assert "--offload_param {none,cpu}" in capsys.readouterr().out
 
 
+def test_config_stage_auto_writes_a_planned_config_and_dash_writes_to_stdout(tmp_path, capsys):
+    """`stage: auto` is the README's headline: `--stage auto` writes it (offload left to the planner unless
+    given), and `-o -` prints the file instead of writing one named `-`."""
+    assert main(["config", "--stage", "auto", "--mixed_precision", "bf16", "-o", "-"]) == 0
+    out = capsys.readouterr()
+    assert yaml.safe_load(out.out) == {"zero": {"stage": "auto"}, "precision": {"mixed_precision": "bf16"}}
+    assert "wrote zerofit config to stdout" in out.err and not (tmp_path / "-").exists()
+    path = tmp_path / "auto.yaml"
+    path.write_text(out.out)
+    cfg = load_config(path)
+    assert cfg.zero.stage == AUTO and cfg.zero.offload_optimizer.device == AUTO
+    assert main(["config", "--stage", "auto", "--offload_param", "none", "-o", str(path)]) == 0
+    assert load_config(path).zero.offload_param.device == "none"
+    assert main(["config", "--stage", "auto", "--format", "deepspeed", "-o", "-"]) == 2
+    assert "--stage auto is planned by zerofit at launch" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["config", "--stage", "4", "-o", "-"])
+    assert "invalid choice: 4 (choose from 0, 1, 2, 3, 'auto')" in capsys.readouterr().err
+
+
 def test_demo_is_a_two_process_cpu_launch_of_the_demo_module(monkeypatch):
     seen = {}
 
@@ -337,3 +357,46 @@ def test_a_sigsegv_under_zero3_names_reading_a_weight_outside_forward_and_the_fi
     assert "gathered_parameters" in segfault_hint({0: term, 1: segv}, 3)
     assert "gathered_parameters" in segfault_hint({0: segv}, "auto")  # the planner may choose stage 3
     assert segfault_hint({0: segv}, 2) is None and segfault_hint({0: term}, 3) is None
+
+
+@pytest.mark.parametrize(("argv", "said"), [
+    (["--num_processes", "0"], "--num_processes 0: must be at least 1 (it sets launch.num_processes)"),
+    (["--num-processes=0"], "--num-processes 0: must be at least 1"),
+    (["--main_process_port", "70000"], "--main_process_port 70000: more than the 65535 zerofit accepts"),
+])
+def test_a_launch_flags_bad_value_is_named_as_typed(capsys, argv, said):
+    assert main(["launch", *argv, "--dry_run", "train.py"]) == 2
+    err = capsys.readouterr().err
+    assert said in err and "  - launch.num_processes" not in err
+
+
+@pytest.mark.parametrize(("argv", "guess"), [
+    (["launch", "--num_procesess", "2", "--dry_run", "train.py"], "--num_procesess: did you mean --num_processes?"),
+    (["estimate", "--model", "m", "--gpu_memroy_gib", "8"], "--gpu_memroy_gib: did you mean --gpu_memory_gib?"),
+])
+def test_a_mistyped_flag_gets_a_did_you_mean(capsys, argv, guess):
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2 and guess in capsys.readouterr().err
+
+
+def test_torchruns_failure_line_is_left_to_zerofits_summary(caplog):
+    """torchelastic logs `failed (exitcode: 1) local_rank: ...` before the launcher's summary, which says it."""
+    import logging
+
+    from zerofit.cli import failure_report
+
+    log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    with caplog.at_level(logging.INFO), failure_report.torchrun_stop_lines_hidden():
+        log.error("failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s", 1, 0, 123, "python")
+        log.info("Sending process %s closing signal %s", 123, "SIGTERM")
+        log.warning("another line")
+    assert [r.getMessage() for r in caplog.records] == ["another line"]
+
+
+def test_demo_help_mentions_no_config(capsys):
+    """`zerofit demo` takes no config file: its defaults are the built-in ones."""
+    with pytest.raises(SystemExit):
+        main(["demo", "--help"])
+    out = capsys.readouterr().out
+    assert "config" not in out and "(default: 0, plain data parallelism)" in out

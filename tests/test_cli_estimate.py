@@ -133,3 +133,35 @@ def test_with_measured_rates_the_split_rows_and_their_offload_time_are_shown(cap
                  "--host_memory_gib", "16", "--host_share", "0"]) == 0
     out = capsys.readouterr().out
     assert "on the CPU)" not in out and "added s" in out
+
+
+@pytest.mark.parametrize(("model", "said"), [
+    ("LlamaConfig:hidden_size=64,num_hiden_layers=2",
+     "has no field num_hiden_layers (did you mean num_hidden_layers?)"),
+    ("GPT2Config:n_layr=2", "has no field n_layr (did you mean n_layer?)"),
+    ("LlamaConfig:hidden_size=big", "hidden_size='big' is not a number"),
+])
+def test_a_misspelt_or_wordy_size_is_refused_naming_it(capsys, model, said):
+    """A key the config class does not know was kept as an unused attribute (the default size was built)."""
+    assert main(["estimate", "--model", model, "--checkpointing", "off"]) == 2
+    assert said in capsys.readouterr().err
+
+
+def test_keys_the_config_renames_are_not_refused(capsys):
+    assert main(["estimate", "--model", "LlamaConfig:hidden_size=32,num_hidden_layers=1,num_attention_heads=2,"
+                 "intermediate_size=64,vocab_size=96,rope_theta=5e5,num_labels=3", "--checkpointing", "off",
+                 "--gpu_memory_gib", "8", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["parameters"] > 0
+
+
+def test_without_a_gpu_no_setting_is_chosen_and_a_tiny_model_reads_in_k_and_mib(capsys, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["estimate", "--model", TINY, "--checkpointing", "off", "--host_memory_gib", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "k parameters" in out and "0.000 B" not in out and "MiB per rank" in out
+    assert "of unknown size (no GPU here)" in out and "host ok" in out
+    assert "choice: none: this machine has no GPU" in out and "--gpu_memory_gib" in out
+    assert main(["estimate", "--model", TINY, "--checkpointing", "off", "--host_memory_gib", "16", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["choice"] is None

@@ -109,8 +109,8 @@ def test_launch_flags_are_checked_by_config_validation_all_at_once(capsys):
     for rule in ("launch.num_processes (3) must be a multiple of launch.num_machines (2)",
                  "launch.machine_rank (2) must be below launch.num_machines (2)",
                  "launch.main_process_ip is required when launch.num_machines > 1",
-                 "launch.max_restarts must be at least 0 (got -1)",
-                 "launch.main_process_port must be positive (got 0)"):
+                 "--max_restarts -1: must be at least 0 (it sets launch.max_restarts)",  # named as typed
+                 "--main_process_port 0: must be at least 1 (it sets launch.main_process_port)"):
         assert rule in err
 
 

@@ -1,4 +1,4 @@
-"""`zerofit bench`: the seed's three benchmark tables, regenerated on the hardware at hand.
+"""`zerofit bench`: the Accelerate + DeepSpeed ZeRO blog's three benchmark tables, regenerated on the hardware at hand.
 
     zerofit bench --gpu-memory-gib 24 --out bench/results/seed_tables_h200   # the three tables on one GPU
     zerofit bench --tiny --cpu --out /tmp/bench                               # the harness on tiny models

@@ -125,11 +125,22 @@ def run_row(workload: Workload, method: str, opts: dict[str, Any], *, nproc: int
             state.record(event)
         state.log += [ln for ln in (proc["stdout"] + proc["stderr"]).splitlines() if ln.strip()][-200:]
         if echo:
-            print(f"  {method}: launch {state.launches} ended (rc {proc['rc']}); bounds {state.bounds}",
+            print(f"  {method}: process {state.launches} ended (exit code {proc['rc']}); "
+                  f"{searched_said(state.bounds)}",
                   file=sys.stderr, flush=True)
         if state.done is None:
             _after_early_end(state, proc, equal_only=bool(opts.get("equal_only")))
     return state
+
+
+def searched_said(bounds: dict[str, list[int | None]]) -> str:
+    """What the largest-batch search has found so far, in words: `train batch 16 fits, 32 runs out of memory`."""
+    parts = []
+    for phase, (fits, fails) in bounds.items():
+        found = [f"{fits} fits"] if fits else []
+        found += [f"{fails} runs out of memory"] if fails is not None else []
+        parts.append(f"{phase} batch {', '.join(found)}" if found else f"{phase} batch not tried yet")
+    return "; ".join(parts)
 
 
 def _row_events(events: list[dict[str, Any]]) -> list[dict[str, Any]]:

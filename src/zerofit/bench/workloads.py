@@ -1,4 +1,4 @@
-"""The three tables of the seed (the Accelerate + DeepSpeed ZeRO blog), as workloads built from configs.
+"""The three tables of the Accelerate + DeepSpeed ZeRO blog, as workloads built from configs.
 
 Each workload names a model architecture (random weights, built from a transformers config: no hub),
 the synthetic batches of the right shapes, the sizes an "epoch" is projected over, the batch every
@@ -28,7 +28,7 @@ class Workload:
     key: str
     """Short name on the command line: cls, seq2seq, clm."""
     table: int
-    """The seed's table number."""
+    """The blog's table number."""
     title: str
     task: str
     seq: int
@@ -40,11 +40,11 @@ class Workload:
     equal_batch: int
     """Micro-batch every method is also timed at, from the same initial weights."""
     search_eval_batch: bool
-    """Search the largest eval batch too (the seed's Table 2 reports it); else eval at the train batch."""
+    """Search the largest eval batch too (the blog's Table 2 reports it); else eval at the train batch."""
     methods: tuple[str, ...]
     """Rows on one GPU (several-GPU rows are the same names run with more processes)."""
     seed_result: str
-    """What the seed reported, for orientation (different hardware: 2 x 24 GB Titan RTX)."""
+    """What the Accelerate + DeepSpeed ZeRO blog reported, for orientation (other hardware: 2 x 24 GB Titan RTX)."""
     build_config: Callable[[bool], Any]
 
     def build_model(self, tiny: bool, device: torch.device | str) -> nn.Module:
@@ -137,30 +137,32 @@ def _llama_7b(tiny: bool) -> Any:
                        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
 
 
+BLOG = "the Accelerate + DeepSpeed ZeRO blog measured, on 2 x 24 GB Titan RTX"
+
 WORKLOADS: dict[str, Workload] = {w.key: w for w in (
     Workload(key="cls", table=1, title="DeBERTa-v2-xlarge architecture, sequence classification, 128 tokens",
              task="cls", seq=128, train_examples=3668, eval_examples=408,
              epoch_note="epoch = MRPC's 3,668 train / 408 eval samples", equal_batch=8, search_eval_batch=False,
              methods=("ddp", "zerofit-s2", "zerofit-s2-offload", "deepspeed-s2", "deepspeed-s2-offload", "fsdp2"),
-             seed_result="seed, 2 x 24 GB: DDP largest batch 8, 103.57 s/epoch; ZeRO-2 batch 40, 28.98 s/epoch",
+             seed_result=f"{BLOG}: DDP largest batch 8, 103.57 s/epoch; ZeRO-2 batch 40, 28.98 s/epoch",
              build_config=_deberta_v2_xlarge),
     Workload(key="seq2seq", table=2, title="BlenderBot-400M-distill architecture, seq2seq, 128 + 128 tokens",
              task="seq2seq", seq=128, train_examples=10000, eval_examples=1000,
              epoch_note="epoch = a nominal 10,000 train / 1,000 eval samples", equal_batch=8, search_eval_batch=True,
              methods=("ddp", "zerofit-s2", "zerofit-s2-offload", "deepspeed-s2", "deepspeed-s2-offload", "fsdp2"),
-             seed_result="seed, 2 x 24 GB: ZeRO-2 trains at batch 200 (DDP at a fraction of it)",
+             seed_result=f"{BLOG}: ZeRO-2 trains at batch 200 (DDP at a fraction of it)",
              build_config=_blenderbot_400m_distill),
     Workload(key="clm", table=3, title="GPT-2 XL architecture, causal LM, 128 tokens", task="clm", seq=128,
              train_examples=10000, eval_examples=1000,
              epoch_note="epoch = a nominal 10,000 train / 1,000 eval samples", equal_batch=16, search_eval_batch=False,
              methods=("ddp", "zerofit-s2-offload", "zerofit-s3-offload", "deepspeed-s3-offload", "fsdp2-offload"),
-             seed_result="seed, 2 x 24 GB: DDP out of memory at batch 1; ZeRO-3 + CPU offload batch 16, 6,608 s/epoch",
+             seed_result=f"{BLOG}: DDP out of memory at batch 1; ZeRO-3 + CPU offload batch 16, 6,608 s/epoch",
              build_config=_gpt2_xl),
     Workload(key="llama7b", table=4, title="Llama-2-7B architecture, causal LM, 512 tokens", task="clm", seq=512,
              train_examples=10000, eval_examples=1000,
              epoch_note="epoch = a nominal 10,000 train / 1,000 eval samples", equal_batch=4, search_eval_batch=False,
              methods=("ddp", "zerofit-s1", "zerofit-s2", "zerofit-s3", "deepspeed-s2", "deepspeed-s3", "fsdp2"),
-             seed_result="not one of the seed's tables: the several-GPU scaling workload (`--equal-only`)",
+             seed_result="not one of the blog's tables: the several-GPU scaling workload (`--equal_only`)",
              build_config=_llama_7b),
 )}
 

@@ -41,6 +41,7 @@ from zerofit.checkpoint.inventory import buffer_entries, param_entries, persiste
 from zerofit.checkpoint.ranks import Ranks
 from zerofit.distributed import arrival
 from zerofit.distributed.failures import named
+from zerofit.engine.comm import all_gather_flat
 
 GATHER_PIECE_BYTES = 64 * 2**20
 """The most device memory one gather of a split group takes on a receiving rank ([Note: export gathers in
@@ -95,7 +96,7 @@ def _gather_to_host(shard: torch.Tensor, ranks: Ranks, device: torch.device, *, 
         recv = piece_dev[:world * n].view(world, n) if piece_dev is not None else None  # rank r's slice: row r
         with named(ranks.prefix + label, ranks.rank):
             if everywhere:
-                dist.all_gather_into_tensor(piece_dev[:world * n], send, group=ranks.group)
+                all_gather_flat(piece_dev[:world * n], send, group=ranks.group)
             else:
                 dist.gather(send, list(recv.unbind(0)) if recv is not None else None, dst=ranks.dst0(),
                             group=ranks.group)

@@ -15,19 +15,54 @@ from pathlib import Path
 import torch
 
 from zerofit.checkpoint.chunks import Chunk, read_chunks
-from zerofit.checkpoint.commit import resolve
+from zerofit.checkpoint.commit import LATEST, is_checkpoint, resolve
 from zerofit.checkpoint.export import ShardWriter, parse_size, plan_shards
 from zerofit.checkpoint.inventory import Entry, dtype_of
+from zerofit.checkpoint.manifest import MANIFEST
 from zerofit.checkpoint.ranks import Ranks
 from zerofit.checkpoint.sharded import COMMON, HF_CONFIG_DIR, STATE_DIR, read_common, verify
 from zerofit.errors import CheckpointError
 
+TRAINER_STATE = "zerofit_state"
+"""The folder inside a Trainer's `checkpoint-N/` that holds zerofit's checkpoint
+(`zerofit.integrations.transformers.ZEROFIT_STATE`, named here so merging needs no transformers)."""
+
+
+def merge_source(directory: str | os.PathLike[str]) -> tuple[Path, str]:
+    """The checkpoint `zerofit merge DIRECTORY` merges, and a line saying how it was found ('' when
+    DIRECTORY is it or names it with `latest`).
+
+    Besides what `resolve` takes, the two folders a zerofit Trainer writes: its `checkpoint-N/` (the
+    checkpoint is `checkpoint-N/zerofit_state/`) and its output folder (Trainer's rotation keeps several
+    `checkpoint-N/`: the highest N is the newest)."""
+    path = Path(directory)
+    if (path / TRAINER_STATE).is_dir() and not (path / MANIFEST).is_file():
+        return resolve(path / TRAINER_STATE), ""
+    if not path.is_dir() or (path / MANIFEST).is_file() or (path / LATEST).is_file():
+        return resolve(path), ""
+    steps = [c for c in path.glob("checkpoint-*")
+             if c.name.removeprefix("checkpoint-").isdigit() and is_checkpoint(c / TRAINER_STATE)]
+    if not steps:
+        weights = [n for n in ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+                   if (path / n).is_file()]
+        if weights:
+            raise CheckpointError(f"{path} holds no zerofit checkpoint but already-merged weights ({weights[0]}, as "
+                                  "save_model / save_pretrained write them): load it with from_pretrained; "
+                                  "zerofit merge takes a folder written by save_state or a Trainer's checkpoint-N")
+        return resolve(path), ""
+    steps.sort(key=lambda c: int(c.name.removeprefix("checkpoint-")))
+    newest = steps[-1] / TRAINER_STATE
+    others = ", ".join(c.name for c in steps[:-1])
+    said = f"merging {newest}: the newest of the Trainer checkpoints in {path}"
+    said += f" (also {others}: pass one of them to merge it instead)" if others else ""
+    return newest, said
+
 
 def merge(checkpoint_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], *,
           max_shard_size: int | str = "5GB", safe_serialization: bool = True) -> list[str]:
-    """Write the consolidated weights of the checkpoint at `checkpoint_dir` (or the one its `latest`
-    names) into `out_dir`, with the model's `config.json` when it was saved; returns the file names."""
-    path = resolve(checkpoint_dir)
+    """Write the consolidated weights of the checkpoint at `checkpoint_dir` (or the one `merge_source`
+    finds there) into `out_dir`, with the model's `config.json` when it was saved; returns the file names."""
+    path, _ = merge_source(checkpoint_dir)
     verify(path, Ranks(None, local=True))
     common = read_common(path)
     source = str(path / f"{COMMON}.json")

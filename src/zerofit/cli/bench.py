@@ -1,4 +1,7 @@
-"""`zerofit bench`: the seed's three tables - largest batch, epoch times - for DDP, zerofit, DeepSpeed and FSDP2.
+"""`zerofit bench`: largest batch and epoch time of three fine-tuning workloads, DDP vs zerofit vs DeepSpeed vs FSDP2.
+
+The workloads are the three tables of the Accelerate + DeepSpeed ZeRO blog (DeBERTa-v2-xlarge
+classification, BlenderBot-400M seq2seq, GPT-2 XL causal LM), on this machine's hardware.
 
 Every method of every table runs in processes of its own (see `zerofit.bench`): an equal-batch run
 from the same weights, the largest batch by doubling and bisection with out-of-memory caught, then
@@ -15,18 +18,18 @@ import time
 from zerofit.cli.flags import add_flag
 
 _TABLES = ("cls", "seq2seq", "clm")
-"""The default tables: the seed's three (`llama7b` is the several-GPU scaling workload, asked for by name)."""
+"""The default tables: the blog's three (`llama7b` is the several-GPU scaling workload, asked for by name)."""
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
-        "bench", allow_abbrev=False, help="the seed's benchmark tables: DDP vs zerofit vs DeepSpeed vs FSDP2",
+        "bench", allow_abbrev=False, help="largest batch and epoch time: DDP vs zerofit vs DeepSpeed vs FSDP2",
         description=__doc__.splitlines()[0],
-        epilog="examples:\n  zerofit bench --gpu_memory_gib 24 --out bench/results/seed_tables\n"
+        epilog="examples:\n  zerofit bench --gpu_memory_gib 24 --out out/bench\n"
                "  zerofit bench --tables cls --methods ddp zerofit-s2 deepspeed-s2 --steps 3\n"
                "  zerofit bench --tiny --cpu --out /tmp/bench        # the harness on toy models, on CPU\n"
                "  zerofit bench --num_processes 8 --tables clm llama7b --equal_only --equal_batch 8   # step rate\n"
-               "  zerofit bench --report bench/results/seed_tables   # tables and plots again from results.json\n"
+               "  zerofit bench --report out/bench   # tables and plots again from results.json\n"
                "  zerofit bench --merge run1 run2 --out joined       # tables run in pieces, as one\n"
                "  zerofit bench --tables clm --equal_only --budget 450 --timeout 240   # within one 8-minute call\n"
                "  zerofit bench --tables clm --equal_only --methods ddp ddp-compiled zerofit-s3 zerofit-s3-compiled",
@@ -43,7 +46,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_flag(p, "--num_processes", aliases=("--nproc",), type=int, default=1,
              help="processes (GPUs) per row; >1 runs each row under torchrun")
     add_flag(p, "--gpu_memory_gib", type=float, default=None,
-             help="cap each process's GPU memory (24 stands in for the seed's 24 GB cards)")
+             help="cap each process's GPU memory (24 stands in for the blog's 24 GB Titan RTX cards)")
     add_flag(p, "--steps", type=int, default=5, help="timed training steps per measurement (default 5)")
     add_flag(p, "--eval_steps", type=int, default=3,
              help="timed eval steps per measurement (default 3; 0 with --equal_only: no eval)")

@@ -11,16 +11,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from typing import Any
 
 import yaml
 
 from zerofit.cli.flags import add_flag
-from zerofit.config import load_config
+from zerofit.config import is_auto, load_config
 from zerofit.config.schema import RunConfig, to_dict
 from zerofit.errors import ConfigError
 
 FORMATS = ("zerofit", "deepspeed", "accelerate")
+STAGES = (0, 1, 2, 3, "auto")
+STDOUT = "-"
+"""`-o -`: the file's text goes to stdout (the note on how to use it to stderr)."""
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 """Where optimizer state may live."""
 PARAM_OFFLOAD_DEVICES = ("none", "cpu")
@@ -33,12 +37,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "config", allow_abbrev=False, help="write a config file for a ZeRO stage and offload setting",
         description="Write a config file that `zerofit launch --config_file FILE` (and DeepSpeed or Accelerate, "
                     "for those formats) reads back to the same settings.")
-    add_flag(p, "--stage", type=int, choices=(0, 1, 2, 3), required=True,
-             help="0: DDP; 1: shard optimizer state; 2: + gradients; 3: + parameters")
-    add_flag(p, "--offload_optimizer", choices=OFFLOAD_DEVICES, default="none",
-             help="where fp32 master weights and optimizer states live (stages 1-3)")
-    add_flag(p, "--offload_param", choices=PARAM_OFFLOAD_DEVICES, default="none",
-             help="where parameter shards live (stage 3; cpu only, parameters do not go to nvme)")
+    add_flag(p, "--stage", type=_stage, choices=STAGES, required=True,
+             help="0: DDP; 1: shard optimizer state; 2: + gradients; 3: + parameters; auto: the fastest "
+                  "setting that fits, offload included, planned at launch (zerofit format)")
+    add_flag(p, "--offload_optimizer", choices=OFFLOAD_DEVICES, default=None,
+             help="where fp32 master weights and optimizer states live (stages 1-3; default none, planned "
+                  "with --stage auto)")
+    add_flag(p, "--offload_param", choices=PARAM_OFFLOAD_DEVICES, default=None,
+             help="where parameter shards live (stage 3; cpu only, parameters do not go to nvme; default none, "
+                  "planned with --stage auto)")
     add_flag(p, "--nvme_path", metavar="DIR", help="directory for the optimizer state's nvme offload files")
     add_flag(p, "--mixed_precision", choices=("no", "fp16", "bf16"), default="no",
              help="compute precision")
@@ -51,13 +58,23 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
              help="clip the global gradient norm to C, 0: no clipping (default: 0; \"auto\" in "
                   "deepspeed and accelerate files, taken from the script)")
     add_flag(p, "--format", choices=FORMATS, default="zerofit", help="file format (default: zerofit)")
-    add_flag(p, "-o", "--output", required=True, metavar="FILE", help="file to write (overwritten)")
+    add_flag(p, "-o", "--output", required=True, metavar="FILE", help="file to write (overwritten); - for stdout")
     p.set_defaults(func=run)
+
+
+def _stage(text: str) -> int | str:
+    """A stage number, or "auto" (argparse then checks it against STAGES and names them)."""
+    return "auto" if text.strip().lower() == "auto" else int(text) if text.strip().isdigit() else text
 
 
 def settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """Dotted zerofit keys for the chosen settings."""
     problems = []
+    planned = args.stage == "auto"
+    if planned and args.format != "zerofit":
+        problems.append(f"--stage auto is planned by zerofit at launch; a {args.format} file with it would not load "
+                        f"in {'DeepSpeed' if args.format == 'deepspeed' else 'Accelerate'}: use --format zerofit, "
+                        "or pick a stage 0-3")
     nvme = args.offload_optimizer == "nvme"
     if nvme and not args.nvme_path:
         problems.append("--offload_optimizer nvme needs a directory: add --nvme_path DIR (a fast local disk)")
@@ -68,12 +85,13 @@ def settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
                         "or use --format zerofit or --format accelerate")
     if problems:
         raise ConfigError(problems)
-    settings: dict[str, Any] = {
-        "zero.stage": args.stage,
-        "zero.offload_optimizer.device": args.offload_optimizer,
-        "zero.offload_param.device": args.offload_param,
-        "precision.mixed_precision": args.mixed_precision,
-    }
+    settings: dict[str, Any] = {"zero.stage": args.stage}
+    # Unset under stage auto, the planner chooses where each state lives too ([Note] in zerofit.config.load).
+    for key, device in (("zero.offload_optimizer.device", args.offload_optimizer),
+                        ("zero.offload_param.device", args.offload_param)):
+        if device is not None or not planned:
+            settings[key] = device or "none"
+    settings["precision.mixed_precision"] = args.mixed_precision
     # Unset, these stay "auto" in the formats whose users expect the script to supply them.
     unset = None if args.format == "zerofit" else "auto"
     for key, value in (("batch.gradient_accumulation_steps", args.gradient_accumulation_steps),
@@ -172,16 +190,26 @@ def write(cfg: RunConfig, fmt: str, path: str, keys: list[str]) -> None:
     else:
         data = zerofit_dict(cfg, keys) if fmt == "zerofit" else accelerate_dict(cfg)
         text = yaml.safe_dump(to_dict(data), sort_keys=False)
+    if path == STDOUT:
+        sys.stdout.write(text)
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:
         f.write(text)
+
+
+def _said(value: Any) -> Any:
+    return "auto (planned at launch)" if is_auto(value) else value
 
 
 def run(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     cfg = load_config(None, overrides=settings)
-    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     write(cfg, args.format, args.output, list(settings))
-    print(f"wrote {args.format} config to {args.output} (ZeRO stage {cfg.zero.stage}, offload optimizer "
-          f"{cfg.zero.offload_optimizer.device}, offload param {cfg.zero.offload_param.device}); use it with: "
-          f"zerofit launch --config_file {args.output} train.py")
+    where = "stdout" if args.output == STDOUT else args.output
+    use = "FILE" if args.output == STDOUT else args.output
+    print(f"wrote {args.format} config to {where} (ZeRO stage {_said(cfg.zero.stage)}, offload optimizer "
+          f"{_said(cfg.zero.offload_optimizer.device)}, offload param {_said(cfg.zero.offload_param.device)}); "
+          f"use it with: "
+          f"zerofit launch --config_file {use} train.py", file=sys.stderr if args.output == STDOUT else sys.stdout)
     return 0

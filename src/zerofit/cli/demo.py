@@ -22,7 +22,7 @@ def add_demo_options(p: argparse.ArgumentParser) -> list[argparse.Action]:
     """The demo's options on `p`; returns their actions."""
     return [
         add_flag(p, "--stage", type=int, choices=[0, 1, 2, 3], default=None,
-                 help="ZeRO stage (default: the config's, stage 0)"),
+                 help="ZeRO stage (default: 0, plain data parallelism)"),
         add_flag(p, "--steps", type=int, default=60, metavar="N", help="optimizer steps (default: 60)"),
         add_flag(p, "--micro_batch", aliases=("--batch_size",), type=int, default=8, metavar="B",
                  help="sequences per process per micro-step (default: 8)"),
@@ -32,7 +32,7 @@ def add_demo_options(p: argparse.ArgumentParser) -> list[argparse.Action]:
                  help="characters per sequence, the model's context (default: 64)"),
         add_flag(p, "--lr", type=float, default=3e-3, metavar="LR", help="AdamW learning rate (default: 0.003)"),
         add_flag(p, "--mixed_precision", choices=["no", "bf16", "fp16"], default=None,
-                 help="compute precision (default: the config's, no)"),
+                 help="compute precision (default: no, fp32)"),
     ]
 
 

@@ -8,6 +8,7 @@ layout (`zerofit.plan.memory`). One row per setting, fastest first, with whether
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 from zerofit.cli.flags import add_flag
@@ -136,6 +137,10 @@ def run(args: argparse.Namespace) -> int:
                                                          offload_ratio=ratio, step_on=step_on, host_share=h)]
     result = plan(counts, work, budget, traces, open_ratio=open_ratio, settings=list(dict.fromkeys(settings)),
                   rates=rates)
+    if not gpu:
+        # Without a GPU size only the host side can be checked: a choice would treat host memory as the
+        # GPU's, so none is made until the user says which GPU the plan is for.
+        result = dataclasses.replace(result, choice=None, reason=NO_GPU)
     seconds = result.seconds or {}
     if args.json:
         print(json.dumps(_as_json(args, counts, work, budget, result, seconds), indent=1))
@@ -145,6 +150,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 _BYTES = {"bf16": 2, "fp16": 2, "no": 4}
+NO_GPU = ("none: this machine has no GPU and --gpu_memory_gib was not given, so only host memory is checked; "
+          "pass the size of the GPU the run is for, e.g. --gpu_memory_gib 80")
 
 
 def _row(e, budget, seconds: dict) -> dict:
@@ -171,14 +178,30 @@ def _as_json(args, counts, work, budget, result, seconds: dict) -> dict:
             "choice": result.choice.setting.label if result.choice else None, "reason": result.reason}
 
 
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.2f}"
+def count_said(n: int) -> str:
+    """A parameter count in the unit that shows its digits: 1.500 B, 124.4 M, 54.3 k."""
+    for scale, unit, digits in ((1e9, "B", 3), (1e6, "M", 1), (1e3, "k", 1)):
+        if n >= scale:
+            return f"{n / scale:.{digits}f} {unit}"
+    return str(n)
+
+
+def _unit(result) -> tuple[str, int]:
+    """GiB, or MiB when every total would round to 0.0x GiB (a tiny model would show only zeros)."""
+    largest = max((max(e.gpu_total, e.host_total) for e in result.estimates), default=0)
+    return ("GiB", 2**30) if largest >= 2**30 // 10 else ("MiB", 2**20)
 
 
 def _as_table(args, counts, budget, result, seconds: dict) -> str:
-    head = (f"{args.model}: {counts.numel / 1e9:.3f} B parameters in {len(counts.units)} units; "
-            f"{args.num_processes} GPU(s), micro-batch {args.micro_batch} x {args.seq}, {args.mixed_precision}; "
-            "GiB per rank")
+    unit, size = _unit(result)
+    gpus = f"{args.num_processes} GPU(s)"
+    if budget.gpu_bytes is None:
+        gpus += " of unknown size (no GPU here)"
+    head = (f"{args.model}: {count_said(counts.numel)} parameters in {len(counts.units)} units; "
+            f"{gpus}, micro-batch {args.micro_batch} x {args.seq}, {args.mixed_precision}; {unit} per rank")
+
+    def _mem(n: int) -> str:
+        return f"{n / size:.2f}"
     cols = ["setting", "params", "grads", "optim", "activ", "buffers", "GPU total", "host pinned", "fits"]
     if seconds:
         cols.append("added s")
@@ -190,8 +213,10 @@ def _as_table(args, counts, budget, result, seconds: dict) -> str:
             verdict += " (GPU)"
         elif budget.host_fits(e) is False:
             verdict += " (host)"
-        rows.append([e.setting.label, _gib(e.params), _gib(e.grads), _gib(e.optimizer), _gib(e.activations),
-                     _gib(e.buffers), _gib(e.gpu_total), _gib(e.host_total), verdict])
+        if budget.gpu_bytes is None and budget.host_fits(e):
+            verdict = "host ok"  # the GPU side is unknown (see NO_GPU)
+        rows.append([e.setting.label, _mem(e.params), _mem(e.grads), _mem(e.optimizer), _mem(e.activations),
+                     _mem(e.buffers), _mem(e.gpu_total), _mem(e.host_total), verdict])
         if seconds:
             rows[-1].append("?" if seconds[e.setting] is None else f"{seconds[e.setting]:.3f}")
     widths = [max(len(str(r[i])) for r in [cols, *rows]) for i in range(len(cols))]

@@ -8,7 +8,8 @@ instead: which rank failed first and with what error, and how each other rank en
 rank whose error is its own (`first_failure`), never one that failed because that rank left.
 
 Stopping the workers, torchrun's agent also logs a line for the signal it got and one per worker it
-signals; the launcher's summary (`stopped by SIGINT`, or the failure summary) says that already, so
+signals, and when a worker fails an `E... failed (exitcode: 1) local_rank: ...` line that came before
+the summary; the launcher's summary (`stopped by SIGINT`, or the failure summary) says all of that, so
 `torchrun_stop_lines_hidden` leaves those lines out, and a worker stopped by Ctrl-C exits without a
 traceback (zerofit.cli.worker). Every other line torchrun logs still shows.
 
@@ -31,26 +32,27 @@ from zerofit.distributed.arrival import EXITED
 from zerofit.distributed.failures import PEER_LEFT, TIMEOUT_FLAG, TIMEOUT_KEY
 
 TORCHRUN_STOP_LINES = {
-    "torch.distributed.elastic.agent.server.api": "Received %s death signal, shutting down workers",
-    "torch.distributed.elastic.multiprocessing.api": "Sending process %s closing signal %s",
+    "torch.distributed.elastic.agent.server.api": ("Received %s death signal, shutting down workers",),
+    "torch.distributed.elastic.multiprocessing.api": ("Sending process %s closing signal %s", "failed (exitcode: "),
 }
-"""logger -> the message template of the lines torchrun logs while it stops its workers (torch 2.4-2.13)."""
+"""logger -> how the message templates start of the lines torchrun logs while it stops its workers or
+after one failed (torch 2.4-2.13; the failure line's tail differs between a binary and a function)."""
 
 
 class _WithoutStopLines(logging.Filter):
-    def __init__(self, template: str):
+    def __init__(self, starts: tuple[str, ...]):
         super().__init__()
-        self.template = template
+        self.starts = starts
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return record.msg != self.template
+        return not (isinstance(record.msg, str) and record.msg.startswith(self.starts))
 
 
 @contextlib.contextmanager
 def torchrun_stop_lines_hidden() -> Iterator[None]:
     """While inside, torchrun does not log the lines in TORCHRUN_STOP_LINES (see the module doc)."""
-    installed = [(logging.getLogger(name), _WithoutStopLines(template))
-                 for name, template in TORCHRUN_STOP_LINES.items()]
+    installed = [(logging.getLogger(name), _WithoutStopLines(starts))
+                 for name, starts in TORCHRUN_STOP_LINES.items()]
     for logger, hide in installed:
         logger.addFilter(hide)
     try:

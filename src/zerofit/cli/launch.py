@@ -42,7 +42,7 @@ from typing import Any
 
 from zerofit.cli import failure_report, flight_recorder, hostfile, preflight, rendezvous, slurm
 from zerofit.cli.cluster import MachineSettings
-from zerofit.cli.flags import add_flag
+from zerofit.cli.flags import add_flag, flag_value_problems, flags_named
 from zerofit.config import load_config, save_config, validate_config
 from zerofit.config.schema import RunConfig
 from zerofit.distributed.runtime import CONFIG_FILE_ENV, RUN_ID_ENV, backend_for
@@ -531,7 +531,8 @@ def run(args: argparse.Namespace) -> int:
     if args.hostfile_print and args.dry_run:
         raise ConfigError("--hostfile_print and --dry_run both print instead of running: pass one of them")
     machines = MachineSettings(flags, slurm.launch_values(os.environ) if "launch.hostfile" not in flags else None)
-    config = load_config(config_file, overrides=flags, settle=machines)
+    with flags_named(flag_value_problems(args, FLAG_TO_KEY)):
+        config = load_config(config_file, overrides=flags, settle=machines)
     hosts = machines.hosts
     if args.hostfile_print and not hosts:
         raise ConfigError("--hostfile_print prints the command of each machine of a hostfile, and there is none: "

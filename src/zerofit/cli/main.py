@@ -8,6 +8,7 @@ import warnings
 
 from zerofit import __version__
 from zerofit.cli import bench, configure, demo, env, estimate, launch, merge
+from zerofit.cli.flags import did_you_mean
 from zerofit.config import ConfigWarning
 from zerofit.errors import ZerofitError
 
@@ -47,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra and not getattr(args, "accepts_extra", False):
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        command = next(a for a in parser._actions if a.dest == "command").choices[args.command]
+        command.error(did_you_mean(extra, command))
     args.extra = extra
     args.argv = argv  # as given: `zerofit launch --hostfile` hands its own to the other machines
     try:

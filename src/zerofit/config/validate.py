@@ -150,7 +150,7 @@ def _host_share(c: _Checker) -> None:
 
 
 # zerofit key -> smallest allowed value; checked only when the value is a known int.
-_MINIMUMS = {
+MINIMUMS = {
     "zero.param_persistence_threshold": 0,
     "zero.unit_size_threshold": 1,
     "zero.offload_optimizer.buffer_count": 1,
@@ -176,7 +176,7 @@ _MINIMUMS = {
 
 
 def _minimums(c: _Checker) -> None:
-    for key, least in _MINIMUMS.items():
+    for key, least in MINIMUMS.items():
         value = c.known(key)
         if isinstance(value, (int, float)) and not isinstance(value, bool) and value < least:
             # "positive" would be wrong for a float such as 0.5 seconds below a minimum of 1
@@ -186,7 +186,7 @@ def _minimums(c: _Checker) -> None:
 
 # Largest values that are still a setting rather than a typo (and that torch accepts: a timedelta of
 # 1e300 seconds overflows in every worker).
-_MAXIMUMS: dict[str, int] = {
+MAXIMUMS: dict[str, int] = {
     "launch.process_group_timeout": 30 * 24 * 3600,
     "launch.num_processes": 1 << 20,
     "launch.num_machines": 1 << 16,
@@ -202,7 +202,7 @@ def _finite_and_bounded(c: _Checker) -> None:
     for key, value in c.values.items():
         if isinstance(value, float) and not math.isfinite(value):
             c.add(f"{c.name(key)} must be a finite number (got {value}): write a number", key)
-    for key, most in _MAXIMUMS.items():
+    for key, most in MAXIMUMS.items():
         value = c.known(key)
         if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > most:
             shown = f"{value:.3g}" if isinstance(value, float) or value > 10**12 else str(value)

@@ -27,7 +27,9 @@ from torch.profiler import record_function
 
 from zerofit.distributed import failures
 
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+"""Every rank's equal slice into one flat tensor: torch's newer name where it has it (the older one warns
+FutureWarning: deprecated there), else the older one. Every flat all-gather of zerofit goes through it."""
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
@@ -124,7 +126,7 @@ class Collectives:
 
         def run(a):
             src = in_shard.to(out_full.device, non_blocking=True)
-            return _all_gather(out_full, src, group=self.group, async_op=a)
+            return all_gather_flat(out_full, src, group=self.group, async_op=a)
         return self._issue(f"all_gather:{label}", run, then, (out_full, in_shard))
 
     def reduce_scatter(self, out_shard: torch.Tensor, in_full: torch.Tensor, label: str,

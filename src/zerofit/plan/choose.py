@@ -199,8 +199,8 @@ def plan(counts: ModelCounts, work: Workload, budget: Budget, traces: dict[bool,
         return Plan(estimates, None, why + _host_said(budget), smallest, seconds)
     choice = fitting[0]
     faster = [e for e in estimates if _faster(e, choice, seconds)]
-    why = f"{choice.setting.label}: the fastest setting that fits, {choice.gpu_total / GIB:.1f} GiB GPU"
-    why += f" and {choice.host_total / GIB:.1f} GiB pinned host{_of(budget)}"
+    why = f"{choice.setting.label}: the fastest setting that fits, {_size(choice.gpu_total)} GPU"
+    why += f" and {_size(choice.host_total)} pinned host{_of(budget)}"
     if faster:
         why += f"; faster ones do not fit ({faster[-1].setting.label} needs {faster[-1].gpu_total / GIB:.1f} GiB GPU)"
     if seconds is not None and seconds.get(choice.setting) is not None:
@@ -216,6 +216,11 @@ def _faster(e: Estimate, choice: Estimate, seconds: dict | None) -> bool:
         return (round(seconds[e.setting], 4), speed_rank(e.setting)) < \
             (round(seconds[choice.setting], 4), speed_rank(choice.setting))
     return speed_rank(e.setting) < speed_rank(choice.setting)
+
+
+def _size(n: int) -> str:
+    """Bytes in GiB, or in MiB below 0.1 GiB (a tiny model's need would read 0.0 GiB)."""
+    return f"{n / GIB:.1f} GiB" if n >= GIB // 10 else f"{n / 2**20:.1f} MiB"
 
 
 def _host_said(budget: Budget) -> str:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import difflib
 import json
 import os
 from collections.abc import Iterator
@@ -116,7 +117,7 @@ def load_hf_config(spec: str, *, allow_download: bool = False):
         if cls is None or not isinstance(cls, type):
             raise ModelSpecError(f"--model {spec!r}: transformers has no {name}: use a class such as GPT2Config, "
                                  "LlamaConfig or BertConfig")
-        return cls(**parse_overrides(sizes, f"--model {spec!r}"))
+        return _config_with_sizes(cls, parse_overrides(sizes, f"--model {spec!r}"), spec)
     if sizes:
         raise ModelSpecError(f"--model {spec!r}: sizes after ':' need a config class name, like "
                              "GPT2Config:n_layer=48,n_embd=1600,n_head=25")
@@ -127,6 +128,34 @@ def load_hf_config(spec: str, *, allow_download: bool = False):
             f"--model {spec!r} is not a local config and its config is not in the local Hugging Face cache "
             "(zerofit estimate works offline): pass a config.json path, a saved model directory, or a config "
             "class with sizes such as GPT2Config:n_layer=48,n_embd=1600,n_head=25") from e
+
+
+def _config_with_sizes(cls: type, sizes: dict[str, Any], spec: str):
+    """`cls(**sizes)`, refusing what a config class would silently keep: a misspelt key (stored as an
+    unused attribute, so the model is built with the default) and a word where a number goes."""
+    default = cls()
+    known = set(default.to_dict()) | set(getattr(cls, "attribute_map", {}))
+    for key, value in sizes.items():
+        number = getattr(default, key, None)
+        if isinstance(number, (int, float)) and not isinstance(number, bool) and not isinstance(value, (int, float)):
+            raise ModelSpecError(f"--model {spec!r}: {key}={value!r} is not a number: write a {type(number).__name__} "
+                                 f"such as {key}={number!r} (the default)")
+    try:
+        config = cls(**sizes)
+    except Exception as e:  # noqa: BLE001 - transformers raises TypeError, ValueError or its own validation errors
+        raise ModelSpecError(f"--model {spec!r}: {cls.__name__} refuses these sizes ({e}): fix the value it "
+                             "names") from e
+    # A key the class does not know ends up as a new entry of to_dict(); keys it renames on the way in
+    # (rope_theta into rope_parameters, num_labels into id2label) do not, so they are accepted.
+    unknown = sorted(set(config.to_dict()) - set(default.to_dict()))
+    if unknown:
+        problems = []
+        for key in unknown:
+            close = difflib.get_close_matches(key, sorted(known), n=1)
+            problems.append(f"{key} (did you mean {close[0]}?)" if close else key)
+        raise ModelSpecError(f"--model {spec!r}: {cls.__name__} has no field {', '.join(problems)}: fix the "
+                             f"spelling; its fields are listed by {cls.__name__}().to_dict()")
+    return config
 
 
 def _auto_class(config, task: str):
