@@ -138,8 +138,9 @@ def _config_with_sizes(cls: type, sizes: dict[str, Any], spec: str):
     for key, value in sizes.items():
         number = getattr(default, key, None)
         if isinstance(number, (int, float)) and not isinstance(number, bool) and not isinstance(value, (int, float)):
-            raise ModelSpecError(f"--model {spec!r}: {key}={value!r} is not a number: write a {type(number).__name__} "
-                                 f"such as {key}={number!r} (the default)")
+            raise ModelSpecError(f"--model {spec!r}: {key}={value!r} is not a number: write "
+                                 f"{'an integer' if isinstance(number, int) else 'a number'} such as {key}={number!r} "
+                                 "(the default)")
     try:
         config = cls(**sizes)
     except Exception as e:  # noqa: BLE001 - transformers raises TypeError, ValueError or its own validation errors
