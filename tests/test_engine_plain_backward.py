@@ -38,6 +38,7 @@ from torch.utils.checkpoint import checkpoint
 from zerofit import Accelerator
 from zerofit.config.schema import LossScaleConfig, OffloadConfig, PrecisionConfig, RunConfig, ZeroConfig
 from zerofit.engine import ZeroEngine
+from zerofit.errors import EngineError
 from zerofit.testing.distributed import run_distributed
 
 STEPS, MICRO = 3, 2  # micro-batch per rank per micro-step
@@ -239,3 +240,50 @@ def test_the_engine_alone_counts_plain_backward_micro_steps(world2, stage):
     assert got["boundaries"] == [False, True] * STEPS
     want = reference(2, "accumulate")
     assert max_diff(got["params"], {n: want[n] for n in got["params"]}) < FP32_TOL
+
+
+class _FailOnce(torch.autograd.Function):
+    """Identity whose backward raises the first time (a script that catches it and carries on)."""
+
+    failed = False
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if not _FailOnce.failed:
+            _FailOnce.failed = True
+            raise RuntimeError("injected failure in backward")
+        return grad
+
+
+class _FailingBetween(torch.nn.Module):
+    def forward(self, x):
+        return _FailOnce.apply(x)
+
+
+def test_a_plain_backward_that_raised_is_thrown_away_by_zero_grad_and_step_refuses_it():
+    torch.manual_seed(0)
+    # the failure sits between two layers: the engine's backward is open (the head's gradients arrived) when it raises
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), _FailingBetween(), torch.nn.Linear(6, 3))
+    ref = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Identity(), torch.nn.Linear(6, 3))
+    ref.load_state_dict(model.state_dict())
+    engine = ZeroEngine(model, torch.optim.SGD(model.parameters(), lr=0.1), zero=ZeroConfig(stage=2))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    x = torch.randn(5, 4)
+    _FailOnce.failed = False
+    with pytest.raises(RuntimeError, match="injected"):
+        model(x).sum().backward()
+    with pytest.raises(EngineError, match="after a backward that raised before it finished"):
+        engine.step()
+    engine.zero_grad()  # throws the partial window away
+    for _ in range(2):  # then a plain backward is noticed and trains as PyTorch
+        model(x).pow(2).sum().backward()
+        engine.step()
+        ref(x).pow(2).sum().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    got = engine.named_full_tensors("master")
+    assert all(torch.allclose(got[n], p, atol=1e-7, rtol=0) for n, p in ref.named_parameters())

@@ -444,6 +444,10 @@ class ZeroEngine:
     def step(self) -> bool:
         """Apply the accumulated gradients; returns False when the step was skipped (an fp16 overflow, a
         non-finite norm with `precision.skip_nonfinite_steps`, or no backward since the last step)."""
+        if self._in_backward:  # only a backward that raised leaves it open here: its gradients are partial
+            raise EngineError("optimizer.step() after a backward that raised before it finished: this window's "
+                              "gradients are incomplete, so nothing was applied; call optimizer.zero_grad() (it "
+                              "throws the window away) and run the batch again")
         if not self._backward_in_window:
             self._warn_empty_step()
             return False
@@ -513,6 +517,9 @@ class ZeroEngine:
 
     def zero_grad(self) -> None:
         """Zero the window's gradients; the next backward opens a new window (micro-step count 0)."""
+        if self._in_backward:  # a backward that raised never reached its end: throw its window away whole
+            self.discard_window()
+            return
         self.reductions.drain()
         self.mode.zero_grad()
         for g in self.trainable_groups:
