@@ -1,9 +1,9 @@
 """The three recipes in examples/ through the real CLI: `zerofit launch --cpu --num_processes 2`.
 
 Each recipe runs a few steps under DDP (zerofit YAML), ZeRO-2 (Accelerate YAML) and ZeRO-3 with CPU
-offload of optimizer and parameters (DeepSpeed JSON; plain ZeRO-3 too for the causal LM),
-on the fixtures in tests/fixtures/data with tiny
-models built here from configs and a word-level tokenizer trained on those fixtures (no downloads).
+offload of optimizer and parameters (DeepSpeed JSON; plain ZeRO-3 too for the causal LM), with the
+arguments docs/recipes.md's offline commands give it, on the tiny models and data that
+examples/make_tiny_assets.py builds (no downloads).
 In fp32 the stages compute the same thing and differ only in the order of floating-point sums
 (reduce-scatter vs all-reduce), so losses and metrics must agree to 1e-4 relative: that is the seed's
 "no drop in accuracy", checked exactly rather than statistically.
@@ -11,25 +11,27 @@ In fp32 the stages compute the same thing and differ only in the order of floati
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from recipe_commands import script_args
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("datasets")
-tokenizers = pytest.importorskip("tokenizers")
+pytest.importorskip("tokenizers")
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 CONFIGS = EXAMPLES / "configs"
-DATA = ROOT / "tests" / "fixtures" / "data"
 REL = 1e-4  # fp32 on CPU: only the summation order differs between stages
 
 RESULT_FIELDS = {"task", "metric", "distributed_type", "zero_stage", "offload_optimizer", "offload_param",
@@ -39,67 +41,24 @@ RESULT_FIELDS = {"task", "metric", "distributed_type", "zero_stage", "offload_op
 EPOCH_FIELDS = {"epoch", "train_time_s", "eval_time_s", "train_loss"}
 
 
-# --- tiny assets: tokenizer and models ----------------------------------------------------------
-def _fixture_texts() -> list[str]:
-    texts = [(DATA / name).read_text(encoding="utf-8") for name in ("text_train.txt", "text_validation.txt")]
-    for name in ("mrpc_validation.json", "conversations_train.json", "conversations_validation.json"):
-        for line in (DATA / name).read_text(encoding="utf-8").splitlines():
-            texts.extend(str(v) for v in json.loads(line).values())
-    texts.append((DATA / "mrpc_train.csv").read_text(encoding="utf-8"))
-    return texts
+# --- tiny assets: the shipped builder, and the arguments docs/recipes.md gives each recipe -----------
+def build_assets(root: Path) -> Path:
+    """examples/make_tiny_assets.py's folders under root: what `python examples/make_tiny_assets.py root` writes."""
+    spec = importlib.util.spec_from_file_location("make_tiny_assets", EXAMPLES / "make_tiny_assets.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.build(root)
+    return root
 
 
-def _tokenizer(special: list[str], template: tuple[str, str] | None, max_length: int):
-    """A word-level tokenizer over the fixtures' words, optionally wrapping inputs in special tokens."""
-    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
-
-    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
-    tok.normalizer = normalizers.Lowercase()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Whitespace(), pre_tokenizers.Punctuation()])
-    tok.train_from_iterator(_fixture_texts(), trainers.WordLevelTrainer(special_tokens=["<pad>", "<unk>", *special]))
-    if template is not None:
-        tok.post_processor = processors.TemplateProcessing(
-            single=template[0], pair=template[1], special_tokens=[(t, tok.token_to_id(t)) for t in special])
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>",
-                                                model_max_length=max_length)
-
-
-def build_assets(root: Path) -> dict[str, Path]:
-    """Save a tiny GPT-2 config, BERT classifier and BART chatbot (each with its tokenizer) under root."""
-    import torch
-
-    torch.manual_seed(0)
-    out = {}
-    gpt2_tok = _tokenizer(["<eos>"], None, 64)
-    gpt2_tok.eos_token = "<eos>"
-    out["gpt2"] = root / "gpt2"
-    gpt2_tok.save_pretrained(out["gpt2"])
-    transformers.GPT2Config(vocab_size=len(gpt2_tok), n_positions=64, n_embd=32, n_layer=2, n_head=2,
-                            eos_token_id=gpt2_tok.eos_token_id, bos_token_id=gpt2_tok.eos_token_id,
-                            ).save_pretrained(out["gpt2"])
-
-    bert_tok = _tokenizer(["[CLS]", "[SEP]"], ("[CLS] $A [SEP]", "[CLS] $A [SEP] $B:1 [SEP]:1"), 128)
-    bert_tok.cls_token, bert_tok.sep_token = "[CLS]", "[SEP]"
-    # three labels, as an MNLI checkpoint has: the recipe's --ignore_mismatched_sizes swaps the head for two
-    bert = transformers.BertForSequenceClassification(transformers.BertConfig(
-        vocab_size=len(bert_tok), hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-        max_position_embeddings=128, num_labels=3, pad_token_id=bert_tok.pad_token_id))
-    out["bert"] = root / "bert"
-    bert.save_pretrained(out["bert"])
-    bert_tok.save_pretrained(out["bert"])
-
-    bart_tok = _tokenizer(["<s>", "</s>"], ("<s> $A </s>", "<s> $A </s> </s> $B </s>"), 64)
-    bart_tok.bos_token, bart_tok.eos_token = "<s>", "</s>"
-    bart = transformers.BartForConditionalGeneration(transformers.BartConfig(
-        vocab_size=len(bart_tok), d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
-        decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64,
-        pad_token_id=bart_tok.pad_token_id, bos_token_id=bart_tok.bos_token_id, eos_token_id=bart_tok.eos_token_id,
-        decoder_start_token_id=bart_tok.eos_token_id, forced_eos_token_id=bart_tok.eos_token_id))
-    bart.generation_config.max_length = 64  # BART's default (20) would cut the recipe's beams short
-    out["bart"] = root / "bart"
-    bart.save_pretrained(out["bart"])
-    bart_tok.save_pretrained(out["bart"])
-    return out
+def page_args(script: str) -> Callable[[Path], list[str]]:
+    """The arguments docs/recipes.md's offline command gives `script`, its `out/tiny` read as the test's
+    assets and its --output_dir left to `launch`."""
+    args = script_args("Offline, on tiny assets", script)
+    at = args.index("--output_dir")
+    args = args[:at] + args[at + 2:]
+    return lambda assets: [str(assets / a.removeprefix("out/tiny/")) if a.startswith("out/tiny/") else a
+                           for a in args]
 
 
 # --- running the recipes through the CLI -----------------------------------------------------
@@ -127,23 +86,10 @@ STAGES = {
 }
 
 COMMON = ["--seed", "0", "--num_train_epochs", "2", "--per_device_eval_batch_size", "4"]
-RECIPES = {
-    "clm": ("run_clm_no_trainer.py", lambda a: [
-        "--config_name", a["gpt2"], "--tokenizer_name", a["gpt2"], "--train_file", DATA / "text_train.txt",
-        "--validation_file", DATA / "text_validation.txt", "--block_size", "16", "--per_device_train_batch_size", "4",
-        "--learning_rate", "3e-3", "--num_warmup_steps", "2", "--checkpointing_steps", "4"],
-        ["perplexity", "eval_loss"]),
-    "cls": ("run_cls_no_trainer.py", lambda a: [
-        "--model_name_or_path", a["bert"], "--ignore_mismatched_sizes", "--train_file", DATA / "mrpc_train.json",
-        "--validation_file", DATA / "mrpc_validation.json", "--max_length", "64", "--per_device_train_batch_size", "8",
-        "--learning_rate", "3e-3", "--weight_decay", "0.01"], ["accuracy", "f1"]),
-    "seq2seq": ("run_seq2seq_no_trainer.py", lambda a: [
-        "--model_name_or_path", a["bart"], "--train_file", DATA / "conversations_train.json",
-        "--validation_file", DATA / "conversations_validation.json", "--source_prefix", "chatbot: ",
-        "--max_source_length", "32", "--max_target_length", "24", "--val_max_target_length", "16",
-        "--val_min_target_length", "3", "--n_val", "10", "--num_beams", "3", "--per_device_train_batch_size", "8",
-        "--learning_rate", "3e-3"], ["bleu", "gen_len", "eval_samples"]),
-}
+# recipe -> (script, its arguments given the assets folder, the metrics it reports)
+RECIPES = {recipe: (f"run_{recipe}_no_trainer.py", page_args(f"run_{recipe}_no_trainer.py"), metrics)
+           for recipe, metrics in (("clm", ["perplexity", "eval_loss"]), ("cls", ["accuracy", "f1"]),
+                                   ("seq2seq", ["bleu", "gen_len", "eval_samples"]))}
 
 
 def launch(config: Path, script: str, out: Path, args: list, cwd: Path) -> dict:
@@ -159,7 +105,7 @@ def launch(config: Path, script: str, out: Path, args: list, cwd: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def assets(tmp_path_factory) -> dict[str, Path]:
+def assets(tmp_path_factory) -> Path:
     return build_assets(tmp_path_factory.mktemp("assets"))
 
 
@@ -264,7 +210,3 @@ def test_clm_resumed_from_a_step_checkpoint_ends_where_the_uninterrupted_run_end
     assert _close(resumed["perplexity"], reference["perplexity"])
     assert _close(resumed["epochs"][-1]["train_loss"], reference["epochs"][-1]["train_loss"])
     assert (tmp_path / "resumed" / "clm_no_trainer" / "metrics.jsonl").exists()
-
-
-if __name__ == "__main__":  # build the assets for running the recipes by hand: python tests/test_recipes.py DIR
-    print(build_assets(Path(sys.argv[1])))

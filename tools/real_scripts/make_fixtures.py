@@ -4,7 +4,7 @@
 
 Writes, under OUT_DIR (nothing is downloaded; everything comes from the text this repository ships):
 
-    tokenizer.json          a byte-level BPE trained on src/zerofit/demo/*.txt and tests/fixtures/data/*
+    tokenizer.json          a byte-level BPE trained on src/zerofit/demo/*.txt and examples/data/*
     tiny-llama/             LlamaForCausalLM from a config, with that tokenizer (bos/eos/pad, chat template)
     tiny-bert/              BertForSequenceClassification (2 labels), same BPE wrapped in [CLS] ... [SEP]
     tiny-bart/              BartForConditionalGeneration, same BPE wrapped in bos ... eos
@@ -29,7 +29,7 @@ import shutil
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-DATA = ROOT / "tests" / "fixtures" / "data"
+DATA = ROOT / "examples" / "data"
 DEMO = ROOT / "src" / "zerofit" / "demo"
 
 VOCAB_SIZE = 1024
