@@ -2,7 +2,7 @@
 
 Which units (`host_stepped_units`), how the config spells it (`offload_optimizer.host_share`), how the
 memory model and the planner treat it, and how a machine's measured rates become the planner's
-choice. That a split trains exactly as no offload is in tests/test_engine_stream_step.py (CPU) and
+choice. That a split trains exactly as no offload is in tests/test_engine_gpu_step.py (CPU) and
 tests/test_engine_gpu.py (GPU).
 """
 

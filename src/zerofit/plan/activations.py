@@ -54,8 +54,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from zerofit.engine.engine import MAX_INFLIGHT_REDUCTIONS
+from zerofit.engine.find_units import plan_units
 from zerofit.engine.stage3 import tensors_in
-from zerofit.engine.units import plan_units
 from zerofit.plan.sources import ATTENTION_DROPOUT_KEYS, FakeModel
 
 _FIRST, _LAST, _FORWARD, _FORWARD_END, _BACKWARD = 1, 2, 3, 4, 5

@@ -21,7 +21,7 @@ from engine_cases import Case, make_model_and_optim, max_diff, run_cases
 from zerofit.config import load_config
 from zerofit.config.schema import OffloadConfig, PrecisionConfig, ZeroConfig
 from zerofit.engine import ZeroEngine
-from zerofit.engine.offload.gpu import StreamStep, plan_chunks, stream_pool_bytes
+from zerofit.engine.offload.gpu import GpuStep, plan_chunks, stream_pool_bytes
 from zerofit.engine.offload.nvme import NvmeSwapper
 from zerofit.engine.policy import step_on_for
 from zerofit.errors import EngineError
@@ -172,9 +172,9 @@ def _engine(step_on: str, stage: int = 2, device: str = "cpu", nvme_path: str | 
 
 
 def test_auto_steps_on_the_host_without_cuda_and_device_when_asked():
-    assert _engine("auto").step_on == "host" and not isinstance(_engine("auto").mode, StreamStep)
+    assert _engine("auto").step_on == "host" and not isinstance(_engine("auto").mode, GpuStep)
     streamed = _engine("device")
-    assert streamed.step_on == "device" and isinstance(streamed.mode, StreamStep)
+    assert streamed.step_on == "device" and isinstance(streamed.mode, GpuStep)
     assert all(g.placement.gpu_stepped and not g.placement.host_stepped for g in streamed.groups if g.trainable)
     # the state lives apart from the parameters; the gradient stays with them
     g = streamed.groups[0]
