@@ -1,4 +1,4 @@
-"""One row of a table in one process (or in each process of a torchrun job): `python -m zerofit.bench.worker`.
+"""One row of a table in one process (or in each process of a torchrun job): `python -m zerofit.bench.row_process`.
 
 Phases, each skipped when the parent already has its result (a relaunch after an out-of-memory that
 left the process unusable continues where the last one stopped):
