@@ -37,9 +37,9 @@ from zerofit.engine.loss_scale import LossScaler
 from zerofit.frontend import compiling, ops, plugins, tracking
 from zerofit.frontend.backoff import OomBackoff
 from zerofit.frontend.data import ShardedDataLoader
+from zerofit.frontend.first_step_check import StepProbe
 from zerofit.frontend.persistence import PersistenceMixin
 from zerofit.frontend.prepare import Prepared, PrepareMixin
-from zerofit.frontend.probe import StepProbe
 from zerofit.frontend.processes import ProcessMethods
 from zerofit.frontend.script_config import (
     Facts,
@@ -138,7 +138,8 @@ class Accelerator(PrepareMixin, PersistenceMixin, ProcessMethods):
         self.state = AcceleratorState(self)
         self._backoff = OomBackoff(settings=lambda: self.config, process=self.process,  # inside accumulate()
                                    gradient_state=self.gradient_state, prepared=self._prepared)
-        self._probe: StepProbe | None = None  # checks an "auto" choice on the first step (zerofit.frontend.probe)
+        # checks an "auto" choice on the first step (zerofit.frontend.first_step_check)
+        self._probe: StepProbe | None = None
         self.planning_accumulation: int | None = None
         """The accumulation the loop really runs, when the loop counts it itself and the Accelerator's own is 1
         (transformers' Trainer: zerofit.integrations.trainer_config); the planner sizes "auto" for it."""

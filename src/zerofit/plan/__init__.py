@@ -5,7 +5,7 @@
 - `memory`: the bytes of every engine buffer per setting, from the engine's own layout functions;
 - `choose`: every setting's estimate and the fastest that fits a memory budget;
 - `auto`: the decision behind `stage: auto` / offload `auto` / activation checkpointing, the same on every rank;
-- `probe`: the judgement of a planned run's first optimizer step, its measured peak against the estimate;
+- `first_step_verdict`: the judgement of a planned run's first optimizer step, its measured peak against the estimate;
 - `advice`: the estimate for the running model, for the error when memory runs out.
 - `bandwidth`: the machine's offload rates (measured once, cached) and the time model of host-stepped,
   GPU-stepped and split optimizer offload on them;
@@ -14,7 +14,7 @@
 - `host_memory`: the host memory a budget holds (`MemTotal`, a cgroup limit) and whether it may grow.
 
 The run-time halves live in the front end: `zerofit.frontend.auto_plan` (the budget over the ranks and
-the first batch, at `prepare()`), `zerofit.frontend.probe` (measuring the first step) and
+the first batch, at `prepare()`), `zerofit.frontend.first_step_check` (measuring the first step) and
 `zerofit.frontend.backoff` (a CUDA out-of-memory error halves the micro-batch and doubles accumulation).
 """
 

@@ -15,8 +15,9 @@ Activations are traced on a data-free replica of a transformers model at the fir
 (collated from the dataset's first samples, which draws nothing from any random generator), with
 activation checkpointing as the model has it. For other modules, or without a DataLoader, only the
 model states are planned, and the reason printed says so. On CUDA the first optimizer step then
-checks the choice against the measured peak (`zerofit.frontend.probe`). Without CUDA the "GPU" is host memory: a
-setting fits when its device and host bytes together fit the host (`Budget.unified`).
+checks the choice against the measured peak (`zerofit.frontend.first_step_check`). Without CUDA the
+"GPU" is host memory: a setting fits when its device and host bytes together fit the host
+(`Budget.unified`).
 """
 
 from __future__ import annotations

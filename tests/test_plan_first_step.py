@@ -11,8 +11,8 @@ from zerofit.config.schema import AUTO, OffloadConfig, RunConfig, ZeroConfig
 from zerofit.frontend.optimizers import AcceleratedOptimizer
 from zerofit.frontend.state import GradientState
 from zerofit.plan.choose import GPU_RESERVE_BYTES, Budget, plan
+from zerofit.plan.first_step_verdict import judge
 from zerofit.plan.memory import GIB, ModelCounts, Setting, Workload, all_settings, estimate
-from zerofit.plan.probe import judge
 
 # One rank, 300 M parameters in three units: stage 0 needs about 5 GiB, optimizer offload about 0.6 GiB.
 COUNTS = ModelCounts(units=(("root", 10_000_000, 0), ("a", 145_000_000, 0), ("b", 145_000_000, 0)), buffer_bytes=0)

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from zerofit.distributed.failures import named
 from zerofit.plan.choose import Budget, Plan
-from zerofit.plan.probe import Verdict, judge
+from zerofit.plan.first_step_verdict import Verdict, judge
 
 
 class StepProbe:
