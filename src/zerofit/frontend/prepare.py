@@ -36,10 +36,10 @@ from zerofit.frontend.auto_plan import (
     wants_host_share,
 )
 from zerofit.frontend.banner import describe_engine
-from zerofit.frontend.data import ShardedDataLoader
+from zerofit.frontend.data.loaders import ShardedDataLoader
+from zerofit.frontend.data.sampling import order_for
 from zerofit.frontend.optimizers import AcceleratedOptimizer, SiblingSteps, build_optimizer
 from zerofit.frontend.progress import Progress
-from zerofit.frontend.sampling import order_for
 from zerofit.frontend.schedulers import AcceleratedScheduler, build_scheduler
 from zerofit.frontend.script_config import hidden_size_of, resolve, scheduler_total_steps
 from zerofit.frontend.utils import DummyOptim, DummyScheduler
@@ -174,7 +174,7 @@ class PrepareMixin:
         self.gradient_state.gradient_accumulation_steps = self.config.batch.gradient_accumulation_steps
 
     def _prepare_dataloader(self, loader: DataLoader) -> ShardedDataLoader:
-        if self._seed is None:  # one seed of the workers for every process (see zerofit.frontend.data)
+        if self._seed is None:  # one seed of the workers for every process (see zerofit.frontend.data.loaders)
             self._seed = int(ops.broadcast_object(torch.initial_seed() % 2**62))
         order = functools.partial(order_for, loader_generator=loader.generator, seedable=self.use_seedable_sampler,
                                   data_seed=getattr(self.dataloader_config, "data_seed", None),

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from zerofit.frontend.tracker_base import GeneralTracker, numbers
+from zerofit.frontend.tracking.base import GeneralTracker, numbers
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ nothing to keep in step, so its last batch stays short, as a plain DataLoader's 
 `split_batches`, the script's batch is the global batch and each process gets a slice of it.
 Accelerate's `BatchSamplerShard` deals batches out and fills the last one the same way. The
 epoch's order is also Accelerate's ([Note: the same order as Accelerate] in
-zerofit.frontend.sampling), so at every step each rank sees the samples it would see under
+zerofit.frontend.data.sampling), so at every step each rank sees the samples it would see under
 Accelerate.
 Iterable datasets are read whole by every process, which keeps its slice of every group of
 `batch_size * num_processes` samples (the same rule, on the stream), read and collated in the main
@@ -41,8 +41,8 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler
 
 from zerofit.frontend.backoff import BatchSplitter
+from zerofit.frontend.data.sampling import EpochOrder, OwnOrder, SeededOrder, restored
 from zerofit.frontend.ops import send_to_device
-from zerofit.frontend.sampling import EpochOrder, OwnOrder, SeededOrder, restored
 from zerofit.frontend.state import GradientState
 
 
@@ -137,7 +137,7 @@ class ShardedDataLoader:
                  rank: int, world: int, split_batches: bool, seed: int,
                  order: Callable[[Sampler], EpochOrder] | None = None):
         """`seed` seeds the workers (plus the epoch); `order(sampler)` gives the epochs' order (default: the
-        sampler's own, `OwnOrder`), built by `prepare()` as zerofit.frontend.sampling says."""
+        sampler's own, `OwnOrder`), built by `prepare()` as zerofit.frontend.data.sampling says."""
         self.base = loader
         self.gradient_state = gradient_state
         self.device = device

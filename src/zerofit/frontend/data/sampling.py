@@ -2,7 +2,7 @@
 
 [Note: the same order as Accelerate]
 A prepared dataloader cuts each epoch's indices into global batches ([Note: even batches] in
-zerofit.frontend.data). Which indices come in which order is decided as
+zerofit.frontend.data.loaders). Which indices come in which order is decided as
 `accelerate.data_loader.prepare_data_loader` decides it (Accelerate 1.x), so a script, or
 transformers' Trainer, gets the same samples on every rank at every step under zerofit as under
 Accelerate with DDP. The rules, by kind of sampler:

@@ -1,10 +1,10 @@
 """What `log_with` asks for, and the run's trackers from `init_trackers` to `end_training`.
 
 `log_with` (the Accelerator's argument, or the config's `logging.log_with`) is a name, a tracker object
-(zerofit.frontend.tracker_base), or a list of them; "all" means every tracker whose library is installed,
+(zerofit.frontend.tracking.base), or a list of them; "all" means every tracker whose library is installed,
 plus the objects given. Names: `jsonl` (zerofit's own, always available: one JSON object per `log()`
 call, `{"step": ..., "time": ..., **values}`, in `<logging_dir>/<project>/metrics.jsonl`),
-`tensorboard`, and the services of zerofit.frontend.tracker_services. The JSON lines file is written
+`tensorboard`, and the services of zerofit.frontend.tracking.services. The JSON lines file is written
 whenever any tracker is asked for.
 
 An unknown name is an error when the Accelerator is made; a name whose library is not installed is one
@@ -24,8 +24,8 @@ from typing import Any
 
 from zerofit.config.reading import did_you_mean
 from zerofit.errors import ConfigError
-from zerofit.frontend.tracker_base import GeneralTracker, missing_attributes, numbers
-from zerofit.frontend.tracker_services import CLASSES, SERVICES, Service
+from zerofit.frontend.tracking.base import GeneralTracker, missing_attributes, numbers
+from zerofit.frontend.tracking.services import CLASSES, SERVICES, Service
 
 
 class JsonlTracker(GeneralTracker):
