@@ -63,7 +63,7 @@ def budget_for(device: torch.device, world: int) -> Budget:
 
 def wants_host_share(config: RunConfig, device: torch.device) -> bool:
     """The config asks for `offload_optimizer.host_share: auto` where offloaded state may be GPU-stepped
-    (unset means no split: on the H200 box no split paid, bench/results/split_gpt2xl_h200.md)."""
+    (unset means no split: on the H200 box no split paid, benchmarks/results/split_gpt2xl_h200.md)."""
     off = config.zero.offload_optimizer
     return (device.type == "cuda" and is_auto(off.host_share) and off.step_on != "host"
             and (is_auto(off.device) or off.device == "cpu"))

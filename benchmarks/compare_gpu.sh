@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The step time of this checkout beside another checkout of zerofit (BASE: a folder holding its src/ and
-# bench/), GPT-2 XL 16x128 bf16 clip 1.0 on one GPU, each method in its own process, both in one call:
-#   [STEPS=6] bash bench/compare_gpu.sh BASE OUT_DIR [METHOD ...]   (default: torch zerofit-s2 zerofit-s2-offload zerofit-s3-offload)
+# benchmarks/), GPT-2 XL 16x128 bf16 clip 1.0 on one GPU, each method in its own process, both in one call:
+#   [STEPS=6] bash benchmarks/compare_gpu.sh BASE OUT_DIR [METHOD ...]   (default: torch zerofit-s2 zerofit-s2-offload zerofit-s3-offload)
 # Used for issue #25's cost of leaving unused parameters out of the step (one optimizer tensor per
 # parameter part instead of per unit and param group). The two trees alternate, method by method.
 set -uo pipefail

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The offload benchmark of README "Benchmarks" on one GPU, peers in the same run (one device call).
-#   bash bench/offload_gpu.sh OUT_DIR [clip|noclip|scale|steps|tests]
+#   bash benchmarks/offload_gpu.sh OUT_DIR [clip|noclip|scale|steps|tests]
 # clip:   GPT-2 XL 16x128, clipping 1.0: plain PyTorch, zerofit ZeRO-2/3 offload, DeepSpeed, FSDP2
 # noclip: the same without clipping (zerofit's host steps then start during backward)
 # scale:  the largest Llama-style model with ZeRO-3 + full CPU offload, and GPT-2 XL under a 24 GiB cap
@@ -24,7 +24,7 @@ export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HU
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
-B="python3 bench/engine_step.py"
+B="python3 benchmarks/engine_step.py"
 case "$WHAT" in
   clip)
     $B --methods zerofit-s2-offload zerofit-s3-offload torch deepspeed-s2-offload deepspeed-s3-offload fsdp2-offload \
@@ -37,19 +37,19 @@ case "$WHAT" in
        zerofit-s3-offload-host deepspeed-s3-offload --steps 6 --timeout 200 --out "$OUT/steps" ;;
   tests)
     python3 -m pytest -q -p no:cacheprovider tests/test_engine_gpu.py 2>&1 | tail -15 | tee "$OUT/gpu_tests.txt"
-    python3 bench/two_ranks_one_gpu.py 2>&1 | tail -25 | tee "$OUT/two_ranks.txt" ;;
+    python3 benchmarks/two_ranks_one_gpu.py 2>&1 | tail -25 | tee "$OUT/two_ranks.txt" ;;
   split)
     for share in 0 0.35 0.55 0.7; do
       $B --methods zerofit-s2-offload --host-share $share --steps 6 --timeout 120 --out "$OUT/split_s2_$share"
     done
     $B --methods zerofit-s3-offload --host-share 0.55 --steps 6 --timeout 120 --out "$OUT/split_s3_0.55" ;;
   auto)
-    python3 bench/bandwidth_probe.py > "$OUT/bandwidth.json"; cat "$OUT/bandwidth.json"
+    python3 benchmarks/bandwidth_probe.py > "$OUT/bandwidth.json"; cat "$OUT/bandwidth.json"
     $B --methods zerofit-auto --model llama --n_embd 4096 --n_layer 32 --n_head 32 --intermediate 11008 \
        --batch 8 --seq 512 --steps 3 --meta --timeout 300 --out "$OUT/llama7b_auto"
     $B --methods zerofit-auto --gpu-memory-gib 24 --batch 32 --steps 4 --timeout 150 --out "$OUT/cap24_auto" ;;
   big)
-    python3 bench/bandwidth_probe.py > "$OUT/bandwidth_big.json"  # the cache the planner's host share reads
+    python3 benchmarks/bandwidth_probe.py > "$OUT/bandwidth_big.json"  # the cache the planner's host share reads
     L13="--model llama --n_embd 5120 --n_layer 40 --n_head 40 --intermediate 13824 --batch 8 --seq 512 --steps 2 --meta"
     $B --methods zerofit-auto $L13 --checkpointing --timeout 280 --out "$OUT/llama13b_auto_ckpt"
     $B --methods zerofit-auto $L13 --timeout 280 --out "$OUT/llama13b_auto" ;;
@@ -57,13 +57,13 @@ case "$WHAT" in
     $B --methods deepspeed-s3-offload --model llama --n_embd 5120 --n_layer 40 --n_head 40 --intermediate 13824 \
        --batch 8 --seq 512 --steps 2 --checkpointing --offload-ratio 0.5 --timeout 500 --out "$OUT/llama13b_deepspeed" ;;
   rows)
-    python3 bench/bandwidth_probe.py > "$OUT/bandwidth.json"; cat "$OUT/bandwidth.json"
+    python3 benchmarks/bandwidth_probe.py > "$OUT/bandwidth.json"; cat "$OUT/bandwidth.json"
     $B --methods zerofit-s2-offload zerofit-s3-offload deepspeed-s2-offload deepspeed-s3-offload fsdp2-offload \
        --steps 6 --timeout 200 --out "$OUT/gpt2xl"
     $B --methods zerofit-auto deepspeed-s3-offload --gpu-memory-gib 24 --batch 32 --steps 4 --timeout 200 \
        --out "$OUT/cap24_auto" ;;
   rowsfinal)
-    python3 bench/bandwidth_probe.py > "$OUT/bandwidth.json"
+    python3 benchmarks/bandwidth_probe.py > "$OUT/bandwidth.json"
     $B --methods zerofit-auto deepspeed-s3-offload --gpu-memory-gib 24 --batch 32 --steps 4 --timeout 200 \
        --out "$OUT/cap24_auto"
     L7="--model llama --n_embd 4096 --n_layer 32 --n_head 32 --intermediate 11008 --batch 8 --seq 512 --meta"
@@ -71,7 +71,7 @@ case "$WHAT" in
     $B --methods zerofit-auto --model llama --n_embd 5120 --n_layer 40 --n_head 40 --intermediate 13824 \
        --batch 8 --seq 512 --steps 3 --meta --timeout 220 --out "$OUT/llama13b_auto" ;;
   rowsbig)
-    python3 bench/bandwidth_probe.py > "$OUT/bandwidth_big.json"
+    python3 benchmarks/bandwidth_probe.py > "$OUT/bandwidth_big.json"
     L7="--model llama --n_embd 4096 --n_layer 32 --n_head 32 --intermediate 11008 --batch 8 --seq 512 --meta"
     $B --methods zerofit-s3-offload $L7 --steps 3 --timeout 200 --out "$OUT/llama7b_full"
     $B --methods zerofit-auto $L7 --steps 4 --timeout 150 --out "$OUT/llama7b_auto"

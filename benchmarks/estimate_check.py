@@ -1,7 +1,7 @@
 """`zerofit estimate` against measured GPU peaks: three models, several settings, one GPU.
 
-    python bench/estimate_check.py --out results/estimate      # on a GPU, about 3-4 minutes on an H200
-    python bench/estimate_check.py --tiny --out /tmp/est        # CPU, tiny models: the script end to end
+    python benchmarks/estimate_check.py --out results/estimate      # on a GPU, about 3-4 minutes on an H200
+    python benchmarks/estimate_check.py --tiny --out /tmp/est        # CPU, tiny models: the script end to end
 
 For each (model, setting) a fresh process builds the model from its config (random init, no hub),
 hands it to zerofit's engine in bf16 with AdamW and clipping 1.0, runs `--steps` steps, and reports

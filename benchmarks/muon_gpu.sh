@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Muon + AdamW on a from_pretrained checkpoint (issue #37), in ONE device call: plain PyTorch on one GPU beside
 # zerofit ZeRO-2 + GPU-stepped optimizer offload and ZeRO-3, each in fp32 (losses compared) and bf16 (timed).
-#   bash bench/muon_gpu.sh [--dry] [OUT_DIR]     (OUT_DIR defaults to $OUT, else out/muon)
-# Writes a Llama-shaped checkpoint first (bench/trainer_clm.py --make_checkpoint; SHAPE overrides its flags),
-# then runs bench/muon.py per row; every record lands in OUT_DIR/*.json, the log in OUT_DIR/log, a table at the
+#   bash benchmarks/muon_gpu.sh [--dry] [OUT_DIR]     (OUT_DIR defaults to $OUT, else out/muon)
+# Writes a Llama-shaped checkpoint first (benchmarks/trainer_clm.py --make_checkpoint; SHAPE overrides its flags),
+# then runs benchmarks/muon.py per row; every record lands in OUT_DIR/*.json, the log in OUT_DIR/log, a table at the
 # end. --dry: the same rows on the CPU with a tiny model and 2 gloo processes for the zerofit rows.
 set -uo pipefail
 DRY=0
@@ -26,7 +26,7 @@ else
   LAUNCH=(--num_processes 1)
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 fi
-"$PY" bench/trainer_clm.py --make_checkpoint "$CKPT" $SHAPE || exit 1
+"$PY" benchmarks/trainer_clm.py --make_checkpoint "$CKPT" $SHAPE || exit 1
 cat > /tmp/muon_s2.yaml <<'YAML'
 zero:
   stage: 2
@@ -40,10 +40,10 @@ for prec in fp32 bf16; do
   flag=(); mp=no
   if [ "$prec" = bf16 ]; then flag=(--bf16); mp=bf16; fi
   (( DRY )) && [ "$prec" = bf16 ] && continue
-  timeout 240 "$PY" bench/muon.py --model "$CKPT" "${RUN[@]}" "${flag[@]}" --result "$OUT_DIR/torch_$prec.json"
+  timeout 240 "$PY" benchmarks/muon.py --model "$CKPT" "${RUN[@]}" "${flag[@]}" --result "$OUT_DIR/torch_$prec.json"
   for cfg in s2 s3; do
     timeout 240 "$PY" -m zerofit.cli.main launch --config_file /tmp/muon_$cfg.yaml "${LAUNCH[@]}" --mixed_precision $mp \
-      bench/muon.py --model "$CKPT" --zerofit "${RUN[@]}" --result "$OUT_DIR/zerofit_${cfg}_$prec.json"
+      benchmarks/muon.py --model "$CKPT" --zerofit "${RUN[@]}" --result "$OUT_DIR/zerofit_${cfg}_$prec.json"
   done
 done
 "$PY" - "$OUT_DIR" <<'PYEOF'

@@ -1,7 +1,7 @@
 """Step time of zerofit's stages against plain PyTorch on the GPT-2 XL workload of shared/ANCHORS.md.
 
-    python bench/engine_step.py                    # every method, one process each, table on stdout
-    python bench/engine_step.py --methods torch zerofit-s2 --steps 8 --out results/
+    python benchmarks/engine_step.py                    # every method, one process each, table on stdout
+    python benchmarks/engine_step.py --methods torch zerofit-s2 --steps 8 --out results/
 
 Workload: GPT-2 XL architecture (random init), batch 16 x 128 tokens, bf16 compute, AdamW, gradient
 clipping 1.0, one GPU. Each method runs in its own process (clean memory peaks); steps run back to

@@ -1,8 +1,8 @@
 """A causal-LM fine-tune with transformers' Trainer, on zerofit or on DeepSpeed, timed step by step.
 
-    python bench/trainer_clm.py --make_checkpoint DIR [--hidden 2048 --layers 24 --heads 16 ...]
-    zerofit launch --config_file ds.json bench/trainer_clm.py --trainer zerofit --model DIR --result r.json
-    torchrun --nproc_per_node 1 bench/trainer_clm.py --trainer hf --deepspeed ds.json --model DIR --result r.json
+    python benchmarks/trainer_clm.py --make_checkpoint DIR [--hidden 2048 --layers 24 --heads 16 ...]
+    zerofit launch --config_file ds.json benchmarks/trainer_clm.py --trainer zerofit --model DIR --result r.json
+    torchrun --nproc_per_node 1 benchmarks/trainer_clm.py --trainer hf --deepspeed ds.json --model DIR --result r.json
 
 What a user's script does: TrainingArguments first (so DeepSpeed's ZeRO-3 loads the weights partitioned),
 then `AutoModelForCausalLM.from_pretrained(DIR, dtype=bfloat16)` from safetensors on disk, a fixed

@@ -1,7 +1,7 @@
 """What saving a LoRA adapter costs from a prepared model: `get_state_dict` of the whole model against the adapter's
 keys alone ([Note: an adapter's save gathers the adapter] in zerofit.integrations.adapter_keys).
 
-    zerofit launch --cpu --num_processes 2 --config_file CONFIG bench/adapter_save.py [--layers 16] [--hidden 1024]
+    zerofit launch --cpu --num_processes 2 --config_file CONFIG benchmarks/adapter_save.py [--layers 16] [--hidden 1024]
 
 A Llama built from a config (random weights; the save's cost does not depend on the values), LoRA r=8 on
 q_proj/v_proj, one training step, then each way timed on the main process between two barriers; prints one

@@ -1,6 +1,6 @@
 """Measure this machine's offload rates on its GPU, cache them, and print them with what the model makes of them.
 
-    PYTHONPATH=src python bench/bandwidth_probe.py [--repeat N] [--numel N]
+    PYTHONPATH=src python benchmarks/bandwidth_probe.py [--repeat N] [--numel N]
 
 Prints one JSON object: `rates` (the cached measurement, `zerofit.plan.bandwidth.Rates`), `cache_file` and
 whether it was written, `seconds` (wall time of each measurement: the probe should take under 5 s on an

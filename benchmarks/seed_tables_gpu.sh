@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The seed's three tables on the lent GPU machine (one H200, capped at 24 GiB like the seed's cards).
-#   bench/seed_tables_gpu.sh OUT [TABLES...] [-- extra zerofit bench flags]
+#   benchmarks/seed_tables_gpu.sh OUT [TABLES...] [-- extra zerofit bench flags]
 # Installs the DeepSpeed wheels carried in .whl/ (see shared/ANCHORS.md) so the DeepSpeed rows run.
 set -euo pipefail
 out="$1"; shift

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue #26: one transformers Trainer script on a pretrained (on-disk) model, zerofit beside DeepSpeed:
-#   bash bench/trainer_gpu.sh OUT_DIR     (one GPU, one device call: no run goes on past BUDGET_S seconds)
-# The script is bench/trainer_clm.py: a Llama-shaped model from bf16 safetensors, 8x512 synthetic tokens,
+#   bash benchmarks/trainer_gpu.sh OUT_DIR     (one GPU, one device call: no run goes on past BUDGET_S seconds)
+# The script is benchmarks/trainer_clm.py: a Llama-shaped model from bf16 safetensors, 8x512 synthetic tokens,
 # bf16, max_steps STEPS. The runs differ in one import and the launcher, and read the same DeepSpeed JSON
 # (the "auto" keys Trainer fills, an AdamW optimizer section):
 #   zerofit-s3-offload    zerofit launch --config_file zero3_offload.json trainer_clm.py --trainer zerofit
@@ -60,7 +60,7 @@ setup() {
   if [ -f "$CKPT/config.json" ]; then
     echo "checkpoint $CKPT exists: reused"
   else
-    timeout 300 python3 bench/trainer_clm.py --make_checkpoint "$CKPT" --hidden "$HIDDEN" --layers "$LAYERS" \
+    timeout 300 python3 benchmarks/trainer_clm.py --make_checkpoint "$CKPT" --hidden "$HIDDEN" --layers "$LAYERS" \
       --heads "$HEADS" --intermediate "$INTER" --vocab "$VOCAB" --seq "$SEQ" "${SCRIPT_CPU[@]}" \
       || echo "building the checkpoint failed: every run will fail"
   fi
@@ -104,7 +104,7 @@ run() {  # run NAME (ENGINE-sSTAGE-offload): one row; a failure is recorded, nev
   local name="$1" engine="${1%%-*}" stage="${1#*-s}" limit left start rc status cmd
   stage="${stage%%-*}"
   local config="$OUT/configs/zero${stage}_offload.json" runs="$OUT/runs"
-  local script=(bench/trainer_clm.py --model "$CKPT" --steps "$STEPS" --warmup "$WARMUP" --batch "$BATCH"
+  local script=(benchmarks/trainer_clm.py --model "$CKPT" --steps "$STEPS" --warmup "$WARMUP" --batch "$BATCH"
                 --seq "$SEQ" --output_dir "/tmp/trainer_gpu_$name" --result "$runs/$name.json"
                 "${SCRIPT_CPU[@]}")
   case "$engine" in

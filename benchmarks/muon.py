@@ -1,8 +1,8 @@
 """Muon beside AdamW on a pretrained checkpoint, as torch documents them, under zerofit and under plain PyTorch.
 
-    python bench/trainer_clm.py --make_checkpoint DIR --hidden 1536 --layers 16 --heads 12 --intermediate 4096
-    python bench/muon.py --model DIR --result torch.json                              # plain PyTorch, one process
-    zerofit launch --config_file s2_gpu_stepped.yaml bench/muon.py --model DIR --zerofit --result s2.json
+    python benchmarks/trainer_clm.py --make_checkpoint DIR --hidden 1536 --layers 16 --heads 12 --intermediate 4096
+    python benchmarks/muon.py --model DIR --result torch.json                              # plain PyTorch, one process
+    zerofit launch --config_file s2_gpu_stepped.yaml benchmarks/muon.py --model DIR --zerofit --result s2.json
 
 The script is a user's: `AutoModelForCausalLM.from_pretrained(DIR)`, `torch.optim.Muon` over the 2-D weights of
 the decoder layers, `torch.optim.AdamW` over everything else (embeddings, head, norms), both stepped every

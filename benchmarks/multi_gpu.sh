@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Issue #9's several-GPU measurements, in parts that each fit one device call (one command, at most 10
 # minutes; a session has 30 minutes of device time, so the whole set takes two sessions):
-#   bash bench/multi_gpu.sh OUT PART      one part a call; several parts share one BUDGET_S, in the order given
-#   bash bench/multi_gpu.sh OUT           every part in the default order below, as far as BUDGET_S lasts
+#   bash benchmarks/multi_gpu.sh OUT PART      one part a call; several parts share one BUDGET_S, in the order given
+#   bash benchmarks/multi_gpu.sh OUT           every part in the default order below, as far as BUDGET_S lasts
 # Parts, most important first; the estimates (on H200s, from the one-GPU seed tables' launch times:
 # see docs/benchmarks.md, "Not measured yet") include the ~30 s of setup:
 #   parity            2 GPUs, GPT-2 XL, fp32, no warm-up, 20 steps from the same weights: zerofit stages 1-3

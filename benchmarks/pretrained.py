@@ -1,7 +1,7 @@
 """A user's Accelerate loop on a pretrained checkpoint from disk: load, prepare, train, save, check.
 
-    python bench/trainer_clm.py --make_checkpoint DIR --hidden 5120 --layers 40 --heads 40 --intermediate 13824
-    zerofit launch --config_file auto.yaml bench/pretrained.py --model DIR --result r.json [--save SAVE_DIR]
+    python benchmarks/trainer_clm.py --make_checkpoint DIR --hidden 5120 --layers 40 --heads 40 --intermediate 13824
+    zerofit launch --config_file auto.yaml benchmarks/pretrained.py --model DIR --result r.json [--save SAVE_DIR]
 
 What the script does is what a user's does (#29): `AutoModelForCausalLM.from_pretrained(DIR, dtype=bfloat16)`
 (bf16 safetensors, memory-mapped), `torch.optim.AdamW`, `accelerator.prepare(model, optimizer, loader)`,
@@ -34,7 +34,7 @@ import transformers
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, help="a checkpoint folder (bench/trainer_clm.py --make_checkpoint)")
+    p.add_argument("--model", required=True, help="a checkpoint folder (benchmarks/trainer_clm.py --make_checkpoint)")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2, help="steps left out of the median")
     p.add_argument("--batch", type=int, default=8, help="micro-batch per process")

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One recipe on a GPU with a real-size random-init model: run_clm_no_trainer.py, GPT-2 XL architecture
 # (1.56 B), ZeRO-3 + CPU offload, the shipped text fixture repeated, a word-level tokenizer trained on it.
-#   bash bench/recipe_gpu.sh OUT_DIR [CONFIG]   (needs transformers and datasets; no hub access)
+#   bash benchmarks/recipe_gpu.sh OUT_DIR [CONFIG]   (needs transformers and datasets; no hub access)
 # CONFIG defaults to examples/configs/zerofit/zero3_offload.yaml; a config with `stage: auto` shows the
 # planner's choice and the probe of its first step (cap the GPU with ZEROFIT_GPU_MEMORY_GIB=24).
 set -euo pipefail

@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # Issue #29: pretrained Llama-shaped checkpoints from disk under `stage: auto`, as a user's Accelerate loop:
-#   bash bench/pretrained_gpu.sh OUT_DIR      (one GPU, one device call; nothing goes on past BUDGET_S)
-# For each size in SIZES: write the checkpoint (bf16 safetensors, bench/trainer_clm.py --make_checkpoint),
-# run bench/pretrained.py under `zerofit launch` with CONFIG (default: stage auto, bf16), save if SAVE=1,
+#   bash benchmarks/pretrained_gpu.sh OUT_DIR      (one GPU, one device call; nothing goes on past BUDGET_S)
+# For each size in SIZES: write the checkpoint (bf16 safetensors, benchmarks/trainer_clm.py --make_checkpoint),
+# run benchmarks/pretrained.py under `zerofit launch` with CONFIG (default: stage auto, bf16), save if SAVE=1,
 # then delete the checkpoint (the disk holds one 13 B checkpoint and its save, not two models).
 # Settings (environment):
 #   SIZES        names from the table below, in order (default "13b")
 #   STEPS BATCH SEQ   6 steps, 8x512
 #   SAVE=1       save_pretrained after training and check every tensor (needs the model's bf16 size free on disk)
 #   HISTORY=1    record CUDA allocations; an OOM writes the largest live ones with their frames
-#   MODES        bench/pretrained.py --mode values to run per size, in order (default "train")
+#   MODES        benchmarks/pretrained.py --mode values to run per size, in order (default "train")
 #   NO_LOADER=1  prepare(model, optimizer) only: the batch is fed by hand (the planner sees no batch shape)
 #   BUDGET_S     seconds for everything (default 540)
 # Each run's JSON record and log land in OUT_DIR; OUT_DIR/log has everything printed.
@@ -47,7 +47,7 @@ for size in "${SIZES[@]}"; do
   (( left < 90 )) && { echo "== $size skipped: ${left}s left"; continue; }
   ckpt="/tmp/pretrained_$size"
   echo "== $size: checkpoint $ckpt ($(date -u +%T))"
-  [ -f "$ckpt/config.json" ] || timeout 300 python3 bench/trainer_clm.py --make_checkpoint "$ckpt" \
+  [ -f "$ckpt/config.json" ] || timeout 300 python3 benchmarks/trainer_clm.py --make_checkpoint "$ckpt" \
     --hidden "$hidden" --layers "$layers" --heads "$heads" --intermediate "$inter" --seq "$SEQ" | tail -1
   du -sh "$ckpt"
   for mode in "${MODES[@]}"; do
@@ -56,7 +56,7 @@ for size in "${SIZES[@]}"; do
     (( left < 60 )) && { echo "== $size $mode skipped: ${left}s left"; continue; }
     echo "== $size --mode $mode: train ($(date -u +%T), timeout ${left}s)"
     ZEROFIT_BENCH_MEMORY_HISTORY="$HISTORY" timeout -k 10 "$left" python3 -m zerofit.cli.main launch \
-      --config_file "$CONFIG" --num_processes 1 bench/pretrained.py --model "$ckpt" --steps "$STEPS" \
+      --config_file "$CONFIG" --num_processes 1 benchmarks/pretrained.py --model "$ckpt" --steps "$STEPS" \
       --batch "$BATCH" --seq "$SEQ" --mode "$mode" --result "$OUT/$size-$mode${NO_LOADER:+-noloader}.json" \
       "${save[@]}" ${NO_LOADER:+--no-loader} 2>&1 \
       | grep --line-buffered -v -e 'Loading weights' -e 'Writing model shards'

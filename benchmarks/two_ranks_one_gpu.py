@@ -2,7 +2,7 @@
 without GPU-stepped and host-stepped offload, each against the same run on CPU. It exercises the
 engine's stream and event paths with more than one rank, which CPU runs never do.
 
-    PYTHONPATH=src:tests python bench/two_ranks_one_gpu.py
+    PYTHONPATH=src:tests python benchmarks/two_ranks_one_gpu.py
 """
 
 from __future__ import annotations
