@@ -177,7 +177,7 @@ def _planned_zero(model, args):
     import torch
 
     from zerofit.config.schema import AUTO, OffloadConfig, PrecisionConfig, RunConfig, ZeroConfig
-    from zerofit.frontend.auto_plan import (
+    from zerofit.frontend.planning.auto_plan import (
         apply_checkpointing,
         budget_for,
         machine_host_share,

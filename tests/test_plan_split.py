@@ -21,7 +21,7 @@ from zerofit.config import load_config
 from zerofit.config.schema import AUTO, OffloadConfig, RunConfig, ZeroConfig
 from zerofit.engine.policy import StateHome, host_share_for, host_stepped_units, offloaded_units, state_homes
 from zerofit.errors import ConfigError
-from zerofit.frontend import auto_plan
+from zerofit.frontend.planning import auto_plan
 from zerofit.plan import bandwidth
 from zerofit.plan.auto import candidates, choose, describe
 from zerofit.plan.choose import GPU_RESERVE_BYTES, Budget

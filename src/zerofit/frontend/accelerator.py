@@ -35,10 +35,10 @@ from zerofit.config.schema import RunConfig, is_auto
 from zerofit.distributed import arrival, process_group, runtime
 from zerofit.engine.loss_scale import LossScaler
 from zerofit.frontend import compiling, ops, plugins
-from zerofit.frontend.backoff import OomBackoff
 from zerofit.frontend.data.loaders import ShardedDataLoader
-from zerofit.frontend.first_step_check import StepProbe
 from zerofit.frontend.persistence import PersistenceMixin
+from zerofit.frontend.planning.backoff import OomBackoff
+from zerofit.frontend.planning.first_step_check import StepProbe
 from zerofit.frontend.prepare import Prepared, PrepareMixin
 from zerofit.frontend.processes import ProcessMethods
 from zerofit.frontend.script_config import (
@@ -139,7 +139,7 @@ class Accelerator(PrepareMixin, PersistenceMixin, ProcessMethods):
         self.state = AcceleratorState(self)
         self._backoff = OomBackoff(settings=lambda: self.config, process=self.process,  # inside accumulate()
                                    gradient_state=self.gradient_state, prepared=self._prepared)
-        # checks an "auto" choice on the first step (zerofit.frontend.first_step_check)
+        # checks an "auto" choice on the first step (zerofit.frontend.planning.first_step_check)
         self._probe: StepProbe | None = None
         self.planning_accumulation: int | None = None
         """The accumulation the loop really runs, when the loop counts it itself and the Accelerator's own is 1
@@ -291,7 +291,7 @@ class Accelerator(PrepareMixin, PersistenceMixin, ProcessMethods):
     def accumulate(self, *models: nn.Module) -> Iterator[None]:
         """Count one micro-step; `sync_gradients` is True when it closes a window (or ends the dataloader).
 
-        A CUDA out-of-memory error inside the block backs off: see `zerofit.frontend.backoff`."""
+        A CUDA out-of-memory error inside the block backs off: see `zerofit.frontend.planning.backoff`."""
         self.gradient_state.count_micro_step()
         with self._backoff.guard():
             yield

@@ -27,7 +27,11 @@ from zerofit.engine.optimizer_set import OptimizerSet, members_of
 from zerofit.engine.plain_backward import BackwardCaller
 from zerofit.errors import ConfigError
 from zerofit.frontend import compiling, engine_surface, ops
-from zerofit.frontend.auto_plan import (
+from zerofit.frontend.banner import describe_engine
+from zerofit.frontend.data.loaders import ShardedDataLoader
+from zerofit.frontend.data.sampling import order_for
+from zerofit.frontend.optimizers import AcceleratedOptimizer, SiblingSteps, build_optimizer
+from zerofit.frontend.planning.auto_plan import (
     apply_checkpointing,
     host_share_of,
     keep_checkpointing_effective,
@@ -35,10 +39,6 @@ from zerofit.frontend.auto_plan import (
     plan_for,
     wants_host_share,
 )
-from zerofit.frontend.banner import describe_engine
-from zerofit.frontend.data.loaders import ShardedDataLoader
-from zerofit.frontend.data.sampling import order_for
-from zerofit.frontend.optimizers import AcceleratedOptimizer, SiblingSteps, build_optimizer
 from zerofit.frontend.progress import Progress
 from zerofit.frontend.schedulers import AcceleratedScheduler, build_scheduler
 from zerofit.frontend.script_config import hidden_size_of, resolve, scheduler_total_steps
@@ -218,7 +218,7 @@ class PrepareMixin:
             share = host_share_of(rates, self.num_processes,
                                   2 if self.config.precision.mixed_precision in ("bf16", "fp16") else 4)
         planned = auto or share is not None
-        if planned:  # "auto": the planner picks (zerofit.frontend.auto_plan) and prints its choice
+        if planned:  # "auto": the planner picks (zerofit.frontend.planning.auto_plan) and prints its choice
             batch = self.config.batch
             planning = self.config
             if self.planning_accumulation is not None:  # the loop accumulates itself (Trainer)

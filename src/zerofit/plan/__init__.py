@@ -13,9 +13,9 @@
 - `sharing`: those rates as one of several processes on a host may count on them;
 - `host_memory`: the host memory a budget holds (`MemTotal`, a cgroup limit) and whether it may grow.
 
-The run-time halves live in the front end: `zerofit.frontend.auto_plan` (the budget over the ranks and
-the first batch, at `prepare()`), `zerofit.frontend.first_step_check` (measuring the first step) and
-`zerofit.frontend.backoff` (a CUDA out-of-memory error halves the micro-batch and doubles accumulation).
+The run-time half lives in the front end (`zerofit.frontend.planning`): `auto_plan` (the budget over the
+ranks and the first batch, at `prepare()`), `first_step_check` (measuring the first step) and `backoff` (a
+CUDA out-of-memory error halves the micro-batch and doubles accumulation).
 """
 
 from zerofit.plan.choose import Budget, Plan, machine_budget, plan

@@ -77,7 +77,7 @@ class Budget:
         """The device bytes `e`'s setting may reach and still fit with headroom (None: unknown).
 
         The same rule as `gpu_fits` (or `host_fits` without a GPU) solved for the device total, so a
-        measured peak can be held against it (`zerofit.frontend.first_step_check`)."""
+        measured peak can be held against it (`zerofit.frontend.planning.first_step_check`)."""
         if not self.unified:
             return None if self.gpu_bytes is None else int((1 - self.headroom) * self.gpu_bytes) - GPU_RESERVE_BYTES
         if self.host_bytes is None:

@@ -1,8 +1,8 @@
 """The judgement of a planned run's first optimizer step: does the setting `auto` chose fit as estimated?
 
-`judge` holds a measured peak against the plan (pure: tests and `zerofit.frontend.first_step_check` call it);
+`judge` holds a measured peak against the plan (pure: tests and `zerofit.frontend.planning.first_step_check` call it);
 the run-time side - resetting and reading CUDA's peak counter, agreeing over the ranks, printing -
-is `zerofit.frontend.first_step_check.StepProbe` (see its note).
+is `zerofit.frontend.planning.first_step_check.StepProbe` (see its note).
 """
 
 from __future__ import annotations

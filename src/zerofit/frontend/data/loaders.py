@@ -40,9 +40,9 @@ from typing import Any
 import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler
 
-from zerofit.frontend.backoff import BatchSplitter
 from zerofit.frontend.data.sampling import EpochOrder, OwnOrder, SeededOrder, restored
 from zerofit.frontend.ops import send_to_device
+from zerofit.frontend.planning.backoff import BatchSplitter
 from zerofit.frontend.state import GradientState
 
 
@@ -153,7 +153,7 @@ class ShardedDataLoader:
         """`batches_yielded` of the checkpoint last loaded (pass it to `skip_first_batches`)."""
         self._skip_next = 0
         self.splitter = BatchSplitter()
-        """Cuts batches smaller after an out-of-memory back-off (see zerofit.frontend.backoff)."""
+        """Cuts batches smaller after an out-of-memory back-off (see zerofit.frontend.planning.backoff)."""
         self.batch_sampler: ShardedBatchSampler | None = None
         # The workers' generator, our own: a resumed epoch must seed its workers as the uninterrupted one
         # did ([Note: the draws of an epoch start]).

@@ -16,7 +16,7 @@ backward follows - is checked before it runs (a forward pre-hook on the model, r
   needs and has, the setting the planner chooses for this batch, and the fixes (pass the DataLoader to
   `prepare()`, write that setting, or lower the batch).
 A model the planner cannot replicate (not a transformers model) has no trace: nothing is checked, as
-before, and the probe of the first optimizer step (`zerofit.frontend.first_step_check`) still reports the peak.
+before, and the probe of the first optimizer step (`zerofit.frontend.planning.first_step_check`) still reports the peak.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 The decision itself is offline and pure (`zerofit.plan.auto.choose`, see its note on why every rank
 decides the same); this module supplies what only the running job knows - the memory budget (the
 minimum over the ranks, one all-reduce), the first batch's shape from the prepared DataLoader - and
-returns the probe that checks the choice on the first optimizer step (`zerofit.frontend.first_step_check`).
+returns the probe that checks the choice on the first optimizer step (`zerofit.frontend.planning.first_step_check`).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from zerofit.config.naming import key_name
 from zerofit.config.schema import RunConfig, is_auto
 from zerofit.distributed.failures import named
 from zerofit.errors import ConfigError
-from zerofit.frontend.first_batch import FirstBatchCheck
-from zerofit.frontend.first_step_check import StepProbe
+from zerofit.frontend.planning.first_batch import FirstBatchCheck
+from zerofit.frontend.planning.first_step_check import StepProbe
 from zerofit.plan import bandwidth
 from zerofit.plan.activations import checkpointing_switch, has_checkpointing
 from zerofit.plan.auto import can_checkpoint, choose, describe
@@ -183,9 +183,10 @@ def plan_for(config: RunConfig, model: nn.Module, *, loaders: list[Any], micro_b
              rates: bandwidth.Rates | None = None,
              whole: frozenset[int] = frozenset()) -> tuple[RunConfig, StepProbe, FirstBatchCheck | None]:
     """`config` with its "auto" stage / offload resolved for `model` (the choice is printed on the local
-    main process), the probe that checks the choice on the first optimizer step (`zerofit.frontend.first_step_check`),
-    and, when no DataLoader gave the batch shape, the check of the first training forward
-    ([Note: planned without the batch]) for the caller to install (None when the shape was known).
+    main process), the probe that checks the choice on the first optimizer step
+    (`zerofit.frontend.planning.first_step_check`), and, when no DataLoader gave the batch shape, the check
+    of the first training forward ([Note: planned without the batch]) for the caller to install (None when
+    the shape was known).
 
     `loaders` are the DataLoaders prepared so far (the first gives the batch shape), `micro_batch` the
     script's micro-batch if known, `process` this process's place in the run (`ProcessState`),

@@ -1,7 +1,7 @@
 """The first optimizer step of a planned run, measured: does the setting `auto` chose fit as estimated?
 
 [Note: the probe]
-When the planner resolved an "auto" at prepare() (`zerofit.frontend.auto_plan`), the run's first optimizer
+When the planner resolved an "auto" at prepare() (`zerofit.frontend.planning.auto_plan`), the run's first optimizer
 step is the probe:
 - at prepare(), once the engine holds the model, CUDA's peak-memory counter is reset (`start`), so
   the peak it reports next covers the persistent states plus one whole step - forward, backward and
