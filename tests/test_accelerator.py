@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 from zerofit import Accelerator, DummyOptim, DummyScheduler
 from zerofit.config.schema import AUTO, OptimizerConfig, RunConfig, SchedulerConfig, ZeroConfig
 from zerofit.errors import ConfigError
-from zerofit.frontend.data import ShardedDataLoader
+from zerofit.frontend.data.loaders import ShardedDataLoader
 from zerofit.frontend.optimizers import AcceleratedOptimizer
 from zerofit.frontend.schedulers import AcceleratedScheduler
 from zerofit.testing.distributed import run_distributed

@@ -21,7 +21,7 @@ from zerofit.plan.bandwidth import Rates, best_host_share, host_seconds, offload
 GPU = "NVIDIA H200"
 
 # The H200 box of the offload benchmarks: 55 GB/s each way alone, 49 both at once, fused CPU AdamW
-# 0.252 s per 1e9 params alone and 0.388 s beside copies, the GPU kernel 0.006 s (bench/bandwidth_probe.py
+# 0.252 s per 1e9 params alone and 0.388 s beside copies, the GPU kernel 0.006 s (benchmarks/bandwidth_probe.py
 # measured 55.3 / 55.4 / 50.2 GB/s, 0.21 / 0.29 s and 0.008 s on such a box).
 H200 = Rates(h2d_gbs=55.0, d2h_gbs=55.0, both_gbs=49.0, cpu_adam_s=0.252, cpu_adam_busy_s=0.388, gpu_adam_s=0.006,
              device_name=GPU, torch_version=torch.__version__, host=socket.gethostname(), cpus=16,

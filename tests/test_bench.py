@@ -228,13 +228,13 @@ def test_a_process_past_its_timeout_is_stopped_and_says_so():
 def _eager_and_compiled_rows(rank: int, world: int, events: str, steps: int) -> None:
     """The bench worker's equal-batch phase for an eager and a compiled zerofit row, one after the other in this
     process (the CLI starts a process per row: this is what each of them runs, without two more interpreters)."""
-    from zerofit.bench import worker
+    from zerofit.bench import row_process
 
     for method in ("zerofit-s2", "zerofit-s2-compiled"):
         os.makedirs(os.path.join(events, method))
-        worker.main(["--events", os.path.join(events, method), "--table", "clm", "--method", method, "--tiny",
-                     "--device", "cpu", "--precision", "no", "--equal-only", "--equal-batch", "2", "--warmup", "1",
-                     "--steps", str(steps), "--eval-steps", "0", "--compile-backend", "aot_eager"])
+        row_process.main(["--events", os.path.join(events, method), "--table", "clm", "--method", method, "--tiny",
+                         "--device", "cpu", "--precision", "no", "--equal-only", "--equal-batch", "2", "--warmup", "1",
+                         "--steps", str(steps), "--eval-steps", "0", "--compile-backend", "aot_eager"])
 
 
 def test_a_compiled_row_trains_as_its_eager_row_and_the_table_says_so(tmp_path):

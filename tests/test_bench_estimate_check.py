@@ -1,4 +1,4 @@
-"""bench/estimate_check.py end to end on CPU with tiny models, so the GPU validation script cannot rot."""
+"""benchmarks/estimate_check.py end to end on CPU with tiny models, so the GPU validation script cannot rot."""
 
 from __future__ import annotations
 
@@ -10,14 +10,15 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow  # runs bench/estimate_check.py end to end
+pytestmark = pytest.mark.slow  # runs benchmarks/estimate_check.py end to end
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_estimate_check_tiny_runs(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "estimate_check.py"), "--tiny", "--models", "gpt2-tiny",
+    script = ROOT / "benchmarks" / "estimate_check.py"
+    proc = subprocess.run([sys.executable, str(script), "--tiny", "--models", "gpt2-tiny",
                            "--settings", "s2-offload", "--steps", "2", "--out", str(tmp_path)],
                           capture_output=True, text=True, env=env, timeout=240)
     assert proc.returncode == 0, proc.stderr[-2000:]

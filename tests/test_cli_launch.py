@@ -66,7 +66,7 @@ def test_failing_rank_shows_its_traceback_and_fails_the_launch():
     assert "[rank1]: Traceback (most recent call last)" in err
     assert err.count("RuntimeError: deliberate failure on rank 1") == 2  # the traceback once, the summary once
     assert err.count("Traceback (most recent call last)") == 1  # rank 0 ended cleanly: only rank 1's
-    assert "zerofit/cli/worker.py" not in err and "elastic/multiprocessing/errors" not in err  # bootstrap trimmed
+    assert "zerofit/cli/worker_entry.py" not in err and "elastic/multiprocessing/errors" not in err  # bootstrap trimmed
     summary = err[err.index("zerofit launch: -m allreduce_check failed"):]
     assert summary.startswith("zerofit launch: -m allreduce_check failed: rank 1 first (local rank 1, exit code 1): "
                               "RuntimeError: deliberate failure on rank 1")

@@ -49,10 +49,10 @@ def test_gpu_selection_follows_the_local_rank(monkeypatch):
 
 
 def test_worker_error_record_appears_whole(tmp_path, monkeypatch):
-    """[Note: the error file appears whole or not at all] in zerofit.cli.worker."""
+    """[Note: the error file appears whole or not at all] in zerofit.cli.worker_entry."""
     import json as _json
 
-    from zerofit.cli.worker import _WholeFileErrorHandler
+    from zerofit.cli.worker_entry import _WholeFileErrorHandler
 
     path = tmp_path / "error.json"
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
@@ -68,10 +68,10 @@ def test_worker_error_record_appears_whole(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize(("rank", "shown"), [("0", True), ("1", False), (None, True)])
 def test_repeated_warnings_show_on_rank_0_only(rank, shown, monkeypatch):
-    """[Note: warnings once per run] in zerofit.cli.worker: deprecations every rank would repeat."""
+    """[Note: warnings once per run] in zerofit.cli.worker_entry: deprecations every rank would repeat."""
     import warnings
 
-    from zerofit.cli.worker import REPEATED_WARNINGS, quiet_repeated_warnings
+    from zerofit.cli.worker_entry import REPEATED_WARNINGS, quiet_repeated_warnings
 
     if rank is None:
         monkeypatch.delenv("RANK", raising=False)
@@ -87,9 +87,9 @@ def test_repeated_warnings_show_on_rank_0_only(rank, shown, monkeypatch):
 
 
 def test_only_rank_0_of_a_run_that_never_built_zerofit_state_names_the_import_to_change(monkeypatch):
-    """[Note: a run that never used zerofit] in zerofit.cli.worker."""
+    """[Note: a run that never used zerofit] in zerofit.cli.worker_entry."""
     from zerofit import PartialState
-    from zerofit.cli.worker import unused_notice
+    from zerofit.cli.worker_entry import unused_notice
     from zerofit.frontend import processes
 
     monkeypatch.setattr(runtime, "_zerofit_state_built", False)

@@ -1,6 +1,6 @@
 """Prepared dataloaders give each rank the samples Accelerate's `prepare_data_loader` gives it, step by step.
 
-See [Note: the same order as Accelerate] in zerofit.frontend.sampling and [Note: the draws of an
+See [Note: the same order as Accelerate] in zerofit.frontend.data.sampling and [Note: the draws of an
 epoch start] in zerofit.frontend.data. Each rank of a world of two is computed in this one
 process: the rank and world are passed to both libraries, and the global RNG is seeded the same
 before each "rank", as `set_seed` does on every rank of a real run. Accelerate's own sync of rank
@@ -18,9 +18,9 @@ from torch.utils.data import DataLoader, Dataset, RandomSampler, Sampler, Subset
 
 from zerofit import Accelerator
 from zerofit.checkpoint import loop_state
-from zerofit.frontend.data import ShardedDataLoader
+from zerofit.frontend.data.loaders import ShardedDataLoader
+from zerofit.frontend.data.sampling import order_for
 from zerofit.frontend.plugins import DataLoaderConfiguration
-from zerofit.frontend.sampling import order_for
 from zerofit.frontend.state import GradientState
 
 accelerate_data = pytest.importorskip("accelerate.data_loader")

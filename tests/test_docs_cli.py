@@ -5,7 +5,7 @@
 - every `zerofit CMD ...` command line in README.md and docs/*.md uses only options CMD has, spelt
   canonically (what follows the script of `zerofit launch ... train.py --args` belongs to the script),
   and every complete one in a code block parses;
-- the bench/*.sh scripts the docs point to pass only options their commands still have;
+- the benchmarks/*.sh scripts the docs point to pass only options their commands still have;
 - docs/configs.md's table of accepted-and-ignored DeepSpeed keys is `zerofit.config.ignored.TABLE`;
 - docs/contributing.md's code map lists exactly the module files under src/zerofit.
 
@@ -184,7 +184,7 @@ def _script_lines(script: Path) -> list[tuple[str, str]]:
     return found
 
 
-SCRIPTS = sorted((ROOT / "bench").glob("*.sh"))
+SCRIPTS = sorted((ROOT / "benchmarks").glob("*.sh"))
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=[s.name for s in SCRIPTS])

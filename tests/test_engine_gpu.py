@@ -118,7 +118,7 @@ def test_gpu_stepped_offload_with_accumulation_matches():
 @requires_cuda
 def test_gpu_stepped_offload_resumes_from_a_checkpoint_bit_for_bit(tmp_path):
     """The state a load puts in host memory (scalars on the CPU) is what the next streamed step uses."""
-    from test_engine_stream_step import _checkpoint_rank
+    from test_engine_gpu_step import _checkpoint_rank
 
     from zerofit.testing.distributed import run_distributed
 
@@ -144,7 +144,7 @@ def test_gpu_stepped_offload_from_nvme_is_bit_identical_to_state_on_the_gpu(stag
 
 @requires_cuda
 def test_gpu_stepped_offload_from_nvme_resumes_from_a_checkpoint_bit_for_bit(tmp_path):
-    from test_engine_stream_step import _checkpoint_rank
+    from test_engine_gpu_step import _checkpoint_rank
 
     from zerofit.testing.distributed import run_distributed
 

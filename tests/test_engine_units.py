@@ -6,7 +6,7 @@ import pytest
 from engine_cases import TinyLM
 from torch import nn
 
-from zerofit.engine.units import plan_units
+from zerofit.engine.find_units import plan_units
 
 
 def _owned(units):

@@ -1,6 +1,6 @@
 """Prepared dataloaders give every rank the same number of batches, whatever the dataset size.
 
-This is what keeps ranks in step (see [Note: even batches] in zerofit.frontend.data); a DataLoader the script
+This is what keeps ranks in step (see [Note: even batches] in zerofit.frontend.data.loaders); a DataLoader the script
 does not prepare has no such guarantee, and tests/test_faults.py shows that ranks then raise a
 CollectiveError instead of hanging.
 """
@@ -12,8 +12,8 @@ import itertools
 import pytest
 from torch.utils.data import RandomSampler, SequentialSampler
 
-from zerofit.frontend.data import ShardedBatchSampler
-from zerofit.frontend.sampling import SeededOrder
+from zerofit.frontend.data.loaders import ShardedBatchSampler
+from zerofit.frontend.data.sampling import SeededOrder
 
 CASES = list(itertools.product((1, 5, 9, 24, 31), (1, 2, 4), (2, 3, 4), (False, True), (False, True)))
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-FOLDERS = ("src", "tests", "tools", "bench", "examples")
+FOLDERS = ("src", "tests", "tools", "benchmarks", "examples")
 
 
 @pytest.mark.skipif(importlib.util.find_spec("ruff") is None, reason="ruff comes with the dev extra")

@@ -14,7 +14,7 @@ from zerofit import Accelerator
 from zerofit.config import load_config
 from zerofit.config.schema import AUTO, OffloadConfig, RunConfig, ZeroConfig
 from zerofit.errors import ConfigError
-from zerofit.frontend.auto_plan import budget_for
+from zerofit.frontend.planning.auto_plan import budget_for
 from zerofit.plan.activations import checkpointing_switch
 from zerofit.plan.auto import candidates, choose
 from zerofit.plan.choose import HOST_BASELINE_BYTES

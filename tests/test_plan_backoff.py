@@ -17,7 +17,7 @@ from zerofit import Accelerator
 from zerofit.config import load_config
 from zerofit.config.schema import BatchConfig, OffloadConfig, RunConfig, ZeroConfig
 from zerofit.errors import ConfigError, EngineError
-from zerofit.frontend.backoff import split_batch
+from zerofit.frontend.planning.backoff import split_batch
 from zerofit.testing.distributed import run_distributed
 
 N, MICRO, GAS = 64, 8, 2

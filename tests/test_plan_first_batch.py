@@ -1,4 +1,4 @@
-"""[Note: planned without the batch] (zerofit.frontend.first_batch): a script that passes no DataLoader to
+"""[Note: planned without the batch] (zerofit.frontend.planning.first_batch): a script that passes no DataLoader to
 prepare() leaves the batch shape unknown, so `stage: auto` plans the states alone; the first training
 forward is checked before it runs. A pretrained 13 B at 8x512 on one H200 ran out of GPU memory in that
 forward (#29). Here: a tiny GPT-2 whose activations at 8x512 dwarf its states, on CPU (host memory is the
@@ -13,8 +13,8 @@ from zerofit import Accelerator
 from zerofit.config import config_from_dict
 from zerofit.config.schema import AUTO, RunConfig, ZeroConfig
 from zerofit.errors import ConfigError
-from zerofit.frontend.auto_plan import budget_for
-from zerofit.frontend.first_batch import FirstBatchCheck, batch_shape
+from zerofit.frontend.planning.auto_plan import budget_for
+from zerofit.frontend.planning.first_batch import FirstBatchCheck, batch_shape
 from zerofit.plan.auto import choose
 from zerofit.plan.choose import GIB, GPU_RESERVE_BYTES, HOST_BASELINE_BYTES, Budget
 

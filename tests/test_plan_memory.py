@@ -235,7 +235,7 @@ def test_trace_and_counts_must_carve_the_same_units():
 
 
 def test_budget_from_the_environment_names_the_variable(monkeypatch):
-    from zerofit.frontend.auto_plan import budget_for
+    from zerofit.frontend.planning.auto_plan import budget_for
 
     monkeypatch.setenv("ZEROFIT_HOST_MEMORY_GIB", "lots")
     with pytest.raises(ValueError, match="ZEROFIT_HOST_MEMORY_GIB='lots' must be a number of GiB"):

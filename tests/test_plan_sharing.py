@@ -10,7 +10,7 @@ import torch
 from test_bandwidth import H200
 from test_plan_step_time import COUNTS, WORK
 
-from zerofit.frontend import auto_plan
+from zerofit.frontend.planning import auto_plan
 from zerofit.plan import bandwidth
 from zerofit.plan.choose import Budget, plan
 from zerofit.plan.memory import Setting

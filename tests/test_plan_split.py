@@ -2,7 +2,7 @@
 
 Which units (`host_stepped_units`), how the config spells it (`offload_optimizer.host_share`), how the
 memory model and the planner treat it, and how a machine's measured rates become the planner's
-choice. That a split trains exactly as no offload is in tests/test_engine_stream_step.py (CPU) and
+choice. That a split trains exactly as no offload is in tests/test_engine_gpu_step.py (CPU) and
 tests/test_engine_gpu.py (GPU).
 """
 
@@ -21,7 +21,7 @@ from zerofit.config import load_config
 from zerofit.config.schema import AUTO, OffloadConfig, RunConfig, ZeroConfig
 from zerofit.engine.policy import StateHome, host_share_for, host_stepped_units, offloaded_units, state_homes
 from zerofit.errors import ConfigError
-from zerofit.frontend import auto_plan
+from zerofit.frontend.planning import auto_plan
 from zerofit.plan import bandwidth
 from zerofit.plan.auto import candidates, choose, describe
 from zerofit.plan.choose import GPU_RESERVE_BYTES, Budget

@@ -1,4 +1,4 @@
-"""Experiment trackers (zerofit.frontend.tracking): what `log_with` selects, a script's own tracker object,
+"""Experiment trackers (zerofit.frontend.tracking.selection): what `log_with` selects, a script's own tracker object,
 the main-process-only rule, one error for a missing library, and wandb and MLflow through their own
 libraries in their offline / local modes (skipped when the `trackers` extra is not installed)."""
 
@@ -16,9 +16,9 @@ from zerofit import Accelerator
 from zerofit.config import config_from_dict
 from zerofit.config.schema import RunConfig
 from zerofit.errors import ConfigError
-from zerofit.frontend import tracking
-from zerofit.frontend.tracker_base import BlankTracker
-from zerofit.frontend.tracker_services import Service
+from zerofit.frontend.tracking import selection as tracking
+from zerofit.frontend.tracking.base import BlankTracker
+from zerofit.frontend.tracking.services import Service
 from zerofit.testing.distributed import run_distributed
 from zerofit.tracking import GeneralTracker
 

@@ -1,9 +1,9 @@
 """transformers' Trainer on zerofit logs the losses of the library's own Trainer under DDP, dropout on.
 
 With dropout, equal losses need two things besides the same weights: each rank must see the same
-samples at every step ([Note: the same order as Accelerate] in zerofit.frontend.sampling), and the
+samples at every step ([Note: the same order as Accelerate] in zerofit.frontend.data.sampling), and the
 global torch RNG must move the same way. Under Accelerate, each start of the train or eval
-dataloader takes one draw from it ([Note: the draws of an epoch start] in zerofit.frontend.data).
+dataloader takes one draw from it ([Note: the draws of an epoch start] in zerofit.frontend.data.loaders).
 tests/test_trainer.py turns dropout off, because it compares against one process with a doubled
 batch. Here 2 gloo ranks train a tiny GPT-2 for 4 optimizer steps over 2 epochs (37 samples, so
 the last batch is short), evaluating every 2 steps. It runs once as plain `Trainer`

@@ -2,12 +2,13 @@
 
 A script's own tracker subclasses `GeneralTracker` (or only has its `name`, `store_init_configuration`,
 `log` and `finish`) and is passed as an object in `Accelerator(log_with=[...])`; the tracker classes are
-what `accelerator.get_tracker(name)` returns. The code lives in `zerofit.frontend.tracker_base`,
-`zerofit.frontend.tracking` and `zerofit.frontend.tracker_services`.
+what `accelerator.get_tracker(name)` returns. The code lives in `zerofit.frontend.tracking` (`base`,
+`selection`, `services`).
 """
 
-from zerofit.frontend.tracker_base import GeneralTracker
-from zerofit.frontend.tracker_services import (
+from zerofit.frontend.tracking.base import GeneralTracker
+from zerofit.frontend.tracking.selection import JsonlTracker, TensorBoardTracker
+from zerofit.frontend.tracking.services import (
     AimTracker,
     ClearMLTracker,
     CometMLTracker,
@@ -15,7 +16,6 @@ from zerofit.frontend.tracker_services import (
     MLflowTracker,
     WandBTracker,
 )
-from zerofit.frontend.tracking import JsonlTracker, TensorBoardTracker
 
 __all__ = ["AimTracker", "ClearMLTracker", "CometMLTracker", "DVCLiveTracker", "GeneralTracker", "JsonlTracker",
            "MLflowTracker", "TensorBoardTracker", "WandBTracker"]

@@ -1,6 +1,6 @@
 """`zerofit bench`: the Accelerate + DeepSpeed ZeRO blog's three benchmark tables, regenerated on the hardware at hand.
 
-    zerofit bench --gpu-memory-gib 24 --out bench/results/seed_tables_h200   # the three tables on one GPU
+    zerofit bench --gpu-memory-gib 24 --out benchmarks/results/seed_tables_h200   # the three tables on one GPU
     zerofit bench --tiny --cpu --out /tmp/bench                               # the harness on tiny models
 
 Layout: `workloads` (the tables: model, synthetic batches, epoch sizes, methods), `methods` (one

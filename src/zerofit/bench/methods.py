@@ -186,7 +186,7 @@ class ZerofitRunner(Runner):
         return loss.detach()
 
     def recover(self):
-        from zerofit.frontend.backoff import discard_partial_step
+        from zerofit.frontend.planning.backoff import discard_partial_step
 
         discard_partial_step(self.optimizer.engine)
 

@@ -1,6 +1,6 @@
 """The rows' processes: each method of each table in processes of its own, relaunched where needed.
 
-A row starts one worker (`zerofit.bench.worker`; under torchrun with several processes). The worker
+A row starts one process (`zerofit.bench.row_process`; under torchrun with several). The process
 reports every result as it happens, so when a process ends early - an out-of-memory that one process
 cannot recover from, any out-of-memory with several processes, a crash inside a peer's engine after
 recovering - the next worker starts from the bounds already known instead of from scratch. A try
@@ -207,9 +207,9 @@ def _launch(workload: Workload, method: str, opts: dict[str, Any], state: RowSta
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     if nproc > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
-               "127.0.0.1", "--master_port", env["MASTER_PORT"], "-m", "zerofit.bench.worker", *args]
+               "127.0.0.1", "--master_port", env["MASTER_PORT"], "-m", "zerofit.bench.row_process", *args]
     else:
-        cmd = [sys.executable, "-m", "zerofit.bench.worker", *args]
+        cmd = [sys.executable, "-m", "zerofit.bench.row_process", *args]
         env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
     out = run_bounded(cmd, env, timeout)
     out["events"] = read_events(events)

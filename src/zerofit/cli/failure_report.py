@@ -1,7 +1,7 @@
 """What `zerofit launch` prints when ranks fail or the run is stopped: one short summary, nothing twice.
 
 Each failing worker prints its own traceback as it dies, from the user's first frame, its lines
-prefixed `[rankN]:` (zerofit.cli.worker). torchelastic's own summary would
+prefixed `[rankN]:` (zerofit.cli.worker_entry). torchelastic's own summary would
 print every recorded traceback again - the first failure twice - so the launcher prints this
 instead: which rank failed first and with what error, and how each other rank ended (often a
 `CollectiveError` that names the collective it was waiting in when the first rank left). "First" is the
@@ -11,7 +11,7 @@ Stopping the workers, torchrun's agent also logs a line for the signal it got an
 signals, and when a worker fails an `E... failed (exitcode: 1) local_rank: ...` line that came before
 the summary; the launcher's summary (`stopped by SIGINT`, or the failure summary) says all of that, so
 `torchrun_stop_lines_hidden` leaves those lines out, and a worker stopped by Ctrl-C exits without a
-traceback (zerofit.cli.worker). Every other line torchrun logs still shows.
+traceback (zerofit.cli.worker_entry). Every other line torchrun logs still shows.
 
 A rank stopped by SIGABRT under NCCL, or one whose error has the NCCL watchdog's words, most likely met
 the watchdog's timeout: the summary says so, with what the flight recorder's dumps show ([Note: failures
@@ -65,7 +65,7 @@ _MAX_LINE = 400
 
 
 def _recorded(failure: Any) -> bool:
-    """The rank left a Python exception in its error file (zerofit.cli.worker records uncaught ones)."""
+    """The rank left a Python exception in its error file (zerofit.cli.worker_entry records uncaught ones)."""
     data = getattr(failure, "error_file_data", None) or {}
     return isinstance(data, dict) and isinstance(data.get("message"), dict)
 

@@ -156,7 +156,7 @@ class Fleet:
 
     def _exit_now(self, code: int) -> None:
         """The driver did not stop after a machine failed: end the ssh sessions, then this process (its
-        workers, if any started, die with it: `zerofit.cli.worker.die_with_launcher`)."""
+        workers, if any started, die with it: `zerofit.cli.worker_entry.die_with_launcher`)."""
         for _, proc in self.procs:
             if proc.poll() is None:
                 proc.terminate()

@@ -49,7 +49,7 @@ from zerofit.distributed.runtime import CONFIG_FILE_ENV, RUN_ID_ENV, backend_for
 from zerofit.errors import ConfigError
 from zerofit.plan.bandwidth import usable_cpus
 
-WORKER_MODULE = "zerofit.cli.worker"
+WORKER_MODULE = "zerofit.cli.worker_entry"
 """Every worker starts here; it runs the user's target as __main__ and records its traceback."""
 
 DEFAULT_MULTI_NODE_PORT = 29500

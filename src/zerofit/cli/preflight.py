@@ -17,14 +17,14 @@ from zerofit.errors import ConfigError
 def check(config: RunConfig) -> None:
     """Raise one ConfigError listing what the workers would refuse (see the module doc)."""
     from zerofit.engine.offload import nvme  # imported here: torch, which `zerofit launch --help` does not need
-    from zerofit.frontend import tracking
+    from zerofit.frontend.tracking import selection
 
     def spell(key: str) -> str:
         return key_name(config.source_format, key)
 
     problems: list[str] = []
     try:
-        tracking.requested(list(config.logging.log_with), spell("logging.log_with"))
+        selection.requested(list(config.logging.log_with), spell("logging.log_with"))
     except ConfigError as e:
         problems += e.problems
     offload = config.zero.offload_optimizer

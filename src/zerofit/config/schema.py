@@ -168,7 +168,7 @@ class BatchConfig:
     None: derived from the other two, as DeepSpeed does."""
     oom_backoff: bool = True
     """zerofit only: a CUDA out-of-memory error inside accumulate() halves the micro-batch and doubles
-    accumulation, keeping train_batch_size (zerofit.frontend.backoff). On several ranks under stages 0-2
+    accumulation, keeping train_batch_size (zerofit.frontend.planning.backoff). On several ranks under stages 0-2
     without offload this costs one small blocking all-reduce per micro-step; false: no back-off and no
     all-reduce, an out-of-memory error ends the run."""
 

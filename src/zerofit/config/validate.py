@@ -63,7 +63,7 @@ class _Checker:
 def _stage(c: _Checker) -> None:
     stage = c.values["zero.stage"]
     if is_auto(stage):
-        return  # the planner picks it at prepare() (zerofit.frontend.auto_plan)
+        return  # the planner picks it at prepare() (zerofit.frontend.planning.auto_plan)
     if not isinstance(stage, int) or isinstance(stage, bool) or not 0 <= stage <= 3:
         c.add(f"{c.name('zero.stage')} must be 0, 1, 2 or 3 (got {stage!r}): pick one of them, or \"auto\" to "
               "let zerofit pick the fastest that fits", "zero.stage")

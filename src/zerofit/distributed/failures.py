@@ -13,7 +13,7 @@ the engine only queues its collectives; one that never completes is ended by tor
 after the process-group timeout, which aborts the process (SIGABRT): the launcher's summary names it
 ([Note: failures under NCCL] in zerofit.cli.flight_recorder). An out-of-memory error raised while a
 collective is issued (an offloaded shard's upload) is not a communication failure and passes through
-unchanged, so the out-of-memory back-off (zerofit.frontend.backoff) sees it.
+unchanged, so the out-of-memory back-off (zerofit.frontend.planning.backoff) sees it.
 """
 
 from __future__ import annotations

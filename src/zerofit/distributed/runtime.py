@@ -33,7 +33,7 @@ def note_zerofit_state_built() -> None:
 
 def zerofit_state_built() -> bool:
     """Whether this process built zerofit's `Accelerator` or `PartialState`; `zerofit launch`'s workers
-    read it when the script ends, to tell a run that never used zerofit (zerofit.cli.worker)."""
+    read it when the script ends, to tell a run that never used zerofit (zerofit.cli.worker_entry)."""
     return _zerofit_state_built
 
 

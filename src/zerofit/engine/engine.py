@@ -29,12 +29,13 @@ from zerofit.config.schema import PrecisionConfig, ZeroConfig, is_auto
 from zerofit.distributed import runtime
 from zerofit.engine import replicas, weight_source
 from zerofit.engine.comm import Collectives, InFlight
+from zerofit.engine.find_units import plan_units
 from zerofit.engine.flat_group import FlatGroup
 from zerofit.engine.full_state import FullStateDict
 from zerofit.engine.full_state_load import FullStateLoad
 from zerofit.engine.loss_scale import LossScaler
 from zerofit.engine.materialize import Materializer, has_meta_tensors
-from zerofit.engine.offload import HostStep, Offload, StreamStep
+from zerofit.engine.offload import GpuStep, HostStep, Offload
 from zerofit.engine.optim import (
     folds_grad_scale,
     global_grad_sumsq,
@@ -59,7 +60,6 @@ from zerofit.engine.stage3 import Stage3Hooks
 from zerofit.engine.step_mode import CompactStep, PlainStep, StepFactors, StepMode, publish
 from zerofit.engine.timing import StepTimes
 from zerofit.engine.unit import Unit
-from zerofit.engine.units import plan_units
 from zerofit.engine.unused_params import mark_unused
 from zerofit.engine.whole_step import WholeStep
 from zerofit.engine.window import AccumulationWindow, InWindow
@@ -192,7 +192,7 @@ class ZeroEngine:
         mode = self._device_step(PlainStep.part_of(self.optimizer, on_device, self.comm))
         gpu = host = None
         if streamed:
-            mode = gpu = StreamStep(self.optimizer, streamed, mode, model=self.model, units=self.units,
+            mode = gpu = GpuStep(self.optimizer, streamed, mode, model=self.model, units=self.units,
                                     comm=self.comm, times=self.times, offload=self.zero.offload_optimizer,
                                     aio=self.zero.aio)
         if hosted:

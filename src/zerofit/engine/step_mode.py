@@ -8,8 +8,8 @@ overflow check, optimizer step, publish - and asks its step mode at fixed points
   [Note: compact gradients]); a second backward in one window makes it step as its `PlainStep`;
 - the offload parts (zerofit.engine.offload): `HostStep` steps its groups on a CPU thread (host-
   stepped), overlapped with the next forward and, when the step's factor is known early, with
-  backward itself; `StreamStep` streams its groups' state from host memory through the GPU and steps
-  it there (GPU-stepped). Each wraps the mode of the other groups - `HostStep` around `StreamStep`
+  backward itself; `GpuStep` streams its groups' state from host memory through the GPU and steps
+  it there (GPU-stepped). Each wraps the mode of the other groups - `HostStep` around `GpuStep`
   around a `PlainStep` or `CompactStep` of the groups left on the device - and forwards every hook
   to it first (see [Note: offload parts] in zerofit.engine.offload.part).
 A mode owns its flags; the engine never asks which mode it has. Another way of stepping is another

@@ -3,7 +3,7 @@
 Counters, not a profiler: each is two `perf_counter` reads around a phase that already blocks or
 already runs on the host (the host optimizer step, a wait for it, a wait for gradient downloads), so
 they cost nothing measurable and are always on. GPU-side phases (forward, backward, copies) are
-timed by the caller with CUDA events; see `bench/engine_step.py`.
+timed by the caller with CUDA events; see `benchmarks/engine_step.py`.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@
 
 The facade owns no training logic: the engine shards and steps (`zerofit.engine`), the wrappers
 decide when a script's call takes effect (`zerofit.frontend.optimizers`, `zerofit.frontend.schedulers`), the
-dataloaders shard (`zerofit.frontend.data`), the config is completed from the script
+dataloaders shard (`zerofit.frontend.data.loaders`), the config is completed from the script
 (`zerofit.frontend.script_config`), files are written by `zerofit.frontend.persistence` over `zerofit.checkpoint`.
 `prepare()` returns the script's own model object, changed in place, so `model.config`,
 `model.generate` and `save_pretrained` work as before.
@@ -34,12 +34,12 @@ from zerofit.config import load_config
 from zerofit.config.schema import RunConfig, is_auto
 from zerofit.distributed import arrival, process_group, runtime
 from zerofit.engine.loss_scale import LossScaler
-from zerofit.frontend import compiling, ops, plugins, tracking
-from zerofit.frontend.backoff import OomBackoff
-from zerofit.frontend.data import ShardedDataLoader
+from zerofit.frontend import compiling, ops, plugins
+from zerofit.frontend.data.loaders import ShardedDataLoader
 from zerofit.frontend.persistence import PersistenceMixin
+from zerofit.frontend.planning.backoff import OomBackoff
+from zerofit.frontend.planning.first_step_check import StepProbe
 from zerofit.frontend.prepare import Prepared, PrepareMixin
-from zerofit.frontend.probe import StepProbe
 from zerofit.frontend.processes import ProcessMethods
 from zerofit.frontend.script_config import (
     Facts,
@@ -48,7 +48,8 @@ from zerofit.frontend.script_config import (
     require_micro_batch,
 )
 from zerofit.frontend.state import AcceleratorState, DistributedType, GradientState, ProcessState
-from zerofit.frontend.tracker_base import BlankTracker
+from zerofit.frontend.tracking import selection
+from zerofit.frontend.tracking.base import BlankTracker
 from zerofit.frontend.utils import ProjectConfiguration
 
 # Accelerate arguments zerofit accepts and leaves alone (with a warning when given a value).
@@ -123,8 +124,8 @@ class Accelerator(PrepareMixin, PersistenceMixin, ProcessMethods):
             self.project_configuration.set_directories(str(project_dir))
         if logging_dir is not None:
             self.project_configuration.logging_dir = str(logging_dir)
-        self.log_with = (tracking.requested(log_with, "Accelerator(log_with=...)") if log_with is not None
-                         else tracking.requested(list(self.config.logging.log_with), "logging.log_with"))
+        self.log_with = (selection.requested(log_with, "Accelerator(log_with=...)") if log_with is not None
+                         else selection.requested(list(self.config.logging.log_with), "logging.log_with"))
         self.trackers: list[Any] = []
         self._facts = Facts()
         self._batch_waiting = True
@@ -138,7 +139,8 @@ class Accelerator(PrepareMixin, PersistenceMixin, ProcessMethods):
         self.state = AcceleratorState(self)
         self._backoff = OomBackoff(settings=lambda: self.config, process=self.process,  # inside accumulate()
                                    gradient_state=self.gradient_state, prepared=self._prepared)
-        self._probe: StepProbe | None = None  # checks an "auto" choice on the first step (zerofit.frontend.probe)
+        # checks an "auto" choice on the first step (zerofit.frontend.planning.first_step_check)
+        self._probe: StepProbe | None = None
         self.planning_accumulation: int | None = None
         """The accumulation the loop really runs, when the loop counts it itself and the Accelerator's own is 1
         (transformers' Trainer: zerofit.integrations.trainer_config); the planner sizes "auto" for it."""
@@ -289,7 +291,7 @@ class Accelerator(PrepareMixin, PersistenceMixin, ProcessMethods):
     def accumulate(self, *models: nn.Module) -> Iterator[None]:
         """Count one micro-step; `sync_gradients` is True when it closes a window (or ends the dataloader).
 
-        A CUDA out-of-memory error inside the block backs off: see `zerofit.frontend.backoff`."""
+        A CUDA out-of-memory error inside the block backs off: see `zerofit.frontend.planning.backoff`."""
         self.gradient_state.count_micro_step()
         with self._backoff.guard():
             yield
@@ -402,11 +404,11 @@ class Accelerator(PrepareMixin, PersistenceMixin, ProcessMethods):
         tracker whose library is missing is an error here, on every process."""
         if not self.log_with:
             return
-        tracking.check_installed(self.log_with)
+        selection.check_installed(self.log_with)
         if not self.is_main_process:
             return
         logging_dir = str(self.logging_dir or self.config.logging.logging_dir or self.project_dir or "zerofit_logs")
-        self.trackers = tracking.start(self.log_with, project_name, logging_dir, config, init_kwargs or {})
+        self.trackers = selection.start(self.log_with, project_name, logging_dir, config, init_kwargs or {})
         from zerofit.config import save_config
 
         save_config(self.config, os.path.join(logging_dir, project_name, "zerofit_config.json"))

@@ -9,7 +9,7 @@ It is read off the built engine, not the config, so it says what actually runs: 
 `param_persistence_threshold` stays whole, a single process has nothing to shard over, and the offload
 ratio and the host share split the offloaded state. The main process prints it, once per prepared model
 (`zerofit.frontend.prepare`), unless the planner has just printed its own choice for that model
-(`zerofit.frontend.auto_plan`), which says the same.
+(`zerofit.frontend.planning.auto_plan`), which says the same.
 """
 
 from __future__ import annotations

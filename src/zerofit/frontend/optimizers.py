@@ -93,7 +93,8 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         self.steps_taken = 0
         """Optimizer steps taken (accumulation windows closed, skipped fp16 steps included); checkpointed."""
         self.after_step: Callable[[], None] | None = None
-        """Called once, after the next step that is not skipped (the planner's probe, `zerofit.frontend.probe`)."""
+        """Called once, after the next step that is not skipped (the planner's probe,
+        `zerofit.frontend.planning.first_step_check`)."""
         self.progress: Progress | None = None
         """Prints every `logging.steps_per_print` steps (`zerofit.frontend.progress`); None: quiet."""
 

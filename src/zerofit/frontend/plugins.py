@@ -3,7 +3,7 @@
 What each becomes in zerofit:
 - `GradientAccumulationPlugin(num_steps=...)`: the accumulation steps, as `gradient_accumulation_steps=`.
 - `DataLoaderConfiguration(split_batches=..., use_seedable_sampler=..., data_seed=...)`: how prepared
-  dataloaders shard and shuffle (zerofit.frontend.sampling); batches are always even.
+  dataloaders shard and shuffle (zerofit.frontend.data.sampling); batches are always even.
 - `InitProcessGroupKwargs(timeout=...)`: the process group's timeout (`launch.process_group_timeout`)
   when this process creates the group; zerofit picks the backend itself (gloo on CPU, NCCL on GPUs).
 - `DeepSpeedPlugin(...)`: the ZeRO settings of the run, read as the `deepspeed_config` section of an

@@ -27,7 +27,11 @@ from zerofit.engine.optimizer_set import OptimizerSet, members_of
 from zerofit.engine.plain_backward import BackwardCaller
 from zerofit.errors import ConfigError
 from zerofit.frontend import compiling, engine_surface, ops
-from zerofit.frontend.auto_plan import (
+from zerofit.frontend.banner import describe_engine
+from zerofit.frontend.data.loaders import ShardedDataLoader
+from zerofit.frontend.data.sampling import order_for
+from zerofit.frontend.optimizers import AcceleratedOptimizer, SiblingSteps, build_optimizer
+from zerofit.frontend.planning.auto_plan import (
     apply_checkpointing,
     host_share_of,
     keep_checkpointing_effective,
@@ -35,11 +39,7 @@ from zerofit.frontend.auto_plan import (
     plan_for,
     wants_host_share,
 )
-from zerofit.frontend.banner import describe_engine
-from zerofit.frontend.data import ShardedDataLoader
-from zerofit.frontend.optimizers import AcceleratedOptimizer, SiblingSteps, build_optimizer
 from zerofit.frontend.progress import Progress
-from zerofit.frontend.sampling import order_for
 from zerofit.frontend.schedulers import AcceleratedScheduler, build_scheduler
 from zerofit.frontend.script_config import hidden_size_of, resolve, scheduler_total_steps
 from zerofit.frontend.utils import DummyOptim, DummyScheduler
@@ -174,7 +174,7 @@ class PrepareMixin:
         self.gradient_state.gradient_accumulation_steps = self.config.batch.gradient_accumulation_steps
 
     def _prepare_dataloader(self, loader: DataLoader) -> ShardedDataLoader:
-        if self._seed is None:  # one seed of the workers for every process (see zerofit.frontend.data)
+        if self._seed is None:  # one seed of the workers for every process (see zerofit.frontend.data.loaders)
             self._seed = int(ops.broadcast_object(torch.initial_seed() % 2**62))
         order = functools.partial(order_for, loader_generator=loader.generator, seedable=self.use_seedable_sampler,
                                   data_seed=getattr(self.dataloader_config, "data_seed", None),
@@ -218,7 +218,7 @@ class PrepareMixin:
             share = host_share_of(rates, self.num_processes,
                                   2 if self.config.precision.mixed_precision in ("bf16", "fp16") else 4)
         planned = auto or share is not None
-        if planned:  # "auto": the planner picks (zerofit.frontend.auto_plan) and prints its choice
+        if planned:  # "auto": the planner picks (zerofit.frontend.planning.auto_plan) and prints its choice
             batch = self.config.batch
             planning = self.config
             if self.planning_accumulation is not None:  # the loop accumulates itself (Trainer)

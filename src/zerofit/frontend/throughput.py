@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from zerofit.engine import ZeroEngine
-from zerofit.frontend.first_batch import batch_shape
+from zerofit.frontend.planning.first_batch import batch_shape
 from zerofit.plan import bandwidth
 from zerofit.plan.flops import mfu, train_flops_per_token
 

@@ -20,7 +20,7 @@ The trace runs CPU kernels on fake tensors, so two things are made to match what
 - dropout masks: the CPU keeps them in the input's dtype, the GPU's fused dropout as booleans; a
   storage filled by `bernoulli_` is counted at one byte per element.
 The remaining difference (allocator rounding to 512 bytes, cuBLAS workspaces) is small and is
-what `bench/estimate_check.py` measures.
+what `benchmarks/estimate_check.py` measures.
 
 [Note: gradient buffers on the timeline]
 Where the engine holds a unit's full fp32 gradient only while it is reduced (stages 2-3 on several
@@ -54,8 +54,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from zerofit.engine.engine import MAX_INFLIGHT_REDUCTIONS
+from zerofit.engine.find_units import plan_units
 from zerofit.engine.stage3 import tensors_in
-from zerofit.engine.units import plan_units
 from zerofit.plan.sources import ATTENTION_DROPOUT_KEYS, FakeModel
 
 _FIRST, _LAST, _FORWARD, _FORWARD_END, _BACKWARD = 1, 2, 3, 4, 5

@@ -7,7 +7,7 @@ offload. NVMe is never chosen by itself: it needs a path the user names.
 
 [Note: every rank decides the same]
 Ranks must run one setting. The inputs of the decision are made identical first - the memory
-budget is the minimum over the ranks (one all-reduce, `zerofit.frontend.auto_plan.budget_for`) -
+budget is the minimum over the ranks (one all-reduce, `zerofit.frontend.planning.auto_plan.budget_for`) -
 and the rest is deterministic (the model's
 sizes, the first batch's shape, the activation trace), so every rank computes the same choice.
 
@@ -15,8 +15,9 @@ Activations are traced on a data-free replica of a transformers model at the fir
 (collated from the dataset's first samples, which draws nothing from any random generator), with
 activation checkpointing as the model has it. For other modules, or without a DataLoader, only the
 model states are planned, and the reason printed says so. On CUDA the first optimizer step then
-checks the choice against the measured peak (`zerofit.frontend.probe`). Without CUDA the "GPU" is host memory: a
-setting fits when its device and host bytes together fit the host (`Budget.unified`).
+checks the choice against the measured peak (`zerofit.frontend.planning.first_step_check`). Without CUDA the
+"GPU" is host memory: a setting fits when its device and host bytes together fit the host
+(`Budget.unified`).
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def checkpointing_choices(config: RunConfig, model: nn.Module) -> tuple[bool, ..
 def candidates(config: RunConfig, world: int, checkpointing: bool, *, host_share: float | None = None) -> list[Setting]:
     """The settings the config leaves open (a written stage or device is kept). GPU-stepped offload is
     listed with the written `host_share`, or under "auto" with `host_share` (the split this machine's
-    rates favour, `zerofit.frontend.auto_plan.host_share_of`) and without a split."""
+    rates favour, `zerofit.frontend.planning.auto_plan.host_share_of`) and without a split."""
     z = config.zero
     ratio = offload_ratio(config)
     out: list[Setting] = []
@@ -111,7 +112,7 @@ def choose(config: RunConfig, model: nn.Module, *, world: int, shape: tuple[int,
     `rates`: this machine's measured rates, which rank the settings that fit (None: the fixed order);
     `whole`: id() of the parameters a per-parameter optimizer steps whole (`ModelCounts.whole`).
     `zero.gradient_checkpointing` comes back true or false: what the model must run with
-    (`zerofit.frontend.auto_plan.apply_checkpointing` turns it on)."""
+    (`zerofit.frontend.planning.auto_plan.apply_checkpointing` turns it on)."""
     precision = config.precision.mixed_precision
     choices = checkpointing_choices(config, model)
     work = workload_for(config, world=world, shape=shape)

@@ -24,7 +24,7 @@ low halves and carries, zerofit.engine.offload.master_split).
 B' = both_busy_gbs * 1e9: the link each way while the CPU steps (B where not measured). Host memory
 bandwidth is shared: on the H200 box the link falls from about 50 to about 33-36 GB/s each way while
 fused CPU AdamW runs, which is what makes a split pay less there than B alone would say
-(bench/results/split_gpt2xl_h200.md: no split 0.450 s, 35 % on the CPU 0.451 s, 55 % 0.479 s).
+(benchmarks/results/split_gpt2xl_h200.md: no split 0.450 s, 35 % on the CPU 0.451 s, 55 % 0.479 s).
 
 Streamed: master plus k state tensors go up and come back (no gradient or parameter copies), and the
 kernel steps chunks already up while others move, so the longer of the two is the time. Host: the

@@ -5,7 +5,7 @@ Settings are ranked by what they add to a step, fastest first: stage 0 (no extra
 1, 2, 3 (each adds collectives), optimizer offload (a CPU step and host copies), parameter offload
 (host uploads before every gather), NVMe (file I/O). Activation checkpointing (a second forward,
 about a third of a step more) ranks below the same offload level without it but above any more
-offloading: on GPT-2 XL (bench/results) optimizer offload made the step 5-10x slower, a recomputed
+offloading: on GPT-2 XL (benchmarks/results) optimizer offload made the step 5-10x slower, a recomputed
 forward cannot cost more than about 1.4x. With one rank stages 1-3 shard nothing and cost what
 stage 0 costs, so only stage 0 is listed for them. GPU-stepped offload with a share of the state
 stepped on the host at the same time (the split this machine's measured rates favour, see
@@ -23,7 +23,7 @@ first ratio whose host bytes do not fit.
 A setting fits when its GPU total plus `GPU_RESERVE_BYTES` (CUDA context, cuBLAS workspaces, the
 allocator's rounding and fragmentation) stays below `(1 - headroom)` of the GPU memory, and its
 pinned host bytes plus `HOST_BASELINE_BYTES` (the resident size of a Python process with torch and
-CUDA loaded, 1.4-1.5 GiB in bench/results) stay below `(1 - headroom)` of the host memory.
+CUDA loaded, 1.4-1.5 GiB in benchmarks/results) stay below `(1 - headroom)` of the host memory.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ class Budget:
         """The device bytes `e`'s setting may reach and still fit with headroom (None: unknown).
 
         The same rule as `gpu_fits` (or `host_fits` without a GPU) solved for the device total, so a
-        measured peak can be held against it (`zerofit.frontend.probe`)."""
+        measured peak can be held against it (`zerofit.frontend.planning.first_step_check`)."""
         if not self.unified:
             return None if self.gpu_bytes is None else int((1 - self.headroom) * self.gpu_bytes) - GPU_RESERVE_BYTES
         if self.host_bytes is None:

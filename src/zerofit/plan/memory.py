@@ -63,6 +63,7 @@ from torch import nn
 
 from zerofit.engine.buffers import group_buffers
 from zerofit.engine.engine import SHARD_ALIGN
+from zerofit.engine.find_units import UnitSpec, plan_units
 from zerofit.engine.layout import plan_layout
 from zerofit.engine.offload.gpu import stream_pool_bytes
 from zerofit.engine.policy import (
@@ -72,7 +73,6 @@ from zerofit.engine.policy import (
     keeps_compact_grads,
     state_homes,
 )
-from zerofit.engine.units import UnitSpec, plan_units
 from zerofit.plan.activations import ActivationTrace
 
 GIB = 1 << 30
@@ -310,7 +310,7 @@ def estimate(counts: ModelCounts, setting: Setting, work: Workload, trace: Activ
 
 def master_travels_split(setting: Setting, work: Workload) -> bool:
     """GPU-stepped state's master crosses the link split (bf16 parameters on the GPU, state not in NVMe
-    files): what the engine's `StreamStep` decides per group (zerofit.engine.offload.master_split)."""
+    files): what the engine's `GpuStep` decides per group (zerofit.engine.offload.master_split)."""
     return (work.mixed_precision == "bf16" and setting.offload_param == "none"
             and setting.offload_optimizer == "cpu" and setting.step_on == "device")
 

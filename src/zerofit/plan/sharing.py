@@ -2,7 +2,7 @@
 
 [Note: rates shared on one host]
 The machine's offload rates (`zerofit.plan.bandwidth.Rates`) are measured by one process that has the
-host to itself: rank 0 while the other ranks wait (`zerofit.frontend.auto_plan.machine_rates`), its CPU
+host to itself: rank 0 while the other ranks wait (`zerofit.frontend.planning.auto_plan.machine_rates`), its CPU
 AdamW on every usable CPU (`bandwidth.measure`). In the run, the N processes of one host step and copy
 at the same time and share what the probe had alone, so every price of host work is taken at one
 process's share (`shared_rates`), one rule for the planner's ranking (`zerofit.plan.choose.plan`) and

@@ -5,14 +5,14 @@
 | `part.py` | `OffloadPart`: the hooks forwarded to the inner step mode, before-use and before-read wiring, finalizer |
 | `host.py` | `HostStep`: the host-stepped part (CPU optimizer on host memory; may start during backward) |
 | `host_thread.py` | `HostStepper`: the thread that runs host steps and uploads the stepped parameters |
-| `gpu.py` | `StreamStep`: the GPU-stepped part (state in host memory, streamed through device chunks) |
+| `gpu.py` | `GpuStep`: the GPU-stepped part (state in host memory, streamed through device chunks) |
 | `gpu_issue.py` | `IssueThread`: the thread that queues the GPU-stepped part's chunks |
 | `gpu_runs.py` | what the GPU-stepped part streams: runs of optimizer pieces and their chunks |
 | `master_split.py` | the fp32 master as its bf16 rounding plus low halves and carries (what crosses the bus) |
 | `nvme.py` | `NvmeSwapper`: each group's state in its own file, read ahead and written behind |
 | `threads.py` | the loop both threads run |
 
-`ZeroEngine` builds at most one part of each kind, chained (`HostStep` around `StreamStep` around the
+`ZeroEngine` builds at most one part of each kind, chained (`HostStep` around `GpuStep` around the
 device's `PlainStep`/`CompactStep`, see [Note: offload parts] in zerofit.engine.offload.part), and
 exposes them as `engine.offload`, an `Offload`.
 
@@ -36,17 +36,17 @@ A host-stepped group (`offload_optimizer.step_on: host`), one accumulation windo
      NvmeSwapper.swap_out)
   7. the next forward:   1.
 A GPU-stepped group (`step_on: device`, the default on CUDA):
-  1. forward, per unit:  part.py:OffloadPart._await -> gpu.py:StreamStep._await_group
+  1. forward, per unit:  part.py:OffloadPart._await -> gpu.py:GpuStep._await_group
      (gpu_issue.py:IssueThread.wait, then the main stream waits for the group's done event)
      -> step_mode.py:gather_params (stages 1-2)
-  2. backward:           part.py:OffloadPart.begin_backward -> gpu.py:StreamStep._begin_backward;
+  2. backward:           part.py:OffloadPart.begin_backward -> gpu.py:GpuStep._begin_backward;
      gradients are reduced into the device gradient shard as without offload (unit.py:Unit.reduce)
   3. step():             engine.py:ZeroEngine.step -> engine.py:ZeroEngine._unscale_and_clip
-     -> part.py:OffloadPart.step -> the inner mode's step -> gpu.py:StreamStep._step (factor, settings,
+     -> part.py:OffloadPart.step -> the inner mode's step -> gpu.py:GpuStep._step (factor, settings,
      the "gradients final" event) -> gpu_issue.py:IssueThread.submit
-  4. issuing thread:     gpu_issue.py:IssueThread._run_one -> gpu.py:StreamStep._issue
-     (nvme.py:NvmeSwapper.swap_in) -> gpu.py:StreamStep._step_run per run (gpu_runs.py), per chunk:
-     upload to a slot -> master_split.py:join -> gpu.py:StreamStep._step_chunk (the optimizer's kernel,
+  4. issuing thread:     gpu_issue.py:IssueThread._run_one -> gpu.py:GpuStep._issue
+     (nvme.py:NvmeSwapper.swap_in) -> gpu.py:GpuStep._step_run per run (gpu_runs.py), per chunk:
+     upload to a slot -> master_split.py:join -> gpu.py:GpuStep._step_chunk (the optimizer's kernel,
      the parameter published, the gradient zeroed) -> master_split.py:split -> download
      -> (nvme.py:NvmeSwapper.swap_out)
   5. the next forward:   1.
@@ -58,12 +58,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from zerofit.engine.offload.gpu import StreamStep
+from zerofit.engine.offload.gpu import GpuStep
 from zerofit.engine.offload.host import HostStep
 from zerofit.engine.offload.host_thread import HostStepper
 from zerofit.engine.offload.nvme import NvmeSwapper
 
-__all__ = ["HostStep", "Offload", "StreamStep"]
+__all__ = ["GpuStep", "HostStep", "Offload"]
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ class Offload:
 
     host: HostStep | None = None
     """The host-stepped part, if some group is host-stepped."""
-    gpu: StreamStep | None = None
+    gpu: GpuStep | None = None
     """The GPU-stepped part, if some group is GPU-stepped."""
 
     @property

@@ -1,4 +1,4 @@
-"""`StreamStep`: GPU-stepped optimizer offload - state in host memory, stepped on the device in chunks.
+"""`GpuStep`: GPU-stepped optimizer offload - state in host memory, stepped on the device in chunks.
 
 [Note: GPU-stepped offload]
 A GPU-stepped group keeps its fp32 master and optimizer state in page-locked host memory and its
@@ -141,7 +141,7 @@ class _Slot:
         return self._buffers[packed][:master_split.packed_bytes(n)], self._buffers[carries]
 
 
-class StreamStep(OffloadPart):
+class GpuStep(OffloadPart):
     """GPU-stepped offload of `groups`; `inner` steps the groups that stay on the device (module doc)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, groups: list[FlatGroup], inner: StepMode, *,

@@ -1,7 +1,7 @@
 """`IssueThread`: the worker thread that issues GPU-stepped groups' work, so the main thread never waits for it.
 
 [Note: issuing off the main thread]
-`StreamStep.step()` decides everything that needs all gradients (the factor, the settings of this
+`GpuStep.step()` decides everything that needs all gradients (the factor, the settings of this
 step), records the event after which the gradients are final, and hands the groups to this thread in
 forward order. For each group the thread runs the step mode's `issue(g)`: swap the group's state in
 from its NVMe file (a blocking read), queue its chunk uploads, steps and downloads on the three side

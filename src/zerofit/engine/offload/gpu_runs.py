@@ -3,7 +3,7 @@
 [Note: runs]
 The optimizer steps one tensor per parameter part (a piece: see [Note: flat layout]), each with a
 state of its own. Streamed piece by piece, a group of small parameters (biases, norms) would cost a
-round of copies, events and a kernel per piece. So `StreamStep` streams a *run* - the consecutive
+round of copies, events and a kernel per piece. So `GpuStep` streams a *run* - the consecutive
 pieces of one param group, one contiguous range of the shard (alignment gaps between pieces included)
 - in chunks of up to `STREAM_CHUNK` elements, and steps the pieces a chunk holds with one call of the
 script's optimizer class, one tensor each. Pieces are packed whole into chunks; only a piece longer

@@ -8,7 +8,7 @@ the master's layout). The host stepper swaps a group in just before its step and
 
     read k+1.. (I/O threads)   step k (stepper thread)   write k-1 (I/O threads)
 
-GPU-stepped offload (`step_on: device`) drives the same swapper from `StreamStep`'s issuing thread:
+GPU-stepped offload (`step_on: device`) drives the same swapper from `GpuStep`'s issuing thread:
 step k is its chunks' upload, step and download on the device, and write k waits for the downloads.
 
 [Note: NVMe residency]

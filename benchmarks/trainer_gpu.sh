@@ -1,0 +1,218 @@
+#!/usr/bin/env bash
+# Issue #26: one transformers Trainer script on a pretrained (on-disk) model, zerofit beside DeepSpeed:
+#   bash benchmarks/trainer_gpu.sh OUT_DIR     (one GPU, one device call: no run goes on past BUDGET_S seconds)
+# The script is benchmarks/trainer_clm.py: a Llama-shaped model from bf16 safetensors, 8x512 synthetic tokens,
+# bf16, max_steps STEPS. The runs differ in one import and the launcher, and read the same DeepSpeed JSON
+# (the "auto" keys Trainer fills, an AdamW optimizer section):
+#   zerofit-s3-offload    zerofit launch --config_file zero3_offload.json trainer_clm.py --trainer zerofit
+#   deepspeed-s3-offload  torchrun trainer_clm.py --trainer hf --deepspeed zero3_offload.json
+#   zerofit-s2-offload, deepspeed-s2-offload: the same with zero2_offload.json, while the budget lasts.
+# A run that fails, times out or finds no time left is a row saying so; the next runs still run. After
+# every run OUT_DIR/results.{json,md} are rewritten; each run's record and full log are in OUT_DIR/runs,
+# the JSON files in OUT_DIR/configs, everything printed in OUT_DIR/log.
+# DeepSpeed comes from the wheels in .whl/ (../shared/ANCHORS.md: cp ../shared/wheels/*.whl .whl/ and
+# carry .whl). Settings (environment):
+#   HIDDEN LAYERS HEADS INTER VOCAB   the model (2048 24 16 5504 32000: 1.35 B parameters)
+#   STEPS WARMUP BATCH SEQ NPROC      12 steps, the median over those after 3, 8x512 a process, 1 process
+#   RUNS BUDGET_S                     the four runs above in that order; 530 s for everything
+#   CKPT DS_SITE                      the checkpoint folder (built once, then reused); /tmp/site
+#   CPU_CHECK=1                       a tiny model on CPU, NPROC=2, fp32: checks this script without a GPU
+set -uo pipefail
+OUT="${1:-out/trainer_gpu}"
+mkdir -p "$OUT/runs" "$OUT/configs"
+: > "$OUT/log"
+
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1
+CPU_CHECK="${CPU_CHECK:-0}"
+if [ "$CPU_CHECK" = 1 ]; then
+  : "${HIDDEN:=64}" "${LAYERS:=2}" "${HEADS:=4}" "${INTER:=172}" "${VOCAB:=1000}" "${STEPS:=6}"
+  : "${BATCH:=4}" "${SEQ:=64}" "${NPROC:=2}"
+  LAUNCH_CPU=(--cpu); SCRIPT_CPU=(--cpu --no-bf16)
+else
+  LAUNCH_CPU=(); SCRIPT_CPU=()
+fi
+HIDDEN="${HIDDEN:-2048}" LAYERS="${LAYERS:-24}" HEADS="${HEADS:-16}" INTER="${INTER:-5504}"
+VOCAB="${VOCAB:-32000}" STEPS="${STEPS:-12}" WARMUP="${WARMUP:-3}" BATCH="${BATCH:-8}" SEQ="${SEQ:-512}"
+NPROC="${NPROC:-1}" BUDGET_S="${BUDGET_S:-530}" DS_SITE="${DS_SITE:-/tmp/site}"
+read -r -a RUNS <<< "${RUNS:-zerofit-s3-offload deepspeed-s3-offload zerofit-s2-offload deepspeed-s2-offload}"
+CKPT="${CKPT:-/tmp/trainer_gpu_llama_h${HIDDEN}_l${LAYERS}_a${HEADS}_i${INTER}_v${VOCAB}}"
+DEADLINE=$(( SECONDS + BUDGET_S ))
+# Every run sees the same packages: the wheels first (as ANCHORS.md says), src/ should `pip install -e` fail.
+export PYTHONPATH="$DS_SITE:$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+
+setup() {
+  echo "== trainer_gpu.sh $(date -u +%FT%TZ): $CKPT, ${BATCH}x$SEQ, $STEPS steps, $NPROC process(es) a run"
+  if [ "$CPU_CHECK" != 1 ]; then  # a CPU check leaves the developer's environment as it is
+    python3 -m pip install -q --no-deps --no-build-isolation -e . || echo "pip install -e . failed: src/ used"
+  fi
+  if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --target "$DS_SITE" .whl/*.whl \
+      || echo "the .whl/ wheels did not install: the DeepSpeed rows will fail"
+  else
+    echo "no .whl/*.whl: the DeepSpeed rows will fail (cp ../shared/wheels/*.whl .whl/ and carry .whl)"
+  fi
+  if [ "$CPU_CHECK" != 1 ]; then
+    # DeepSpeed's JIT op builder (DeepSpeedCPUAdam) cannot parse arch names like "9.0a".
+    TORCH_CUDA_ARCH_LIST="$(python3 -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability())')"
+    export TORCH_CUDA_ARCH_LIST
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  fi
+  if [ -f "$CKPT/config.json" ]; then
+    echo "checkpoint $CKPT exists: reused"
+  else
+    timeout 300 python3 benchmarks/trainer_clm.py --make_checkpoint "$CKPT" --hidden "$HIDDEN" --layers "$LAYERS" \
+      --heads "$HEADS" --intermediate "$INTER" --vocab "$VOCAB" --seq "$SEQ" "${SCRIPT_CPU[@]}" \
+      || echo "building the checkpoint failed: every run will fail"
+  fi
+  du -sh "$CKPT"
+  write_configs
+}
+
+write_configs() {  # what a Trainer + DeepSpeed user writes: "auto" wherever Trainer knows the value
+  local stage extra
+  for stage in 2 3; do
+    extra=''
+    [ "$stage" = 3 ] && extra='"offload_param": {"device": "cpu", "pin_memory": true},
+    "stage3_prefetch_bucket_size": "auto",
+    "stage3_param_persistence_threshold": "auto",
+    "stage3_gather_16bit_weights_on_model_save": true,'
+    cat > "$OUT/configs/zero${stage}_offload.json" <<EOF
+{
+  "bf16": {"enabled": "auto"},
+  "optimizer": {"type": "AdamW",
+                "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+  "zero_optimization": {
+    "stage": $stage,
+    "offload_optimizer": {"device": "cpu", "pin_memory": true},
+    $extra
+    "overlap_comm": true,
+    "contiguous_gradients": true,
+    "reduce_bucket_size": "auto"
+  },
+  "gradient_accumulation_steps": "auto",
+  "gradient_clipping": "auto",
+  "train_batch_size": "auto",
+  "train_micro_batch_size_per_gpu": "auto",
+  "steps_per_print": 1000000,
+  "wall_clock_breakdown": false
+}
+EOF
+  done
+}
+
+run() {  # run NAME (ENGINE-sSTAGE-offload): one row; a failure is recorded, never fatal
+  local name="$1" engine="${1%%-*}" stage="${1#*-s}" limit left start rc status cmd
+  stage="${stage%%-*}"
+  local config="$OUT/configs/zero${stage}_offload.json" runs="$OUT/runs"
+  local script=(benchmarks/trainer_clm.py --model "$CKPT" --steps "$STEPS" --warmup "$WARMUP" --batch "$BATCH"
+                --seq "$SEQ" --output_dir "/tmp/trainer_gpu_$name" --result "$runs/$name.json"
+                "${SCRIPT_CPU[@]}")
+  case "$engine" in
+    zerofit) limit=180; cmd=(python3 -m zerofit.cli.main launch "${LAUNCH_CPU[@]}" --config_file "$config"
+                             --num_processes "$NPROC" "${script[@]}" --trainer zerofit) ;;
+    deepspeed) limit=240; cmd=(python3 -m torch.distributed.run --standalone --nproc_per_node "$NPROC"
+                               "${script[@]}" --trainer hf --deepspeed "$config") ;;
+    *) echo "unknown run $name: zerofit-sN-offload or deepspeed-sN-offload" > "$runs/$name.status"; return ;;
+  esac
+  rm -f "$runs/$name.json"
+  left=$(( DEADLINE - SECONDS ))
+  if (( left < 60 )); then
+    echo "skipped: ${left}s of BUDGET_S=$BUDGET_S left" > "$runs/$name.status"
+    echo "== $name skipped"; return
+  fi
+  (( limit > left )) && limit=$left
+  echo "== $name (timeout ${limit}s): ${cmd[*]}"
+  start=$SECONDS
+  timeout -k 20 "$limit" "${cmd[@]}" 2>&1 | tee "$runs/$name.log" \
+    | grep --line-buffered -v -e FutureWarning -e 'return func('  # DeepSpeed's per-step deprecation noise
+  rc=${PIPESTATUS[0]}
+  if [ "$rc" = 0 ] && [ -f "$runs/$name.json" ]; then status=ok
+  elif [ "$rc" = 124 ] || [ "$rc" = 137 ]; then status="timeout after ${limit}s"
+  else status="failed (exit $rc)"; fi
+  echo "$status" > "$runs/$name.status"
+  echo "$(( SECONDS - start ))" > "$runs/$name.wall"
+  rm -rf "/tmp/trainer_gpu_$name"
+}
+
+summarize() {  # OUT/results.json and OUT/results.md from the runs so far; the table on stdout
+  python3 - "$OUT" "${RUNS[@]}" <<'PY'
+import json, os, re, sys
+
+out, names = sys.argv[1], sys.argv[2:]
+
+
+def read(path, default=None):
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return default
+
+
+def first_error(log):
+    """The first exception a rank raised (torchrun's ChildFailedError only repeats it), else the last
+    line that says what went wrong."""
+    lines = log.splitlines()
+    raised = [l for l in lines if re.match(r"(\[rank\d+\]: )?[\w.]*(Error|Exception): ", l)
+              and "ChildFailedError" not in l]
+    other = [l for l in lines if re.search(r"Killed|out of memory|failed|Error", l)]
+    return (raised[:1] or other[-1:] or lines[-1:] or [""])[0][-300:]
+
+
+rows = []
+for name in names:
+    base = os.path.join(out, "runs", name)
+    status = read(base + ".status", "not run")
+    record = json.loads(read(base + ".json") or "null")
+    error = first_error(read(base + ".log", "")) if status != "ok" else None
+    rows.append({"run": name, "status": status, "wall_s": read(base + ".wall"), "error": error or None,
+                 "record": record})
+
+
+def cell(rec, key, fmt):
+    return fmt.format(rec[key]) if rec and rec.get(key) is not None else "-"
+
+
+md = ["| run | status | median s / step | tokens / s | GPU peak GiB (in training) | host RSS GiB "
+      "| first loss | final loss | setup s | wall s |", "|---|---|---|---|---|---|---|---|---|---|"]
+for r in rows:
+    rec = r["record"]
+    peak = cell(rec, "gpu_peak_gib", "{:.1f}")
+    if rec and rec.get("gpu_peak_train_gib") is not None:
+        peak += f" ({rec['gpu_peak_train_gib']:.1f})"
+    md.append(f"| {r['run']} | {r['status']} | {cell(rec, 'median_step_s', '{:.3f}')} "
+              f"| {cell(rec, 'tokens_per_s', '{:,.0f}')} | {peak} "
+              f"| {cell(rec, 'host_rss_peak_gib', '{:.1f}')} "
+              f"| {cell(rec, 'first_loss', '{:.4f}')} | {cell(rec, 'final_loss', '{:.4f}')} "
+              f"| {cell(rec, 'setup_s', '{:.0f}')} | {r['wall_s'] or '-'} |")
+records = {r["run"]: r["record"] for r in rows}
+ratios = {}
+for name in names:
+    peer = "deepspeed-" + name[len("zerofit-"):]
+    if name.startswith("zerofit-") and records.get(name) and records.get(peer):
+        ratios[f"{peer} / {name}"] = records[peer]["median_step_s"] / records[name]["median_step_s"]
+md += [""] + [f"step time {k}: {v:.2f}x" for k, v in ratios.items()]
+md += [f"{r['run']}: {r['error']}" for r in rows if r["error"]]
+first = next((rec for rec in records.values() if rec), None)
+keys = ("model", "parameters", "model_config", "world_size", "per_device_batch", "seq", "steps", "warmup",
+        "bf16", "versions", "hardware")
+settings = {k: first.get(k) for k in keys} if first else None
+with open(os.path.join(out, "results.json"), "w") as f:
+    json.dump({"settings": settings, "ratios": ratios, "runs": rows}, f, indent=1, default=str)
+with open(os.path.join(out, "results.md"), "w") as f:
+    f.write("\n".join(md) + "\n")
+print("\n".join(md))
+PY
+}
+
+main() {
+  setup
+  for name in "${RUNS[@]}"; do
+    run "$name"
+    summarize > /dev/null || echo "summarize failed"
+  done
+  echo "== results ($OUT/results.md; ${SECONDS}s in all)"
+  summarize
+}
+
+main 2>&1 | tee -a "$OUT/log"
