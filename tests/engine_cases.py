@@ -126,9 +126,12 @@ def run_engine(rank: int, world: int, case: Case, record_grads: bool = True, dev
                                                       host_share=case.host_share, buffer_count=case.buffer_count),
                       offload_param=OffloadConfig(device=case.offload_param))
     gpu.STREAM_CHUNK = case.chunk or DEFAULT_CHUNK  # read when the engine builds its step mode
-    engine = ZeroEngine(model, opt, zero=zero,
-                        precision=precision, gradient_accumulation_steps=case.gas,
-                        gradient_clipping=case.clip, device=torch.device(device))
+    try:
+        engine = ZeroEngine(model, opt, zero=zero,
+                            precision=precision, gradient_accumulation_steps=case.gas,
+                            gradient_clipping=case.clip, device=torch.device(device))
+    finally:  # the default again for whatever runs next in this process
+        gpu.STREAM_CHUNK = DEFAULT_CHUNK
     micro = case.batch // (world * case.gas)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (1 + s)) if case.sched else None
     losses, grads, skipped, micro_comm = [], [], [], []

@@ -63,10 +63,13 @@ def _train_offload(stage: int, precision: str, optim: str, *, offload: str, offl
                                                                    nvme_path=nvme_path, step_on=step_on,
                                                                    buffer_count=buffer_count),
                       offload_param=OffloadConfig(device=offload_param))
-    engine = ZeroEngine(model, opt, zero=zero, device=torch.device("cuda"), gradient_accumulation_steps=gas,
-                        precision=PrecisionConfig(mixed_precision=precision,
-                                                  loss_scale=LossScaleConfig(initial_scale_power=8)),
-                        gradient_clipping=clip)
+    try:
+        engine = ZeroEngine(model, opt, zero=zero, device=torch.device("cuda"), gradient_accumulation_steps=gas,
+                            precision=PrecisionConfig(mixed_precision=precision,
+                                                      loss_scale=LossScaleConfig(initial_scale_power=8)),
+                            gradient_clipping=clip)
+    finally:  # read once, as the step mode is built: later tests (the pool's byte count) see the default again
+        gpu.STREAM_CHUNK = DEFAULT_CHUNK
     losses, micro = [], case.batch // gas
     for x, y in batches(case):
         for k in range(gas):
