@@ -189,6 +189,17 @@ def test_an_optimizer_zerofit_cannot_classify_is_refused_by_name():
         ZeroEngine(model, torch.optim.LBFGS(model.parameters()))
 
 
+def test_block_quantised_optimizers_are_refused_by_library():
+    # bitsandbytes' and torchao's 8-bit optimizers keep per-block state that shards would cut into other blocks;
+    # their classes are known by the library that defines them (no import of it needed)
+    model = Net()
+    for module in ("bitsandbytes.optim.adamw", "torchao.optim.adam"):
+        body = {"__module__": module, "step": lambda self, closure=None: None}
+        cls = type("AdamW8bit", (torch.optim.Optimizer,), body)
+        with pytest.raises(EngineError, match=rf"{module}.AdamW8bit keeps block-quantised .* --optim adamw_torch"):
+            ZeroEngine(model, cls(model.parameters(), {"lr": 0.1}))
+
+
 def test_a_declared_optimizer_runs_its_way():
     from zerofit.engine.optimizer_kinds import declare_optimizer
 
