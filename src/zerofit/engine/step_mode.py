@@ -208,6 +208,123 @@ class CompactStep(StepMode):
         publish(self.wide.groups, self.wide.comm)
 
 
+class WrappingStep(StepMode):
+    """A step mode of some groups around `inner`, the mode of the others: every hook runs `inner`'s first, then
+    the wrapper's own (`_begin_backward`, `_reduced`, ...: no-ops unless a wrapper has work there); hooks that
+    answer combine both answers; `step` runs `_before_inner_step`, `inner.step`, then `_step`. The offload parts
+    (zerofit.engine.offload.part) and the whole-parameter step (zerofit.engine.whole_step) are such wrappers."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, inner: StepMode):
+        self.optimizer = optimizer
+        self.inner = inner
+
+    @property
+    def forward_communicates(self) -> bool:  # type: ignore[override]
+        return self.inner.forward_communicates
+
+    @property
+    def compact(self) -> bool:
+        return self.inner.compact or self._compact()
+
+    @property
+    def update_started(self) -> bool:
+        return self.inner.update_started or self._update_started()
+
+    def begin_backward(self, sync: bool) -> None:
+        self.inner.begin_backward(sync)
+        self._begin_backward(sync)
+
+    def reduced(self, unit: Unit, pendings: list[Pending]) -> None:
+        self.inner.reduced(unit, pendings)
+        self._reduced(unit, pendings)
+
+    def end_backward(self) -> None:
+        self.inner.end_backward()
+        self._end_backward()
+
+    def clip_requested(self, max_norm: float) -> torch.Tensor | None:
+        inner = self.inner.clip_requested(max_norm)
+        own = self._clip_requested(max_norm)
+        return own if own is not None else inner
+
+    def prepare_grads(self) -> None:
+        self.inner.prepare_grads()
+        self._prepare_grads()
+
+    def begin_step(self) -> bool:
+        inner = self.inner.begin_step()
+        own = self._begin_step()
+        return inner or own
+
+    def step(self, factors: StepFactors) -> None:
+        self._before_inner_step(factors)
+        self.inner.step(factors)
+        mark_stepped(self.optimizer)
+        self._step(factors)
+
+    def zero_grad(self) -> None:
+        self.inner.zero_grad()
+        self._zero_grad()
+
+    def settle(self, *, state: bool = False) -> None:
+        self.inner.settle(state=state)
+        self._settle(state=state)
+
+    def discard(self) -> None:
+        self.inner.discard()
+        self._discard()
+
+    def widen(self) -> None:
+        self.inner.widen()
+        self._widen()
+
+    # --- the wrapper's own hooks (by default nothing) -----------------------------------------------
+    def _compact(self) -> bool:
+        """Some of the wrapper's own groups keep compact gradients."""
+        return False
+
+    def _update_started(self) -> bool:
+        return False
+
+    def _begin_backward(self, sync: bool) -> None:
+        pass
+
+    def _reduced(self, unit: Unit, pendings: list[Pending]) -> None:
+        pass
+
+    def _end_backward(self) -> None:
+        pass
+
+    def _clip_requested(self, max_norm: float) -> torch.Tensor | None:
+        return None
+
+    def _prepare_grads(self) -> None:
+        pass
+
+    def _begin_step(self) -> bool:
+        return False
+
+    def _before_inner_step(self, factors: StepFactors) -> None:
+        """Work already decided before this step (a window whose update began during backward) is handed
+        over before the inner mode steps."""
+
+    def _step(self, factors: StepFactors) -> None:
+        """Step (or hand over) the wrapper's own groups, after the inner mode stepped its groups."""
+        raise NotImplementedError
+
+    def _zero_grad(self) -> None:
+        pass
+
+    def _settle(self, *, state: bool) -> None:
+        pass
+
+    def _discard(self) -> None:
+        pass
+
+    def _widen(self) -> None:
+        pass
+
+
 def gather_params(g: FlatGroup, comm: Collectives) -> Pending | None:
     """All-gather `g`'s updated shard into its full parameters where they stay replicated (stages 1-2)."""
     if g.placement.shard_world > 1 and not g.placement.shard_params:

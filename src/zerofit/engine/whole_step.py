@@ -32,8 +32,8 @@ import torch
 
 from zerofit.engine.comm import Collectives
 from zerofit.engine.flat_group import FlatGroup
-from zerofit.engine.optim import mark_stepped, sub_optimizer, sync_hyperparams
-from zerofit.engine.step_mode import StepFactors, StepMode, publish
+from zerofit.engine.optim import sub_optimizer, sync_hyperparams
+from zerofit.engine.step_mode import StepFactors, StepMode, WrappingStep, publish
 
 STAND_IN = "_zerofit_whole"
 """Attribute naming the parameter a stand-in tensor holds the place of (checkpoint code skips them)."""
@@ -58,65 +58,12 @@ def owners(groups: list[FlatGroup], world: int) -> dict[tuple[int, int], int]:
     return out
 
 
-class ForwardingStep(StepMode):
-    """A step mode around `inner`: every hook is `inner`'s unless a subclass adds to it."""
-
-    def __init__(self, inner: StepMode):
-        self.inner = inner
-
-    @property
-    def forward_communicates(self) -> bool:  # type: ignore[override]
-        return self.inner.forward_communicates
-
-    @property
-    def update_started(self) -> bool:
-        return self.inner.update_started
-
-    @property
-    def compact(self) -> bool:
-        return self.inner.compact
-
-    def begin_backward(self, sync: bool) -> None:
-        self.inner.begin_backward(sync)
-
-    def reduced(self, unit, pendings) -> None:
-        self.inner.reduced(unit, pendings)
-
-    def end_backward(self) -> None:
-        self.inner.end_backward()
-
-    def clip_requested(self, max_norm: float) -> torch.Tensor | None:
-        return self.inner.clip_requested(max_norm)
-
-    def prepare_grads(self) -> None:
-        self.inner.prepare_grads()
-
-    def begin_step(self) -> bool:
-        return self.inner.begin_step()
-
-    def step(self, factors: StepFactors) -> None:
-        self.inner.step(factors)
-
-    def zero_grad(self) -> None:
-        self.inner.zero_grad()
-
-    def settle(self, *, state: bool = False) -> None:
-        self.inner.settle(state=state)
-
-    def discard(self) -> None:
-        self.inner.discard()
-
-    def widen(self) -> None:
-        self.inner.widen()
-
-
-class WholeStep(ForwardingStep):
+class WholeStep(WrappingStep):
     """Steps `groups` (each parameter whole, see [Note: whole-parameter steps]) after `inner` steps the rest."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, groups: list[FlatGroup], inner: StepMode,
                  comm: Collectives, device: torch.device):
-        super().__init__(inner)
-        self.optimizer = optimizer
+        super().__init__(optimizer, inner)
         self.groups = groups
         self.comm = comm
         self.device = device
@@ -141,13 +88,11 @@ class WholeStep(ForwardingStep):
         """Parameter name -> its stand-in, for the parameters this rank steps (their optimizer state's keys)."""
         return {g.names[i]: t for g, i, t in self.owned}
 
-    def step(self, factors: StepFactors) -> None:
-        self.inner.step(factors)
+    def _step(self, factors: StepFactors) -> None:
         if self._sub is not None:
             sync_hyperparams(self._sub, self._index, self.optimizer)
         for g in self.groups:
             self._step_group(g, factors.remaining)
-        mark_stepped(self.optimizer)
         publish(self.groups, self.comm)
 
     def _step_group(self, g: FlatGroup, remaining) -> None:

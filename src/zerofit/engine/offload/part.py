@@ -5,9 +5,9 @@ An offload part steps its own trainable groups (`groups`: their optimizer state 
 device) and wraps `inner`, the step mode of every other group: the device's `PlainStep` or
 `CompactStep`, or another part (the host-stepped part wraps the GPU-stepped one when both are used).
 This base owns what each part would otherwise wire by hand, the same way for every part:
-- the hooks of [Note: step modes] in zerofit.engine.step_mode: each runs `inner`'s hook first, then
-  the part's own (`_begin_backward`, `_reduced`, ...: no-ops unless a part has work there); hooks
-  that answer combine both answers. `step` runs `_before_inner_step`, `inner.step`, then `_step`;
+- the hooks of [Note: step modes] in zerofit.engine.step_mode, through `WrappingStep` there: each runs
+  `inner`'s hook first, then the part's own (`_begin_backward`, `_reduced`, ...); hooks that answer
+  combine both answers. `step` runs `_before_inner_step`, `inner.step`, then `_step`;
 - before use: a unit holding one of the part's groups waits for them before forward uses it - its
   `before_use` (stage 3's gathers, `state_dict`) and a forward pre-hook registered before the stage-3
   hooks, so a unit is stepped before it is gathered - publishing the groups of the units before it
@@ -32,23 +32,21 @@ from zerofit.config.schema import AioConfig, OffloadConfig
 from zerofit.engine.comm import Collectives, Pending
 from zerofit.engine.flat_group import FlatGroup
 from zerofit.engine.offload.nvme import NvmeSwapper
-from zerofit.engine.optim import mark_stepped
 from zerofit.engine.stage3 import opaque
-from zerofit.engine.step_mode import StepFactors, StepMode, publish_bounds
+from zerofit.engine.step_mode import StepMode, WrappingStep, publish_bounds
 from zerofit.engine.timing import StepTimes
 from zerofit.engine.unit import Unit
 
 
-class OffloadPart(StepMode):
+class OffloadPart(WrappingStep):
     """The offloaded step of `groups` around `inner`, the step of the others (see [Note: offload parts])."""
 
     forward_communicates = True  # a unit's first use after a step publishes its groups (all-gathers, stages 1-2)
 
     def __init__(self, optimizer: torch.optim.Optimizer, groups: list[FlatGroup], inner: StepMode, *,
                  model: nn.Module, units: list[Unit], comm: Collectives, times: StepTimes):
-        self.optimizer = optimizer
+        super().__init__(optimizer, inner)
         self.groups = groups
-        self.inner = inner
         self.units = units
         self.comm = comm
         self.times = times
@@ -91,108 +89,9 @@ class OffloadPart(StepMode):
         must not hold the part: its worker thread would keep it alive."""
         self.close = weakref.finalize(self, close, *args)
 
-    # --- the hooks of [Note: step modes]: the inner mode's first, then the part's own --------------
-    @property
-    def compact(self) -> bool:
-        return self.inner.compact or self._compact()
-
-    @property
-    def update_started(self) -> bool:
-        return self.inner.update_started or self._update_started()
-
-    def begin_backward(self, sync: bool) -> None:
-        self.inner.begin_backward(sync)
-        self._begin_backward(sync)
-
-    def reduced(self, unit: Unit, pendings: list[Pending]) -> None:
-        self.inner.reduced(unit, pendings)
-        self._reduced(unit, pendings)
-
-    def end_backward(self) -> None:
-        self.inner.end_backward()
-        self._end_backward()
-
-    def clip_requested(self, max_norm: float) -> torch.Tensor | None:
-        inner = self.inner.clip_requested(max_norm)
-        own = self._clip_requested(max_norm)
-        return own if own is not None else inner
-
-    def prepare_grads(self) -> None:
-        self.inner.prepare_grads()
-        self._prepare_grads()
-
-    def begin_step(self) -> bool:
-        inner = self.inner.begin_step()
-        own = self._begin_step()
-        return inner or own
-
-    def step(self, factors: StepFactors) -> None:
-        self._before_inner_step(factors)
-        self.inner.step(factors)
-        mark_stepped(self.optimizer)
-        self._step(factors)
-
-    def zero_grad(self) -> None:
-        self.inner.zero_grad()
-        self._zero_grad()
-
-    def settle(self, *, state: bool = False) -> None:
-        self.inner.settle(state=state)
-        self._settle(state=state)
-
-    def discard(self) -> None:
-        self.inner.discard()
-        self._discard()
-
-    def widen(self) -> None:
-        self.inner.widen()
-        self._widen()
-
-    # --- the part's own hooks (by default nothing) --------------------------------------------------
-    def _compact(self) -> bool:
-        """Some of the part's own groups keep compact gradients."""
-        return False
-
-    def _update_started(self) -> bool:
-        return False
-
-    def _begin_backward(self, sync: bool) -> None:
-        pass
-
-    def _reduced(self, unit: Unit, pendings: list[Pending]) -> None:
-        pass
-
-    def _end_backward(self) -> None:
-        pass
-
-    def _clip_requested(self, max_norm: float) -> torch.Tensor | None:
-        return None
-
-    def _prepare_grads(self) -> None:
-        pass
-
-    def _begin_step(self) -> bool:
-        return False
-
-    def _before_inner_step(self, factors: StepFactors) -> None:
-        """Work already decided before this step (a window whose update began during backward) is handed
-        over before the inner mode steps."""
-
-    def _step(self, factors: StepFactors) -> None:
-        """Step (or hand over) the part's own groups, after the inner mode stepped its groups."""
-        raise NotImplementedError
-
-    def _zero_grad(self) -> None:
-        pass
-
+    # --- the part's own hooks that differ from `WrappingStep`'s defaults --------------------------------
     def _settle(self, *, state: bool) -> None:
         self._await_all()
-
-    def _discard(self) -> None:
-        pass
-
-    def _widen(self) -> None:
-        pass
 
     # --- before use ------------------------------------------------------------------------------
     def _await_group(self, g: FlatGroup) -> Pending | None:
