@@ -46,6 +46,7 @@ def is_auto(value: Any) -> bool:
 OffloadDevice = Literal["none", "cpu", "nvme"]
 StepOn = Literal["auto", "host", "device"]
 MixedPrecision = Literal["no", "fp16", "bf16"]
+OptimizerStateDtype = Literal["fp32", "bf16", "8bit"]
 CommunicationDataType = Literal["fp32", "bf16", "fp16"]
 
 
@@ -138,7 +139,7 @@ class LossScaleConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class PrecisionConfig:
-    """Compute precision; master weights and optimizer states are always fp32."""
+    """Compute precision; master weights are always fp32, optimizer state fp32 unless `optimizer_state` says."""
 
     mixed_precision: MixedPrecision | Any = "no"
     """no: fp32 compute; bf16 or fp16: compute in that dtype."""
@@ -149,6 +150,11 @@ class PrecisionConfig:
     the bytes, and each rank's share is added to its fp32 gradient after the reduction
     (see [Note: gradients on the wire] in zerofit.engine.unit). One rank: no reduction, no effect.
     DeepSpeed's unset value (the compute dtype) is not followed: unset is fp32."""
+    optimizer_state: OptimizerStateDtype = "fp32"
+    """How the optimizer's per-element state (Adam's moments, momentum) is stored between steps: fp32 (as the
+    optimizer makes it), bf16 (half the bytes), or 8bit (block-wise dynamic quantisation, 1.25 bytes per
+    element). The update always runs in fp32 with the script's optimizer class; the fp32 master is never
+    narrowed (see [Note: narrow optimizer state] in zerofit.engine.state_codec)."""
     skip_nonfinite_steps: bool = False
     """zerofit only: in fp32 / bf16, a step whose gradient norm is NaN or inf is skipped on every rank (as
     fp16's loss scaler skips overflows; costs one host sync per step when clipping is off); false: the step is
