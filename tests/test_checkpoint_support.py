@@ -11,16 +11,16 @@ from zerofit.engine.state import local_fragments
 
 
 def build(stage: int, *, precision: str = "no", perturb: float = 0.0, freeze: bool = False,
-          steps: int = 12, offload: bool = False):
+          steps: int = 12, offload: bool = False, optimizer_state: str = "fp32"):
     """TinyLM + AdamW under `stage` (`offload`: optimizer, and at stage 3 parameters, on the host);
-    `perturb` shifts every weight so a load visibly changes them."""
+    `perturb` shifts every weight so a load visibly changes them; `optimizer_state`: how the state is stored."""
     case = Case(stage=stage, precision=precision, freeze=freeze, steps=steps)
     model, opt = make_model_and_optim(case)
     if perturb:
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(perturb)
-    precision_cfg = PrecisionConfig(mixed_precision=precision,
+    precision_cfg = PrecisionConfig(mixed_precision=precision, optimizer_state=optimizer_state,
                                     loss_scale=LossScaleConfig(initial_scale_power=8, hysteresis=1))
     host = OffloadConfig(device="cpu" if offload else "none")
     zero = ZeroConfig(stage=stage, param_persistence_threshold=0, offload_optimizer=host,

@@ -5,6 +5,8 @@ A checkpoint directory:
     state/shard-0000R-model-00001-of-00001.safetensors  each rank's chunks (see `chunks`): tensors named
                                                         "<kind>/<parameter>", kind = master (fp32, trainable),
                                                         param (frozen), buffer, or an optimizer state key
+                                                        (as stored: fp32, bf16, or 8-bit codes and their
+                                                        "<key>.absmax" block scales, see `state_forms`)
     common.json (+ common.safetensors)                  what was saved: parameter table, optimizer param
                                                         groups and scalar state, loss scaler, micro-step
     rank-0000R.json (+ .safetensors)                    rank R's `extra_state` (see `tree`)
@@ -58,6 +60,7 @@ from zerofit.checkpoint.manifest import (
     write_manifest,
 )
 from zerofit.checkpoint.ranks import Ranks
+from zerofit.checkpoint.state_forms import StateLoad, loading_codec, merge_forms, narrow_forms
 from zerofit.checkpoint.tree import encode, read_tree, write_encoded, write_tree
 from zerofit.checkpoint.whole_state import chunks_to_load, chunks_to_save
 from zerofit.config.schema import RunConfig
@@ -65,6 +68,7 @@ from zerofit.engine.state import (
     allocate_optimizer_state,
     differing_scalars,
     fragment_scalars,
+    is_scale_key,
     local_fragments,
     optimizer_scalars,
     restore_param_scalars,
@@ -113,10 +117,10 @@ def save_state(directory: str | os.PathLike[str], engine, *, extra_state: dict |
     opt = engine.optimizer
     engine.settle()  # an overlapped host step may still be writing the offloaded masters
     frags = writer_fragments(engine.groups, opt, ranks.rank, ranks.world)
-    state_keys = sorted({k for f in frags for k in f.tensors} - {"master", "param"})
+    state_keys = sorted({k for f in frags for k in f.tensors if not is_scale_key(k)} - {"master", "param"})
     whole_chunks, whole_records = chunks_to_save(engine)
     optim_parts = ranks.all_gather((optimizer_scalars(opt), state_keys, fragment_scalars(frags),
-                                    base_probe(frags) if exclude_frozen else {}, whole_records))
+                                    base_probe(frags) if exclude_frozen else {}, narrow_forms(frags), whole_records))
     token = ranks.broadcast(uuid.uuid4().hex[:12])
     tmp = files.temp_dir(final, token)
     error = None
@@ -131,8 +135,8 @@ def save_state(directory: str | os.PathLike[str], engine, *, extra_state: dict |
             error = f"{tmp}: cannot create the checkpoint directory ({e}): check the path and free space"
     ranks.agree(error)
     try:
-        chunks = {f"{key}/{f.name}": Chunk(t, f.start, f.numel) for f in frags for key, t in f.tensors.items()
-                  if not (exclude_frozen and key == "param")}
+        chunks = {f"{key}/{f.name}": Chunk(t, *f.span(key)) for f in frags for key, t in f.tensors.items()
+                  if not (exclude_frozen and key == "param") and t.numel()}  # a cut may hold no block scale
         chunks.update(whole_chunks)
         if ranks.is_main:
             for name, buf in persistent_buffers(engine.model):
@@ -186,6 +190,9 @@ def _write_common(tmp: Path, engine, ranks: Ranks, optim_parts: list, config: Ru
         common["optimizer"] = {"class": type(opt).__name__, "groups": groups, "state_keys": keys,
                                "param_scalars": differing_scalars(per_param, groups, group_of),
                                "whole_state": {n: r for *_, records in optim_parts for n, r in records.items()}}
+        forms = merge_forms([part[4] for part in optim_parts], "save_state")
+        if forms:  # [Note: state forms in a checkpoint]: fp32 state is written as it always was
+            common["optimizer"]["state_forms"] = forms
     write_tree(tmp, COMMON, common, "checkpoint state")
     if config is not None:
         from zerofit.config import save_config
@@ -280,9 +287,12 @@ def load_state(directory: str | os.PathLike[str], engine) -> dict:
     except (KeyError, TypeError, ValueError) as e:  # valid JSON of the wrong shape
         error = f"{path / (COMMON + '.json')}: malformed ({type(e).__name__}: {e}): load an earlier checkpoint"
     ranks.agree(error)
-    _prepare_optimizer(path, common, engine.optimizer)
+    codec = loading_codec(engine)
+    _prepare_optimizer(path, common, engine.optimizer, codec)
     _restore_param_scalars(engine, common)
-    chunks, copies = _load_chunks(engine, common)
+    saved_optimizer = (common.get("optimizer") or {}) if engine.optimizer is not None else {}
+    state_load = StateLoad(saved_optimizer.get("state_forms") or {}, codec, saved_optimizer.get("state_keys", []))
+    chunks, copies = _load_chunks(engine, common, state_load)
     if engine.optimizer is not None:  # [Note: whole-parameter steps]: their state, by parameter
         chunks.update(chunks_to_load(engine, (common.get("optimizer") or {}).get("whole_state") or {}))
     error = None
@@ -296,6 +306,7 @@ def load_state(directory: str | os.PathLike[str], engine) -> dict:
         error = str(e)
     ranks.agree(error)
     read_chunks(path / STATE_DIR, chunks, ranks.group)
+    state_load.finish(path, ranks.is_main)
     with torch.no_grad():
         for dst, src in copies:
             dst.copy_(src.view_as(dst))
@@ -399,8 +410,9 @@ def _check_model(path: Path, common: dict, engine) -> str | None:
            "checkpoint of this model"
 
 
-def _prepare_optimizer(path: Path, common: dict, opt) -> None:
-    """Restore param-group settings and create the state tensors the checkpoint will be read into."""
+def _prepare_optimizer(path: Path, common: dict, opt, codec) -> None:
+    """Restore param-group settings and create the state tensors the checkpoint will be read into, in the
+    form `codec` this run stores them in."""
     saved = common.get("optimizer")
     if opt is None or saved is None:
         return
@@ -415,7 +427,7 @@ def _prepare_optimizer(path: Path, common: dict, opt) -> None:
         for t in group["params"]:
             if not is_stand_in(t):  # whole parameters get theirs from `chunks_to_load`
                 opt.state[t] = {}  # replace, never merge with, whatever state the optimizer had
-    allocate_optimizer_state(opt, list(saved["state_keys"]), [g for g in saved["groups"]])
+    allocate_optimizer_state(opt, list(saved["state_keys"]), [g for g in saved["groups"]], codec)
 
 
 def _restore_param_scalars(engine, common: dict) -> None:
@@ -425,10 +437,9 @@ def _restore_param_scalars(engine, common: dict) -> None:
         restore_param_scalars(local_fragments(engine.groups, engine.optimizer, 0), saved)
 
 
-def _load_chunks(engine, common: dict) -> tuple[dict[str, Chunk], list]:
+def _load_chunks(engine, common: dict, state_load: StateLoad) -> tuple[dict[str, Chunk], list]:
     """The chunks this rank reads, and (destination, buffer) copies for non-contiguous buffers."""
     saved_kind = {d["name"]: d["kind"] for d in common["params"]}
-    state_keys = (common.get("optimizer") or {}).get("state_keys", []) if engine.optimizer is not None else []
     kept = "param" if common.get("frozen_excluded") else None  # [Note: a checkpoint without the frozen weights]
     chunks: dict[str, Chunk] = {}
     for f in local_fragments(engine.groups, engine.optimizer, 0):  # 0: replicated groups too, on every rank
@@ -436,8 +447,8 @@ def _load_chunks(engine, common: dict) -> tuple[dict[str, Chunk], list]:
         for key, t in f.tensors.items():
             if key in ("master", "param") and stored != kept:
                 chunks[f"{stored}/{f.name}"] = Chunk(t, f.start, f.numel)
-            elif key in state_keys and stored == "master":
-                chunks[f"{key}/{f.name}"] = Chunk(t, f.start, f.numel)
+        if stored == "master":
+            chunks.update(state_load.chunks(f))
     copies = []
     for name, buf in persistent_buffers(engine.model):
         if not buf.numel():

@@ -7,6 +7,17 @@ A checkpoint written as "parameter name -> chunks of a 1-D tensor of `numel` ele
 any world size, stage or layout: the loader asks for its own fragments and reads whatever chunks
 overlap them. Writing into the views writes into the engine.
 
+[Note: per-block state]
+Optimizer state stored in 8 bits ([Note: narrow optimizer state] in zerofit.engine.state_codec) keeps,
+beside each per-element key K (uint8 codes, one per element), `K + SCALE_SUFFIX`: one fp32 absmax per block
+of BLOCK (16) elements of the piece. Pieces start at multiples of 16 of their parameter, so a piece's
+blocks are its parameter's blocks from `start // 16` on, and the absmax of a parameter is a tensor of its
+own of `blocks(numel)` elements (the last block may be partial) that reshards like per-element state with
+a stride of 16: a fragment of elements [start, start + length) holds the blocks whose first element it
+holds, [ceil(start / 16), ceil((start + length) / 16)) (`Fragment.span`). Every block is thereby held by
+exactly one fragment however the elements are cut, also where `writer_fragments` cuts a replicated
+parameter at an arbitrary element.
+
 Ranks holding replicated state (stage 0, unsharded units) report the whole parameter on rank 0 only,
 so every element is owned by exactly one rank; a checkpoint's writers share those out instead
 (`writer_fragments`).
@@ -20,6 +31,27 @@ from dataclasses import dataclass, field
 import torch
 
 from zerofit.engine.flat_group import FlatGroup
+from zerofit.engine.state_codec import BLOCK, Codec, blocks
+
+SCALE_SUFFIX = ".absmax"
+"""The state key of a per-element key's block scales ([Note: per-block state])."""
+
+
+def is_scale_key(key: str) -> bool:
+    return key.endswith(SCALE_SUFFIX)
+
+
+def per_element(key: str, value, numel: int) -> bool:
+    """`value` is per-element state of a piece of `numel` elements (or its per-block scales), not scalar state."""
+    want = blocks(numel) if is_scale_key(key) else numel
+    return isinstance(value, torch.Tensor) and value.ndim == 1 and value.numel() == want
+
+
+def _block_slice(start: int, lo: int, hi: int) -> slice:
+    """The blocks, counted in a run starting at element `start` of its parameter (a multiple of 16, or the
+    run's first block is the one after it), held by elements [start + lo, start + hi) of it."""
+    first = -(-start // BLOCK)
+    return slice(-(-(start + lo) // BLOCK) - first, -(-(start + hi) // BLOCK) - first)
 
 
 @dataclass
@@ -40,6 +72,20 @@ class Fragment:
     """Optimizer param group of the parameter."""
     state: dict = field(default_factory=dict)
     """The optimizer state of the piece the run lies in (live: scalars written here reach the optimizer)."""
+
+    def span(self, key: str) -> tuple[int, int]:
+        """(first element, elements of the whole parameter) of `tensors[key]` in its checkpoint tensor: the
+        parameter's elements, or for block scales its blocks ([Note: per-block state])."""
+        if is_scale_key(key):
+            return -(-self.start // BLOCK), blocks(self.numel)
+        return self.start, self.numel
+
+    def cut(self, lo: int, hi: int) -> Fragment:
+        """Elements [start + lo, start + hi) of this run, with views of its tensors over them."""
+        return dataclasses.replace(
+            self, start=self.start + lo, length=hi - lo,
+            tensors={k: t[_block_slice(self.start, lo, hi) if is_scale_key(k) else slice(lo, hi)]
+                     for k, t in self.tensors.items()})
 
 
 def _piece_state(optimizer, master: torch.Tensor) -> dict:
@@ -77,8 +123,8 @@ def local_fragments(groups: list[FlatGroup], optimizer: torch.optim.Optimizer | 
                 frag.state = state
                 rel = slice(o.shard_offset - piece.shard_offset, o.shard_offset - piece.shard_offset + o.length)
                 for key, value in state.items():
-                    if isinstance(value, torch.Tensor) and value.ndim == 1 and value.numel() == piece.length:
-                        frag.tensors[key] = value[rel]
+                    if per_element(key, value, piece.length):
+                        frag.tensors[key] = value[_block_slice(0, rel.start, rel.stop) if is_scale_key(key) else rel]
             out.append(frag)
     return out
 
@@ -98,8 +144,7 @@ def writer_fragments(groups: list[FlatGroup], optimizer: torch.optim.Optimizer |
     for f in replicated:
         a, b = max(lo, at) - at, min(hi, at + f.length) - at
         if a < b:
-            out.append(dataclasses.replace(f, start=f.start + a, length=b - a,
-                                           tensors={k: t[a:b] for k, t in f.tensors.items()}))
+            out.append(f.cut(a, b))
         at += f.length
     return out
 
@@ -117,7 +162,7 @@ def optimizer_scalars(optimizer: torch.optim.Optimizer | None) -> list[dict]:
             if hasattr(t, "_zerofit_whole"):  # a whole parameter's stand-in: its state is saved whole
                 continue
             for key, value in optimizer.state.get(t, {}).items():
-                if not (isinstance(value, torch.Tensor) and value.ndim == 1 and value.numel() == t.numel()):
+                if not per_element(key, value, t.numel()):
                     scalars[key] = value
             if scalars:
                 break
@@ -165,16 +210,24 @@ def restore_param_scalars(fragments: list[Fragment], saved: dict[str, dict[str, 
 
 
 def allocate_optimizer_state(optimizer: torch.optim.Optimizer, tensor_keys: list[str],
-                             scalars: list[dict]) -> None:
+                             scalars: list[dict], codec: Codec | None = None) -> None:
     """Give every master piece zeroed state tensors under `tensor_keys` and each group's scalar state,
     so a checkpoint can be read into the views `local_fragments` then returns (fresh optimizers create
-    their state only on the first step)."""
+    their state only on the first step). `codec`: the form the state is stored in (default fp32, as the
+    optimizer makes it); 8-bit adds each key's block scales ([Note: per-block state])."""
     for group, saved in zip(optimizer.param_groups, scalars):
         for t in group["params"]:
             if hasattr(t, "_zerofit_whole"):  # a whole parameter's stand-in: see zerofit.checkpoint.whole_state
                 continue
             state = optimizer.state[t]
             for key in tensor_keys:
-                state.setdefault(key, torch.zeros_like(t, memory_format=torch.preserve_format))
+                if codec is None or not codec.narrow:
+                    state.setdefault(key, torch.zeros_like(t, memory_format=torch.preserve_format))
+                    continue
+                stored = codec.empty(t.numel(), t.device)
+                codec.encode(torch.zeros(t.numel(), device=t.device), stored, key)  # the code of 0.0, not code 0
+                state.setdefault(key, stored.codes)
+                if stored.scale is not None:
+                    state.setdefault(key + SCALE_SUFFIX, stored.scale)
             for key, value in saved.get("scalars", {}).items():
                 state[key] = value.clone().to(t.device) if isinstance(value, torch.Tensor) else value
