@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import torch
-from engine_cases import Case, batches, loss_fn, make_model_and_optim
+from engine_cases import DEFAULT_CHUNK, Case, batches, loss_fn, make_model_and_optim
 
 from zerofit.config.schema import LossScaleConfig, OffloadConfig, PrecisionConfig, ZeroConfig
 from zerofit.engine import ZeroEngine
+from zerofit.engine.offload import gpu
 from zerofit.engine.state import local_fragments
 
 
 def build(stage: int, *, precision: str = "no", perturb: float = 0.0, freeze: bool = False,
-          steps: int = 12, offload: bool = False, optimizer_state: str = "fp32"):
-    """TinyLM + AdamW under `stage` (`offload`: optimizer, and at stage 3 parameters, on the host);
-    `perturb` shifts every weight so a load visibly changes them; `optimizer_state`: how the state is stored."""
+          steps: int = 12, offload: bool = False, optimizer_state: str = "fp32", step_on: str = "auto",
+          chunk: int = 0):
+    """TinyLM + AdamW under `stage` (`offload`: optimizer, and at stage 3 parameters, on the host, stepped where
+    `step_on` says, in streamed chunks of `chunk` elements when given); `perturb` shifts every weight so a load
+    visibly changes them; `optimizer_state`: how the state is stored."""
     case = Case(stage=stage, precision=precision, freeze=freeze, steps=steps)
     model, opt = make_model_and_optim(case)
     if perturb:
@@ -23,9 +26,14 @@ def build(stage: int, *, precision: str = "no", perturb: float = 0.0, freeze: bo
     precision_cfg = PrecisionConfig(mixed_precision=precision, optimizer_state=optimizer_state,
                                     loss_scale=LossScaleConfig(initial_scale_power=8, hysteresis=1))
     host = OffloadConfig(device="cpu" if offload else "none")
-    zero = ZeroConfig(stage=stage, param_persistence_threshold=0, offload_optimizer=host,
+    zero = ZeroConfig(stage=stage, param_persistence_threshold=0,
+                      offload_optimizer=OffloadConfig(device=host.device, step_on=step_on) if offload else host,
                       offload_param=host if stage == 3 else OffloadConfig())
-    engine = ZeroEngine(model, opt, zero=zero, precision=precision_cfg, device=torch.device("cpu"))
+    gpu.STREAM_CHUNK = chunk or DEFAULT_CHUNK  # read when the engine builds its step mode
+    try:
+        engine = ZeroEngine(model, opt, zero=zero, precision=precision_cfg, device=torch.device("cpu"))
+    finally:
+        gpu.STREAM_CHUNK = DEFAULT_CHUNK
     return case, model, opt, engine
 
 
