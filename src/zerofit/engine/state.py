@@ -31,14 +31,8 @@ from dataclasses import dataclass, field
 import torch
 
 from zerofit.engine.flat_group import FlatGroup
+from zerofit.engine.offload.stored_homes import SCALE_SUFFIX, is_scale_key
 from zerofit.engine.state_codec import BLOCK, Codec, blocks
-
-SCALE_SUFFIX = ".absmax"
-"""The state key of a per-element key's block scales ([Note: per-block state])."""
-
-
-def is_scale_key(key: str) -> bool:
-    return key.endswith(SCALE_SUFFIX)
 
 
 def per_element(key: str, value, numel: int) -> bool:
