@@ -152,7 +152,8 @@ def zerofit_or_torch_step(method: str, args, ids):
             os.makedirs(args.nvme_path, exist_ok=True)
             zero = ZeroConfig(stage=3, offload_optimizer=OffloadConfig(device="nvme", nvme_path=args.nvme_path),
                               offload_param=OffloadConfig(device="cpu"))
-        engine = ZeroEngine(model, opt, zero=zero, precision=PrecisionConfig(mixed_precision="bf16"),
+        engine = ZeroEngine(model, opt, zero=zero, precision=PrecisionConfig(mixed_precision="bf16",
+                                                                             optimizer_state=args.optimizer_state),
                             gradient_clipping=args.clip)
 
         def step():
@@ -189,7 +190,7 @@ def _planned_zero(model, args):
     config = RunConfig(zero=ZeroConfig(stage=AUTO, offload_optimizer=OffloadConfig(device=AUTO, ratio=AUTO,
                                                                                   host_share=args.host_share),
                                        offload_param=OffloadConfig(device=AUTO)),
-                       precision=PrecisionConfig(mixed_precision="bf16"))
+                       precision=PrecisionConfig(mixed_precision="bf16", optimizer_state=args.optimizer_state))
     device = torch.device("cuda")
     share = machine_host_share(device, 1, 2) if wants_host_share(config, device) else None
     chosen, result = choose(config, model, world=1, shape=(args.batch, args.seq), budget=budget_for(device, 1),
@@ -203,7 +204,7 @@ def _planned_zero(model, args):
 def measure(method: str, step, args) -> dict:
     import torch
 
-    times, losses, phases = [], [], []
+    times, losses, phases, every = [], [], [], []
     torch.cuda.reset_peak_memory_stats()
     engine = getattr(step, "engine", None)
     # Steps back to back, as in training: each reads its loss (which waits for the main stream only),
@@ -215,6 +216,7 @@ def measure(method: str, step, args) -> dict:
         loss = step()
         losses.append(float(loss))
         t1 = time.perf_counter()
+        every.append(t1 - t0)
         if i >= 2:
             times.append(t1 - t0)
             if engine is not None:
@@ -228,7 +230,8 @@ def measure(method: str, step, args) -> dict:
            "tokens_per_s": args.batch * args.seq / s,
            "gpu_peak_gib": torch.cuda.max_memory_allocated() / 2**30,
            "host_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-           "losses": losses, "times": times}
+           "losses": losses, "times": times, "every_step_s": every,
+           "optimizer_state": args.optimizer_state}
     if method == "zerofit-auto":
         row["planned"] = _planned_zero.label
     if phases:
@@ -300,6 +303,8 @@ def main() -> None:
                    help="zerofit GPU-stepped offload rows: share of the offloaded state stepped on the CPU instead")
     p.add_argument("--nvme-path", default="/tmp/zerofit-nvme", help="directory for the zerofit-s3-nvme row")
     p.add_argument("--timeout", type=float, default=240, help="seconds per method")
+    p.add_argument("--optimizer-state", default="fp32", choices=["fp32", "bf16", "8bit"],
+                   help="zerofit rows: precision.optimizer_state")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: run one method, print JSON
     args = p.parse_args()
     if args.vocab is None:

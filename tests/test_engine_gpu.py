@@ -49,7 +49,7 @@ def test_cuda_low_precision_trains(precision):
 
 def _train_offload(stage: int, precision: str, optim: str, *, offload: str, offload_param: str = "none",
                    chunk: int = 0, gas: int = 1, clip: float = 0.5, host_share: float | None = None,
-                   nvme_path: str | None = None, buffer_count: int = 4):
+                   nvme_path: str | None = None, buffer_count: int = 4, state: str = "fp32"):
     """One GPU: `offload` "none" (state on the GPU), "cpu" (GPU-stepped from host memory, step_on auto) or
     "nvme" (GPU-stepped from files under `nvme_path`, step_on device)."""
     from zerofit.config.schema import LossScaleConfig, OffloadConfig
@@ -65,7 +65,7 @@ def _train_offload(stage: int, precision: str, optim: str, *, offload: str, offl
                       offload_param=OffloadConfig(device=offload_param))
     try:
         engine = ZeroEngine(model, opt, zero=zero, device=torch.device("cuda"), gradient_accumulation_steps=gas,
-                            precision=PrecisionConfig(mixed_precision=precision,
+                            precision=PrecisionConfig(mixed_precision=precision, optimizer_state=state,
                                                       loss_scale=LossScaleConfig(initial_scale_power=8)),
                             gradient_clipping=clip)
     finally:  # read once, as the step mode is built: later tests (the pool's byte count) see the default again

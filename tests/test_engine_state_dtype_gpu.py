@@ -1,0 +1,27 @@
+"""Optimizer state in bf16 or 8 bits on CUDA: kept on the GPU, GPU-stepped from host memory (whole and 64-element
+chunks), with parameter offload - the same state and weights bit for bit, as on CPU
+(tests/test_engine_state_dtype.py). Skipped without a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_engine_gpu import _train_offload, requires_cuda
+
+pytestmark = pytest.mark.gpu
+
+
+@requires_cuda
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("precision", ["bf16", "no"])
+@pytest.mark.parametrize("state", ["bf16", "8bit"])
+def test_narrow_state_is_the_same_on_the_gpu_and_gpu_stepped(stage, precision, state):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    ref_losses, ref, _ = _train_offload(stage, precision, "adamw", offload="none", state=state)
+    fp32_losses, _, _ = _train_offload(stage, precision, "adamw", offload="none")
+    assert fp32_losses != ref_losses  # the state really is stored narrow
+    for chunk, param in ((0, "none"), (64, "none"), (64, "cpu" if stage == 3 else "none")):
+        losses, got, _ = _train_offload(stage, precision, "adamw", offload="cpu", offload_param=param, chunk=chunk,
+                                        state=state)
+        assert losses == ref_losses, (chunk, param)
+        assert all(torch.equal(ref[k], got[k]) for k in ref), (chunk, param)

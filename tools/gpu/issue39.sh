@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Issue #39's GPU checks in one device call. Log: $OUT/log.
+#   bash tools/gpu/issue39.sh OUT [tests|xl|big|quality]...   (default: tests xl)
+# tests:   the engine's GPU tests (fp32 state bit for bit as before; bf16/8-bit state the same in every home)
+# xl:      the codec's speed, then GPT-2 XL 16x128 bf16: ZeRO-2 + GPU-stepped optimizer offload and ZeRO-3 + full
+#          offload with fp32, bf16 and 8-bit optimizer state; no offload and plain PyTorch beside
+# big:     the 9.2 B Llama (13 B shape, 28 layers) 8x512 under stage: auto, fp32 and 8-bit state (every step timed:
+#          step 2 against the steady step)
+set -uo pipefail
+OUT_DIR="${1:-${OUT:-out/issue39}}"; shift || true
+WHAT="${*:-tests xl}"
+mkdir -p "$OUT_DIR"; OUT_DIR=$(cd "$OUT_DIR" && pwd)
+exec > >(tee -a "$OUT_DIR/log") 2>&1
+cd "$(dirname "$0")/../.."
+PY="${PYTHON:-python3}"
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+"$PY" -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'
+B="$PY benchmarks/engine_step.py --steps 6"
+for what in $WHAT; do
+  echo "== $what ($(date -u +%T))"
+  case "$what" in
+    tests)
+      timeout 300 "$PY" -m pytest -q -p no:cacheprovider tests/test_engine_gpu.py tests/test_engine_state_dtype_gpu.py \
+        2>&1 | tail -15 ;;
+    xl)
+      "$PY" benchmarks/codec_speed.py
+      for st in fp32 bf16 8bit; do
+        timeout 400 $B --methods zerofit-s2-offload zerofit-s3-offload --optimizer-state "$st" --timeout 180 \
+          --out "$OUT_DIR/xl_$st" | head -4
+      done
+      timeout 300 $B --methods zerofit-s2 torch --timeout 140 --out "$OUT_DIR/xl_no_offload" | head -4 ;;
+    big)
+      L="--model llama --n_embd 5120 --n_layer 28 --n_head 40 --intermediate 13824 --batch 8 --seq 512 --meta"
+      for st in 8bit fp32; do
+        timeout 290 $B --methods zerofit-auto $L --steps 4 --optimizer-state "$st" --timeout 280 \
+          --out "$OUT_DIR/big_$st" | head -3
+      done ;;
+  esac
+done
+"$PY" - "$OUT_DIR" <<'PYEOF'
+import json, pathlib, sys
+for f in sorted(pathlib.Path(sys.argv[1]).glob("*/results.json")):
+    for r in json.load(open(f))["rows"]:
+        if "error" in r:
+            print(f.parent.name, r["method"], "FAILED", r["error"][-300:].replace("\n", " | "))
+        else:
+            print(f"{f.parent.name:16s} {r['method']:22s} state={r.get('optimizer_state')} s/step={r['s_per_step']:.4f} "
+                  f"every={[round(t, 3) for t in r.get('every_step_s', [])]} gpu={r['gpu_peak_gib']:.1f} "
+                  f"host={r['host_rss_gib']:.1f} loss={r['losses'][-1]:.4f} planned={r.get('planned', '-')}")
+PYEOF
+echo "== done ($(date -u +%T))"
