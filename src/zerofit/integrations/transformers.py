@@ -45,7 +45,9 @@ from zerofit.frontend import ops
 from zerofit.frontend.accelerator import Accelerator
 from zerofit.frontend.plugins import DataLoaderConfiguration
 from zerofit.frontend.schedulers import AcceleratedScheduler
+from zerofit.frontend.state import AcceleratorState
 from zerofit.frontend.utils import DummyOptim, DummyScheduler
+from zerofit.integrations.accelerate_state import share_with_accelerate
 from zerofit.integrations.adapter_keys import is_peft_model, saved_adapter_keys
 from zerofit.integrations.trainer_config import TrainerFacts, scheduler_filled, trainer_config
 
@@ -73,6 +75,7 @@ class ZerofitTrainerMixin:
         self.accelerator = TrainerAccelerator(config=config, gradient_accumulation_steps=1, dataloader_config=loaders,
                                               cpu=bool(getattr(args, "use_cpu", False)), dynamo_plugin=compiled)
         self.accelerator.trained_model = self.model
+        share_with_accelerate(self.accelerator)  # TRL's set_seed(device_specific=True) asks Accelerate's state
         self.accelerator.planning_accumulation = facts.accumulation  # [Note: Trainer owns the loop]
         self.gather_function = functools.partial(self.accelerator.gather_for_metrics,
                                                  use_gather_object=args.eval_use_gather_object)
@@ -187,11 +190,29 @@ class TrainerAccelerator(Accelerator):
     trained_model: torch.nn.Module | None = None
     _checkpoint_dataloaders = False  # Trainer saves and restores its data position itself (trainer_state.json)
 
+    def __init__(self, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.state = PlainPathState(self)
+
     def prepare_model(self, model: torch.nn.Module, device_placement: Any = None,
                       evaluation_mode: bool = False) -> torch.nn.Module:
         if evaluation_mode and model is self.trained_model and not self.is_prepared(model):
             return model.to(self.device)
         return super().prepare_model(model, device_placement, evaluation_mode)
+
+
+class PlainPathState(AcceleratorState):
+    """`accelerator.state` under Trainer: `deepspeed_plugin` is None, as `trainer.is_deepspeed_enabled` is False.
+
+    Trainer and TRL take their plain data-parallel paths and zerofit's engine shards behind them; libraries
+    key their DeepSpeed paths off `accelerator.state.deepspeed_plugin` (TRL's `DistributedBackend`: a plugin
+    with `zero_stage == 3` makes `unwrap_model_for_generation` import deepspeed to gather the weights).
+    The run's ZeRO settings stay readable in `accelerator.config`; a script on `zerofit.Accelerator` keeps
+    the DeepSpeed-shaped `deepspeed_plugin` (zerofit.frontend.state.ZeroPlugin)."""
+
+    @property
+    def deepspeed_plugin(self) -> None:
+        return None
 
 
 def _main_dtype(state_dict: dict[str, torch.Tensor]) -> torch.dtype | None:
