@@ -277,6 +277,11 @@ def _refuse_other_engines(args: Any) -> None:
         problems.append("TrainingArguments(auto_find_batch_size=True) retries training with a new Accelerator, "
                         "which zerofit's Trainer does not support yet: set --per_device_train_batch_size, or let "
                         "zerofit choose the stage and offload that fit (zero_optimization.stage: auto)")
+    if getattr(args, "use_vllm", False):
+        # TRL copies each `param.data` into vLLM: under ZeRO-3 an empty shard; the sync is untested under zerofit
+        problems.append(f"{type(args).__name__}(use_vllm=True): zerofit does not send its sharded weights to vLLM "
+                        "(TRL would copy each rank's shard, empty at ZeRO-3): drop --use_vllm; generation then "
+                        "runs on the prepared model")
     if problems:
         raise ConfigError(problems)
 
