@@ -75,8 +75,9 @@ def run(kind: str, root: str, out: str, *, zerofit: bool, per_device: int) -> di
     elif kind == "distillation":
         tokenizer.padding_side = "left"
         teacher = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(root, "teacher"))
-        trainer = cls(model=model, teacher_model=teacher, args=trl.DistillationConfig(**common, max_completion_length=4),
-                      train_dataset=_data(kind), processing_class=tokenizer)
+        config = trl.DistillationConfig(**common, max_completion_length=4)
+        trainer = cls(model=model, teacher_model=teacher, args=config, train_dataset=_data(kind),
+                      processing_class=tokenizer)
     elif kind == "reward":
         torch.manual_seed(2)
         model = transformers.GPT2ForSequenceClassification.from_pretrained(policy, num_labels=1)
