@@ -103,3 +103,14 @@ def test_distillation_at_zero3_is_refused_naming_the_stage(results):
     message = results["ranks"]["distillation_stage3"]
     assert message.startswith("ConfigError") and "zero_optimization.stage is 3" in message
     assert "set zero_optimization.stage to 2 or lower" in message
+
+
+def test_vllm_generation_is_refused_by_name():
+    """TRL would copy each rank's ZeRO-3 shard (empty) into vLLM: refused when the Trainer is built."""
+    from types import SimpleNamespace
+
+    from zerofit.errors import ConfigError
+    from zerofit.integrations.transformers import _refuse_other_engines
+
+    with pytest.raises(ConfigError, match=r"use_vllm=True\): zerofit does not send .* drop --use_vllm"):
+        _refuse_other_engines(SimpleNamespace(use_vllm=True))
