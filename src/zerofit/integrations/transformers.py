@@ -45,7 +45,9 @@ from zerofit.frontend import ops
 from zerofit.frontend.accelerator import Accelerator
 from zerofit.frontend.plugins import DataLoaderConfiguration
 from zerofit.frontend.schedulers import AcceleratedScheduler
+from zerofit.frontend.state import AcceleratorState
 from zerofit.frontend.utils import DummyOptim, DummyScheduler
+from zerofit.integrations.accelerate_state import share_with_accelerate
 from zerofit.integrations.adapter_keys import is_peft_model, saved_adapter_keys
 from zerofit.integrations.trainer_config import TrainerFacts, scheduler_filled, trainer_config
 
@@ -73,6 +75,7 @@ class ZerofitTrainerMixin:
         self.accelerator = TrainerAccelerator(config=config, gradient_accumulation_steps=1, dataloader_config=loaders,
                                               cpu=bool(getattr(args, "use_cpu", False)), dynamo_plugin=compiled)
         self.accelerator.trained_model = self.model
+        share_with_accelerate(self.accelerator)  # TRL's set_seed(device_specific=True) asks Accelerate's state
         self.accelerator.planning_accumulation = facts.accumulation  # [Note: Trainer owns the loop]
         self.gather_function = functools.partial(self.accelerator.gather_for_metrics,
                                                  use_gather_object=args.eval_use_gather_object)
@@ -187,11 +190,29 @@ class TrainerAccelerator(Accelerator):
     trained_model: torch.nn.Module | None = None
     _checkpoint_dataloaders = False  # Trainer saves and restores its data position itself (trainer_state.json)
 
+    def __init__(self, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.state = PlainPathState(self)
+
     def prepare_model(self, model: torch.nn.Module, device_placement: Any = None,
                       evaluation_mode: bool = False) -> torch.nn.Module:
         if evaluation_mode and model is self.trained_model and not self.is_prepared(model):
             return model.to(self.device)
         return super().prepare_model(model, device_placement, evaluation_mode)
+
+
+class PlainPathState(AcceleratorState):
+    """`accelerator.state` under Trainer: `deepspeed_plugin` is None, as `trainer.is_deepspeed_enabled` is False.
+
+    Trainer and TRL take their plain data-parallel paths and zerofit's engine shards behind them; libraries
+    key their DeepSpeed paths off `accelerator.state.deepspeed_plugin` (TRL's `DistributedBackend`: a plugin
+    with `zero_stage == 3` makes `unwrap_model_for_generation` import deepspeed to gather the weights).
+    The run's ZeRO settings stay readable in `accelerator.config`; a script on `zerofit.Accelerator` keeps
+    the DeepSpeed-shaped `deepspeed_plugin` (zerofit.frontend.state.ZeroPlugin)."""
+
+    @property
+    def deepspeed_plugin(self) -> None:
+        return None
 
 
 def _main_dtype(state_dict: dict[str, torch.Tensor]) -> torch.dtype | None:
@@ -256,6 +277,11 @@ def _refuse_other_engines(args: Any) -> None:
         problems.append("TrainingArguments(auto_find_batch_size=True) retries training with a new Accelerator, "
                         "which zerofit's Trainer does not support yet: set --per_device_train_batch_size, or let "
                         "zerofit choose the stage and offload that fit (zero_optimization.stage: auto)")
+    if getattr(args, "use_vllm", False):
+        # TRL copies each `param.data` into vLLM: under ZeRO-3 an empty shard; the sync is untested under zerofit
+        problems.append(f"{type(args).__name__}(use_vllm=True): zerofit does not send its sharded weights to vLLM "
+                        "(TRL would copy each rank's shard, empty at ZeRO-3): drop --use_vllm; generation then "
+                        "runs on the prepared model")
     if problems:
         raise ConfigError(problems)
 
