@@ -73,6 +73,8 @@ class ZerofitTrainerMixin:
         self.accelerator = TrainerAccelerator(config=config, gradient_accumulation_steps=1, dataloader_config=loaders,
                                               cpu=bool(getattr(args, "use_cpu", False)), dynamo_plugin=compiled)
         self.accelerator.trained_model = self.model
+        # TRL's switch for DeepSpeed's gather of the whole model around generate(): False streams the units.
+        self.accelerator.keep_gathered_in_generation = bool(getattr(args, "ds3_gather_for_generation", True))
         self.accelerator.planning_accumulation = facts.accumulation  # [Note: Trainer owns the loop]
         self.gather_function = functools.partial(self.accelerator.gather_for_metrics,
                                                  use_gather_object=args.eval_use_gather_object)
