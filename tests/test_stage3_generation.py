@@ -133,8 +133,37 @@ def _train(rank, offload, *, generate: bool, budget: int | None):
             "logits": logits, "gathers": gathers, "names": [u.name for u in engine.units if u.sharded]}
 
 
-def _ranks(rank, world):
-    results = {}
+def _trainer_budgets(root: str) -> dict[str, int | None]:
+    """The engine budget a zerofit Trainer's prepared model gets, with TRL's `ds3_gather_for_generation` set
+    each way and absent (transformers' own TrainingArguments)."""
+    import dataclasses
+    import json
+    import os
+
+    from zerofit.integrations.transformers import Trainer
+
+    @dataclasses.dataclass
+    class GenerationArgs(transformers.TrainingArguments):
+        ds3_gather_for_generation: bool = True
+
+    path = os.path.join(root, "stage3.json")
+    with open(path, "w") as f:
+        json.dump({"zero": {"stage": 3, "param_persistence_threshold": 0}}, f)
+    os.environ["ZEROFIT_CONFIG_FILE"] = path
+    out = {}
+    for name, args in (("gather", GenerationArgs(output_dir=root, use_cpu=True, report_to=[])),
+                       ("stream", GenerationArgs(output_dir=root, use_cpu=True, report_to=[],
+                                                 ds3_gather_for_generation=False)),
+                       ("plain", transformers.TrainingArguments(output_dir=root, use_cpu=True, report_to=[]))):
+        trainer = Trainer(model=_model(), args=args)
+        model = trainer.accelerator.prepare(trainer.model)
+        out[name] = trainer.accelerator._prepared.engines[id(model)].keep_gathered_budget
+    os.environ.pop("ZEROFIT_CONFIG_FILE")
+    return out
+
+
+def _ranks(rank, world, root):
+    results = {"trainer": _trainer_budgets(root)}
     for offload in (False, True):
         results[offload] = {
             "counts": _generation_counts(rank, offload),
@@ -150,8 +179,13 @@ def _ranks(rank, world):
 
 
 @pytest.fixture(scope="module")
-def ranks():
-    return run_distributed(_ranks, 2)
+def ranks(tmp_path_factory):
+    return run_distributed(_ranks, 2, str(tmp_path_factory.mktemp("generation")))
+
+
+def test_trl_ds3_gather_for_generation_false_streams_the_trainers_model(ranks):
+    for r in ranks:
+        assert r["trainer"] == {"gather": None, "stream": 0, "plain": None}
 
 
 @pytest.mark.parametrize("offload", [False, True], ids=["device", "offload_param"])
