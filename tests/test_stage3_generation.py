@@ -156,7 +156,7 @@ def _trainer_budgets(root: str) -> dict[str, int | None]:
                                                  ds3_gather_for_generation=False)),
                        ("plain", transformers.TrainingArguments(output_dir=root, use_cpu=True, report_to=[]))):
         trainer = Trainer(model=_model(), args=args)
-        model = trainer.accelerator.prepare(trainer.model)
+        model, _opt = trainer.accelerator.prepare(trainer.model, torch.optim.AdamW(trainer.model.parameters()))
         out[name] = trainer.accelerator._prepared.engines[id(model)].keep_gathered_budget
     os.environ.pop("ZEROFIT_CONFIG_FILE")
     return out
@@ -171,6 +171,8 @@ def _ranks(rank, world, root):
             "streamed": _train(rank, offload, generate=True, budget=0),
             "without": _train(rank, offload, generate=False, budget=None),
         }
+    frozen = ZeroEngine(_model(), None, zero=ZeroConfig(stage=3, param_persistence_threshold=0))
+    results["frozen_budget"] = frozen.keep_gathered_budget  # a reference model has no release point: streams
     _, _, engine = _engine(False)
     for bad in (-1, 1.5, True):
         with pytest.raises(EngineError, match="keep_gathered_budget must be a number of bytes >= 0 or None"):
@@ -186,6 +188,7 @@ def ranks(tmp_path_factory):
 def test_trl_ds3_gather_for_generation_false_streams_the_trainers_model(ranks):
     for r in ranks:
         assert r["trainer"] == {"gather": None, "stream": 0, "plain": None}
+        assert r["frozen_budget"] == 0
 
 
 @pytest.mark.parametrize("offload", [False, True], ids=["device", "offload_param"])

@@ -208,7 +208,10 @@ class ZeroEngine:
 
     def _configured_keep_budget(self) -> int | None:
         """Bytes no-grad forwards may keep gathered: `zero.max_live_parameters` elements in the compute dtype,
-        None when it is not written (see [Note: kept units] in zerofit.engine.kept)."""
+        None when it is not written; 0 for a model without an optimizer (see [Note: kept units] in
+        zerofit.engine.kept: nothing would ever release them)."""
+        if self.optimizer is None:
+            return 0
         live = self.zero.max_live_parameters
         if live is None:
             return None

@@ -22,6 +22,11 @@ no release point (torch gives no hook for it without patching `nn.Module`); the 
 is. A unit used outside a no-grad forward (a training forward, a backward) is released as stage 3
 always does; kept units are never in use there.
 
+A model without an optimizer (DPO's or GRPO's reference model, a reward model) has none of these
+release points: it only ever runs no-grad forwards, so whatever it kept would stay gathered for the
+whole run, beside the trained model's activations. Its engine keeps nothing unless told to
+(`keep_gathered_budget`).
+
 Budget, in bytes of gathered parameters (a unit counts its full compute-dtype flat buffers): the
 config's `zero.max_live_parameters` (DeepSpeed's `stage3_max_live_parameters`, in elements) when
 written, else none of its own; 0 turns keeping off (TRL's `ds3_gather_for_generation=False`). On CUDA
