@@ -13,6 +13,8 @@ transformers documents for overriding where it has them:
   data-parallel paths (`is_deepspeed_enabled` / `is_fsdp_enabled` False): zerofit's engine does the
   sharding behind the same calls. TrainingArguments that count another world than zerofit's are refused
   there (`_refuse_other_world`): Trainer decides its main process, logged batch and loss scale from them.
+  TRL's `ds3_gather_for_generation` (False: stream the units in generation) sets the Accelerator's
+  `keep_gathered_in_generation` ([Note: kept units] in zerofit.engine.kept).
 * `create_optimizer` / `create_scheduler` build the config's `optimizer` / `scheduler` sections when it
   has them (DeepSpeed's rule: the file's optimizer replaces Trainer's), else Trainer's own.
 * `save_model` gathers on every rank (the weights of a ZeRO-3 model live on all of them) and lets
