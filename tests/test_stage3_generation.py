@@ -6,7 +6,8 @@ CPU; keeping on, off, or under a budget that holds part of the model). Checked, 
 - all-gathers counted from the engine's collective trace: with keeping on each unit is gathered once per
   generate call and a second call gathers nothing; with it off (budget 0) each unit is gathered once per
   generated token, and the next unit is already gathering when a unit's forward begins (prefetch); a
-  budget of the root and one layer keeps those two only;
+  budget of the root and one layer keeps those two only; a `gathered_parameters` block that rewrites the
+  weights leaves no kept copy with its writes behind;
 - training is exact around generation: backward / eval / step / generate / eval ... gives the losses and fp32 masters
   of the same loop without generation, bit for bit, and the tokens and eval logits after each step equal
   those of a run that streams every unit (so a kept copy never outlives a step); after each step,
@@ -93,6 +94,10 @@ def _generation_counts(rank, offload):
     engine.comm.trace = []
     out["kept_again_tokens"] = _generate(model, prompt)
     out["kept_second"] = _gathers(engine)
+    with engine.full_state.held(), torch.no_grad():  # a block that rewrites full weights (PEFT's merge)...
+        for p in model.parameters():
+            p.zero_()
+    out["after_held_tokens"] = _generate(model, prompt)  # ...whose writes are dropped with the kept copies
     engine.keep_gathered_budget = 0
     engine.comm.trace = []
     out["streamed_tokens"] = _generate(model, prompt)
@@ -195,7 +200,7 @@ def test_trl_ds3_gather_for_generation_false_streams_the_trainers_model(ranks):
 def test_generate_gathers_each_unit_once_when_kept_and_per_token_when_streamed(ranks, offload):
     for r in ranks:
         c = r[offload]["counts"]
-        for key in ("kept_tokens", "kept_again_tokens", "streamed_tokens", "partial_tokens"):
+        for key in ("kept_tokens", "kept_again_tokens", "after_held_tokens", "streamed_tokens", "partial_tokens"):
             assert torch.equal(c[key], c["reference"]), key
         names = c["names"]
         assert len(names) == LAYERS + 1
