@@ -21,6 +21,21 @@ def test_table_lists_every_setting(capsys):
     assert "GPU total" in out and "choice: DDP (stage 0):" in out
 
 
+def test_the_weights_generation_keeps_gathered_at_zero3_are_a_line_of_their_own(capsys):
+    # The two blocks shard (the root, under 100,000 elements, stays whole); bf16.
+    model = "GPT2Config:n_layer=2,n_embd=128,n_head=2,vocab_size=96,n_positions=64"
+    args = ["estimate", "--model", model, "--num_processes", "2", "--gpu_memory_gib", "8", "--host_memory_gib", "16",
+            "--checkpointing", "off"]
+    assert main(args) == 0
+    assert "generation at ZeRO-3 keeps 0.76 MiB of gathered weights per rank" in capsys.readouterr().out
+    assert main([*args, "--json"]) == 0
+    settings = json.loads(capsys.readouterr().out)["settings"]
+    kept = {s["setting"]: s["gpu_bytes_kept_while_generating"] for s in settings}
+    # two blocks of 198,272 laid-out elements (each parameter from a multiple of 16), 2 bytes each
+    assert kept["ZeRO-2"] == 0 and kept["ZeRO-3"] == 2 * 198_272 * 2 == kept[
+        "ZeRO-3 + opt cpu 48% (GPU-stepped) + param cpu"]
+
+
 def test_auto_ratio_offloads_the_least_that_fits_and_step_on_picks_the_rows(capsys):
     rows = {}
     for extra in ([], ["--offload_ratio", "auto", "--step_on", "host"], ["--offload_ratio", "1"]):

@@ -68,6 +68,17 @@ def test_stage3_two_ranks_shards_parameters_and_counts_gathered_units():
     assert e.buffers == 64 * 2 + 2 * 128 * 2  # the gathered root + two gathered blocks
 
 
+def test_stage3_generation_keeps_every_gathered_unit_up_to_max_live_parameters():
+    work = Workload(world=2, persistence_threshold=0)
+    e = estimate(counts(), Setting(stage=3), work, None)
+    assert e.kept_gathered == (64 + 3 * 128) * 2  # the root and three blocks, gathered in bf16
+    assert e.gpu_while_generating == e.params + e.grads + e.optimizer + e.kept_gathered
+    assert e.gpu_total == e.params + e.grads + e.optimizer + e.activations + e.buffers  # training: released
+    capped = estimate(counts(), Setting(stage=3), dataclasses.replace(work, max_live_parameters=64 + 128), None)
+    assert capped.kept_gathered == (64 + 128) * 2  # the root first, then the units in order while they fit
+    assert estimate(counts(), Setting(stage=2), work, None).kept_gathered == 0
+
+
 def test_offload_moves_state_to_the_host():
     e = estimate(counts(), Setting(stage=2, offload_optimizer="cpu"), Workload(gradient_accumulation_steps=2), None)
     assert (e.grads, e.optimizer) == (0, 0)

@@ -162,6 +162,7 @@ def _row(e, budget, seconds: dict) -> dict:
             "checkpointing": e.setting.checkpointing,
             "gpu_bytes": {"params": e.params, "grads": e.grads, "optimizer": e.optimizer,
                           "activations": e.activations, "buffers": e.buffers, "total": e.gpu_total},
+            "gpu_bytes_kept_while_generating": e.kept_gathered,  # not in the total: released by training
             "host_bytes": {"params": e.host_params, "grads": e.host_grads, "optimizer": e.host_optimizer,
                            "buffers": e.host_buffers, "total": e.host_total},
             "nvme_bytes": e.nvme, "gpu_fits": budget.gpu_fits(e), "host_fits": budget.host_fits(e),
@@ -224,6 +225,11 @@ def _as_table(args, counts, budget, result, seconds: dict) -> str:
         return "  ".join(str(v).ljust(w) if i == 0 else str(v).rjust(w) for i, (v, w) in enumerate(zip(r, widths)))
 
     out = [head, line(cols), line(["-" * w for w in widths]), *map(line, rows), "", f"choice: {result.reason}"]
+    kept = max((e.kept_gathered for e in result.estimates), default=0)
+    if kept:
+        out.append(f"generation at ZeRO-3 keeps {kept / size:.2f} {unit} of gathered weights per rank: generate() and "
+                   "evaluation under no_grad between steps keep every unit gathered until the next training "
+                   "forward (not in GPU total; zero.max_live_parameters caps it)")
     if seconds:
         out.append("added s: what the setting adds to an optimizer step on this machine's measured rates "
                    "(zerofit env): offloaded state's update, parameter uploads, recomputed forward; "

@@ -45,6 +45,7 @@ TABLE: dict[str, str] = {
     "scheduler.params": "scheduler.params",
     f"{_ZERO}.stage": "zero.stage",
     f"{_ZERO}.stage3_param_persistence_threshold": "zero.param_persistence_threshold",
+    f"{_ZERO}.stage3_max_live_parameters": "zero.max_live_parameters",
     f"{_ZERO}.gradient_checkpointing": "zero.gradient_checkpointing",  # zerofit's own
     **{
         f"{_OPT}.{k}": f"zero.offload_optimizer.{k}"

@@ -92,9 +92,6 @@ TABLE: tuple[Ignored, ...] = (
             "all-gather bucket to size", to_int, zerofit="zero.allgather_bucket_size"),
     Ignored(f"{_Z}.stage3_prefetch_bucket_size", 50_000_000, f"{_UNITS} and prefetches exactly the next unit "
             "in the recorded order", to_int, allows_auto=True, zerofit="zero.prefetch_bucket_size"),
-    Ignored(f"{_Z}.stage3_max_live_parameters", 1_000_000_000, "zerofit releases each unit right after its "
-            "forward and its backward, so at most the running and the prefetched unit are gathered; smaller "
-            "units (zero.unit_size_threshold) hold fewer", to_int, zerofit="zero.max_live_parameters"),
     Ignored(f"{_Z}.stage3_max_reuse_distance", 1_000_000_000, "zerofit keeps no cache of released units: a "
             "unit is gathered again for its backward", to_int, zerofit="zero.max_reuse_distance"),
     Ignored(f"{_Z}.sub_group_size", 1_000_000_000, "zerofit steps offloaded optimizer state one communication "

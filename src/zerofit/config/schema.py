@@ -109,6 +109,10 @@ class ZeroConfig:
     param_persistence_threshold: int | Any = 100_000
     """Units with fewer elements than this stay unsharded (stage 3); "auto" = 10 * hidden_size."""
     unit_size_threshold: int = 10_000_000
+    max_live_parameters: int | None = None
+    """Stage 3: elements of gathered parameters that forwards without autograd (generation, evaluation) keep
+    gathered until the next training forward, backward or step (DeepSpeed's stage3_max_live_parameters);
+    unset: as many as fit the device; 0: none, every unit is gathered again at every forward."""
     """Parameter count above which a module becomes its own communication unit when no repeated block is found."""
     aio: AioConfig = field(default_factory=AioConfig)
     """File I/O settings for NVMe offload."""

@@ -153,6 +153,7 @@ def _host_share(c: _Checker) -> None:
 MINIMUMS = {
     "zero.param_persistence_threshold": 0,
     "zero.unit_size_threshold": 1,
+    "zero.max_live_parameters": 0,
     "zero.offload_optimizer.buffer_count": 1,
     "zero.offload_param.buffer_count": 1,
     "zero.aio.block_size": 1,

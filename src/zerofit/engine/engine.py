@@ -175,8 +175,10 @@ class ZeroEngine:
         self.watch.install()  # before the stage-3 hooks: its output hook opens a backward before they run
         self.stage3 = Stage3Hooks(self.units[0], self.units, in_backward, self._pass_over,
                                   notice_backward=self.watch.notice)
+        self.keep_gathered_budget = self._configured_keep_budget()
         # model.state_dict() gathers (see its note)
         self.full_state = FullStateDict(model, self.units, is_main=self.comm.rank == 0)
+        self.full_state.before_gather = self.stage3.kept.release  # [Note: kept units]
         if self.shards_parameters:
             self.stage3.install()
             self.full_state.install()
@@ -219,6 +221,32 @@ class ZeroEngine:
                                    or self.precision.skip_nonfinite_steps)
         self.offload = Offload(host=host, gpu=gpu)
         return mode
+
+    def _configured_keep_budget(self) -> int | None:
+        """Bytes no-grad forwards may keep gathered: `zero.max_live_parameters` elements in the compute dtype,
+        None when it is not written; 0 for a model without an optimizer (see [Note: kept units] in
+        zerofit.engine.kept: nothing would ever release them)."""
+        if self.optimizer is None:
+            return 0
+        live = self.zero.max_live_parameters
+        if live is None:
+            return None
+        return int(live) * torch.empty((), dtype=self.compute_dtype).element_size()
+
+    @property
+    def keep_gathered_budget(self) -> int | None:
+        """Stage 3: bytes of gathered parameters forwards without autograd (generation, evaluation) keep until
+        the next training forward, backward or step; None: as many as fit the device, 0: none (every unit
+        is streamed per forward). See [Note: kept units] in zerofit.engine.kept."""
+        return self.stage3.kept.budget
+
+    @keep_gathered_budget.setter
+    def keep_gathered_budget(self, budget: int | None) -> None:
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
+            raise EngineError(f"keep_gathered_budget must be a number of bytes >= 0 or None (got {budget!r}): "
+                              "0 streams every unit in generation, None keeps what fits the device")
+        self.stage3.kept.release()
+        self.stage3.kept.budget = budget
 
     def _device_step(self, plain: PlainStep) -> StepMode:
         return CompactStep(self.optimizer, plain) if any(g.compact for g in plain.groups) else plain
@@ -345,6 +373,7 @@ class ZeroEngine:
             self.reductions.drain()
         self._sync = sync
         self._grad_factor = 1.0 if scaled else self.scaler.scale
+        self.stage3.kept.release()  # [Note: kept units]: the room is backward's now
         if self._grad_factor != 1.0:
             self.mode.widen()  # a compute-dtype gradient times the scale could overflow: add up in fp32
             self.watch.unscaled_fp16 = True
@@ -467,6 +496,7 @@ class ZeroEngine:
         if not self._backward_in_window:
             self._warn_empty_step()
             return False
+        self.stage3.kept.release()  # the step writes the shards: no stale full copy may outlive it
         self.reductions.drain()
         self.watch.warn_if_unscaled()
         mark_unused(self.units, self.comm, self.device)
@@ -527,6 +557,7 @@ class ZeroEngine:
         """Rebuild the compute-dtype parameters from the fp32 masters (after a checkpoint wrote into them)."""
         self.settle()
         self.reductions.drain()
+        self.stage3.kept.release()
         for unit in self.units:  # a gathered stage-3 unit would keep stale values until its next release
             unit.release()
         publish(self.trainable_groups, self.comm)
@@ -552,6 +583,7 @@ class ZeroEngine:
         `zero_grad`) the window's micro-step count starts again."""
         self.mode.discard()
         self._in_backward = False  # a failed backward the engine did not start never reached its end
+        self.stage3.kept.release()
         for unit in self.units:
             unit.release()
         self.zero_grad()

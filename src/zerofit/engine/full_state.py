@@ -54,7 +54,7 @@ its compute dtype beside the training state.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -104,6 +104,9 @@ class FullStateDict:
         self._open: tuple[nn.Module, str, dict[int, torch.Tensor]] | None = None
         """The walk being served: (its outermost module, its prefix, id(parameter) -> full CPU copy)."""
         self._handles: list[Any] = []
+        self.before_gather: Callable[[], None] = lambda: None
+        """Called before a walk or a `held` block gathers: releases the units no-grad forwards kept
+        ([Note: kept units] in zerofit.engine.kept), whose full copies a `held` block could rewrite."""
 
     def install(self) -> None:
         # torch marks the hook objects it is given, which bound methods do not allow: plain functions.
@@ -122,6 +125,7 @@ class FullStateDict:
         if inside_walk(self._open, prefix):
             return
         self._open = None
+        self.before_gather()
         ids = {id(p) for p in module.parameters()}
         units = [u for u in self.units if any(id(p) in ids for g in u.groups for p in g.params)]
         self._open = (module, prefix, self.gather_copies(units, caller=type(module).__name__))
@@ -141,6 +145,7 @@ class FullStateDict:
         with them (see [Note: gathered parameters])."""
         if self.units:  # collective from here: every rank must be here too ([Note: checked places])
             arrival.check_in(arrival.GATHERED_PARAMETERS)
+        self.before_gather()
         released = []
         try:
             for unit in self.units:

@@ -58,6 +58,7 @@ import torch
 from torch.autograd.graph import register_multi_grad_hook
 
 from zerofit.engine.gather_order import GatherOrder
+from zerofit.engine.kept import KeptUnits
 from zerofit.engine.unit import Unit
 
 
@@ -157,6 +158,11 @@ class Stage3Hooks:
         """Units with forward hooks: the sharded ones, and the trainable ones kept whole, whose reductions
         the schedule places too (see [Note: one gather order])."""
         self.order = GatherOrder(self.hooked, ordered=root.comm.world > 1, pass_over=pass_over)
+        self.kept = KeptUnits(root.comm)
+        """Units no-grad forwards leave gathered (see [Note: kept units] in zerofit.engine.kept)."""
+        self._root_with_grad = False
+        """The root's forward under way records autograd: units its no-grad parts run (a reentrant
+        activation checkpoint) are not kept."""
         self._handles = []
 
     def install(self) -> None:
@@ -183,8 +189,15 @@ class Stage3Hooks:
     def _root_pre(self, _module, _args) -> None:
         if self._in_backward():
             return  # recomputation inside backward: the record of the real forward stays
-        self.order.begin_forward(with_grad=torch.is_grad_enabled())
+        with_grad = self._root_with_grad = torch.is_grad_enabled()
+        if with_grad:
+            self.kept.release()  # training needs the room: [Note: kept units]
+        else:
+            self.kept.begin()
+        self.order.begin_forward(with_grad=with_grad)
         self.root.wait_gathered()
+        if not with_grad:
+            self.kept.admit(self.root)  # first: embeddings and head are used at every token
         first = self.order.first()
         if first is not None:
             first.gather()
@@ -192,9 +205,11 @@ class Stage3Hooks:
     def _root_post(self, _module, _args, out) -> None:
         if not self._in_backward():
             self.order.end_forward(with_grad=torch.is_grad_enabled())
+            self._root_with_grad = False
         if not torch.is_grad_enabled():
-            for unit in self.units:  # no backward will follow (evaluation, generation)
-                unit.release()
+            for unit in self.units:  # no backward will follow (evaluation, generation): kept units stay
+                if not self.kept.holds(unit):
+                    unit.release()
             return
         needs_grad = [t for t in tensors_in(out) if t.requires_grad]
         if self.root.sharded and needs_grad and not self._in_backward():
@@ -230,7 +245,15 @@ class Stage3Hooks:
             register_multi_grad_hook(needs_grad, lambda _grad, u=unit, c=call: self._pre_backward(u, c), mode="any")
         if self._in_backward():
             return  # activation recomputation: the unit is needed right now by its backward
+        if self._keeps(unit):
+            return
         unit.release()
+
+    def _keeps(self, unit: Unit) -> bool:
+        """`unit` stays gathered after its forward: kept already, or a no-grad forward admits it."""
+        if self.kept.holds(unit):
+            return True
+        return not torch.is_grad_enabled() and not self._root_with_grad and self.kept.admit(unit)
 
     def _pre_backward(self, unit: Unit, call: _Call | None) -> None:
         self._notice_backward()  # first: the backward's bookkeeping counts this call's awaited input

@@ -102,6 +102,12 @@ class PrepareMixin:
     """`prepare()` and its variants for `zerofit.Accelerator`, which provides `config`, `process`,
     `gradient_state`, `_facts`, `_prepared` and the rest."""
 
+    keep_gathered_in_generation = True
+    """Stage 3: forwards without autograd (generation, evaluation) keep the units they gather until the next
+    training forward, backward or step, as far as the budget allows; False: every engine this Accelerator
+    prepares streams them instead (`keep_gathered_budget = 0`; TRL's `ds3_gather_for_generation=False`).
+    See [Note: kept units] in zerofit.engine.kept."""
+
     def prepare(self, *objects: Any, device_placement: Any = None) -> Any:
         """Shard, wrap or replace each object; the same number of objects comes back, in the same order.
 
@@ -239,6 +245,8 @@ class PrepareMixin:
                             gradient_accumulation_steps=self.gradient_state.window,
                             gradient_clipping=cfg.gradient_clipping, device=self.device)
         self._prepared.engines[id(model)] = engine  # the wrapper's calls look through it (Prepared.engine_of)
+        if not self.keep_gathered_in_generation:
+            engine.keep_gathered_budget = 0
         # A script's own loss.backward() closes the window as accelerator.backward(loss) would there.
         engine.watch.caller = BackwardCaller(begins=self._engine_backward_begins, ended=self._engine_backward_ended)
         if self.is_main_process and not planned:  # the planner's line already said what runs

@@ -13,6 +13,8 @@ transformers documents for overriding where it has them:
   data-parallel paths (`is_deepspeed_enabled` / `is_fsdp_enabled` False): zerofit's engine does the
   sharding behind the same calls. TrainingArguments that count another world than zerofit's are refused
   there (`_refuse_other_world`): Trainer decides its main process, logged batch and loss scale from them.
+  TRL's `ds3_gather_for_generation` (False: stream the units in generation) sets the Accelerator's
+  `keep_gathered_in_generation` ([Note: kept units] in zerofit.engine.kept).
 * `create_optimizer` / `create_scheduler` build the config's `optimizer` / `scheduler` sections when it
   has them (DeepSpeed's rule: the file's optimizer replaces Trainer's), else Trainer's own.
 * `save_model` gathers on every rank (the weights of a ZeRO-3 model live on all of them) and lets
@@ -76,6 +78,8 @@ class ZerofitTrainerMixin:
                                               cpu=bool(getattr(args, "use_cpu", False)), dynamo_plugin=compiled)
         self.accelerator.trained_model = self.model
         share_with_accelerate(self.accelerator)  # TRL's set_seed(device_specific=True) asks Accelerate's state
+        # TRL's switch for DeepSpeed's gather of the whole model around generate(): False streams the units.
+        self.accelerator.keep_gathered_in_generation = bool(getattr(args, "ds3_gather_for_generation", True))
         self.accelerator.planning_accumulation = facts.accumulation  # [Note: Trainer owns the loop]
         self.gather_function = functools.partial(self.accelerator.gather_for_metrics,
                                                  use_gather_object=args.eval_use_gather_object)

@@ -32,6 +32,13 @@ Each term's bytes, and where they live:
 - NVMe slots: `offload_optimizer.buffer_count` (at most one per offloaded unit) x the largest group's master
   and state. Where: host.
 - activations: measured by `zerofit.plan.activations` at the planned batch. Where: GPU.
+- kept gathered parameters (`Estimate.kept_gathered`, stage 3): the N*c of every sharded unit that a
+  forward without autograd (generation, evaluation) keeps gathered between steps, the root first, then
+  the units in order while they fit `Workload.max_live_parameters` elements (see [Note: kept units] in
+  zerofit.engine.kept). Where: GPU, between a step and the next training forward only, so not part of
+  `gpu_total` (the training forward releases them): a run that generates needs `gpu_while_generating`
+  (the persistent terms, the kept parameters, and generation's own activations and KV cache, which this
+  model does not trace).
 
 GPU-stepped offload from NVMe (`step_on: device`, `offload_optimizer.device: nvme`) counts the master and
 state in files and the swapper's host slots as host-stepped NVMe does, and on the GPU the gradient shard
@@ -152,6 +159,8 @@ class Workload:
     unit_size_threshold: int = 10_000_000
     nvme_buffer_count: int = 4
     """`offload_optimizer.buffer_count`: host slots of the NVMe swapper, each the largest group's state."""
+    max_live_parameters: int | None = None
+    """`zero.max_live_parameters`: elements generation and evaluation keep gathered at stage 3 (None: all)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -173,10 +182,18 @@ class Estimate:
     nvme: int = 0
     traced: bool = False
     """`activations` holds a traced activation peak (else only the step's transient buffers)."""
+    kept_gathered: int = 0
+    """Stage 3: bytes of gathered parameters forwards without autograd keep between steps (not in `gpu_total`:
+    the training forward releases them; see the module doc)."""
 
     @property
     def gpu_total(self) -> int:
         return self.params + self.grads + self.optimizer + self.activations + self.buffers
+
+    @property
+    def gpu_while_generating(self) -> int:
+        """GPU bytes between steps with the kept gathered parameters (before generation's own activations)."""
+        return self.params + self.grads + self.optimizer + self.kept_gathered
 
     @property
     def host_total(self) -> int:
@@ -302,10 +319,22 @@ def estimate(counts: ModelCounts, setting: Setting, work: Workload, trace: Activ
         activations = peak - in_use
     activations = max(activations, step_transient)  # the step runs after backward freed its activations
     gpu["buffers"] += root_gathered + in_use
+    kept = kept_bytes([root_gathered, *gathered[1:]], None if work.max_live_parameters is None
+                      else work.max_live_parameters * c)
     return Estimate(setting=setting, params=gpu["params"], grads=gpu["grads"], optimizer=gpu["optimizer"],
                     activations=activations, buffers=gpu["buffers"], host_params=host["params"],
                     host_grads=host["grads"], host_optimizer=host["optimizer"], host_buffers=host["buffers"],
-                    nvme=nvme, traced=trace is not None)
+                    nvme=nvme, traced=trace is not None, kept_gathered=kept)
+
+
+def kept_bytes(gathered: list[int], budget: int | None) -> int:
+    """Bytes no-grad forwards keep of units gathering these bytes, root first, admitted in order while they
+    fit `budget` (None: all), as `zerofit.engine.kept.KeptUnits` admits them."""
+    kept = 0
+    for size in gathered:
+        if budget is None or kept + size <= budget:
+            kept += size
+    return kept
 
 
 def master_travels_split(setting: Setting, work: Workload) -> bool:
