@@ -36,7 +36,7 @@ FROZEN = {
         "--model": (), "--task": (), "--num_processes": ("--num_gpus",), "--gpu_memory_gib": ("--gpu_memory",),
         "--host_memory_gib": ("--host_memory",), "--gpus_per_host": (), "--micro_batch": (), "--seq": (),
         "--gradient_accumulation_steps": (), "--mixed_precision": (), "--optimizer_states": (),
-        "--checkpointing": (), "--offload_ratio": (), "--step_on": (), "--host_share": (), "--nvme": (),
+        "--optimizer_state": (), "--checkpointing": (), "--offload_ratio": (), "--step_on": (), "--host_share": (), "--nvme": (),
         "--headroom": (), "--json": (),
     },
     "bench": {

@@ -17,8 +17,9 @@ Each term's bytes, and where they live:
   Where: with the optimizer state.
 - gradients: S*4 shard (S*c on one rank without accumulation or offload: "compact"); + N*4 full buffer when
   it persists (stage 1 on several ranks). Where: with the optimizer state.
-- optimizer states: k*S*4. Where: GPU; host with optimizer offload; files with NVMe, host- or GPU-stepped
-  (one group's worth in host slots).
+- optimizer states: k*S*b, b the stored bytes per element of `precision.optimizer_state` (4 fp32, 2 bf16,
+  1.25 8bit: `Codec.bytes_per_element`); groups a per-parameter optimizer steps whole keep b = 4. Where: GPU;
+  host with optimizer offload; files with NVMe, host- or GPU-stepped (one group's worth in host slots).
 - transient gradients: N*4 (+ S*4 reduce output) per unit while reduced, at most 2 reductions in flight.
   Where: GPU, on the activation timeline.
 - step upcast: S*4 of the largest compact group, while it steps (after backward). Where: GPU, against the
@@ -27,8 +28,8 @@ Each term's bytes, and where they live:
   host.
 - streaming pool: GPU-stepped offload (`step_on: device`): 3 slots of min(16 M, largest S) elements x 4
   bytes x (1 master + k states + 1 upcast if compact) (+ c per element with param offload; + 3.125 bytes per
-  element for the split master in bf16 without param offload); the gradient shard stays on the GPU. Where:
-  GPU.
+  element for the split master in bf16 without param offload; + k state chunks in their stored form,
+  b bytes per element, when the state is narrowed); the gradient shard stays on the GPU. Where: GPU.
 - NVMe slots: `offload_optimizer.buffer_count` (at most one per offloaded unit) x the largest group's master
   and state. Where: host.
 - activations: measured by `zerofit.plan.activations` at the planned batch. Where: GPU.
@@ -56,6 +57,7 @@ gathered parameters on top; `fits` adds a fixed reserve for the CUDA context and
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -65,7 +67,7 @@ from zerofit.engine.buffers import group_buffers
 from zerofit.engine.engine import SHARD_ALIGN
 from zerofit.engine.find_units import UnitSpec, plan_units
 from zerofit.engine.layout import plan_layout
-from zerofit.engine.offload.gpu import stream_pool_bytes
+from zerofit.engine.offload.gpu import STREAM_CHUNK, STREAM_SLOTS, stream_pool_bytes
 from zerofit.engine.policy import (
     COMPUTE_DTYPES,
     StagePolicy,
@@ -73,6 +75,7 @@ from zerofit.engine.policy import (
     keeps_compact_grads,
     state_homes,
 )
+from zerofit.engine.state_codec import Codec
 from zerofit.plan.activations import ActivationTrace
 
 GIB = 1 << 30
@@ -144,7 +147,9 @@ class Workload:
     world: int = 1
     mixed_precision: str = "bf16"
     optimizer_states: int = 2
-    """Shard-sized fp32 state tensors per parameter (Adam/AdamW: 2; SGD with momentum: 1)."""
+    """Shard-sized state tensors per parameter (Adam/AdamW: 2; SGD with momentum: 1)."""
+    optimizer_state: str = "fp32"
+    """`precision.optimizer_state`: how those tensors are stored (fp32, bf16 or 8bit)."""
     micro_batch: int = 1
     seq: int = 512
     gradient_accumulation_steps: int = 1
@@ -278,11 +283,12 @@ def estimate(counts: ModelCounts, setting: Setting, work: Workload, trace: Activ
                 largest_streamed = max(largest_streamed, lay.shard_numel)
                 streamed_compact = streamed_compact or compact
             master = b.master.nbytes if b.master is not None else 0
+            states = state_nbytes(k * lay.shard_numel, "fp32" if is_whole else work.optimizer_state)
             if setting.offload_optimizer == "nvme" and pl.offloaded:  # in files
-                nvme += master + b.optimizer_state.nbytes
-                largest_state = max(largest_state, master + b.optimizer_state.nbytes)
+                nvme += master + states
+                largest_state = max(largest_state, master + states)
             else:  # with the gradient shard, except GPU-stepped: state on the host, gradient on the GPU
-                (host if b.optimizer_state.host else gpu)["optimizer"] += master + b.optimizer_state.nbytes
+                (host if b.optimizer_state.host else gpu)["optimizer"] += master + states
             for extra in (b.grad_staging, b.grad_flat):  # host staging; stage 1's persistent full gradient
                 if extra is not None:
                     (host if extra.host else gpu)["buffers"] += extra.nbytes
@@ -293,6 +299,9 @@ def estimate(counts: ModelCounts, setting: Setting, work: Workload, trace: Activ
         gpu["buffers"] += stream_pool_bytes(largest_streamed, state_tensors=k, compact=streamed_compact,
                                             offload_params=setting.offload_param != "none", compute_bytes=c,
                                             split=master_travels_split(setting, work))
+        if work.optimizer_state != "fp32":  # each slot also holds every state chunk in its stored form
+            gpu["buffers"] += STREAM_SLOTS * state_nbytes(k * min(STREAM_CHUNK, largest_streamed),
+                                                          work.optimizer_state)
     if setting.offload_optimizer == "nvme":  # the swapper's pool: one slot per buffer, at most one per group
         offloaded = sum(h is not StateHome.DEVICE for h in homes)
         host["optimizer"] += max(1, min(work.nvme_buffer_count, offloaded)) * largest_state
@@ -306,6 +315,12 @@ def estimate(counts: ModelCounts, setting: Setting, work: Workload, trace: Activ
                     activations=activations, buffers=gpu["buffers"], host_params=host["params"],
                     host_grads=host["grads"], host_optimizer=host["optimizer"], host_buffers=host["buffers"],
                     nvme=nvme, traced=trace is not None)
+
+
+def state_nbytes(numel: int, kind: str) -> int:
+    """Bytes of `numel` optimizer state elements stored as `kind` (precision.optimizer_state): 8bit counts
+    its per-block fp32 scales (a state tensor's elements are a multiple of the block, as shards are)."""
+    return math.ceil(numel * Codec(kind).bytes_per_element())
 
 
 def master_travels_split(setting: Setting, work: Workload) -> bool:
