@@ -11,6 +11,7 @@ from torch import nn
 from zerofit.config.schema import LossScaleConfig, OffloadConfig, PrecisionConfig, ZeroConfig
 from zerofit.engine import ZeroEngine
 from zerofit.engine.offload import gpu
+from zerofit.engine.state_codec import Codec, round_trip
 
 DEFAULT_CHUNK = gpu.STREAM_CHUNK
 
@@ -69,6 +70,7 @@ class Case:
     chunk: int = 0  # elements per streamed chunk (0: the engine's default)
     host_share: float | None = None  # offload_optimizer.host_share (None: not written)
     buffer_count: int = 4  # offload_optimizer.buffer_count (NVMe: host slots in the swapper's pool)
+    state: str = "fp32"  # precision.optimizer_state (the reference stores its state the same way)
 
 
 def batches(case: Case):
@@ -108,17 +110,30 @@ def reference(case: Case):
         if case.clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), case.clip)
         opt.step()
+        if case.state != "fp32":
+            store_state(opt, case.state)
         opt.zero_grad()
         if sched is not None:
             sched.step()
     return losses, grads, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
+def store_state(opt: torch.optim.Optimizer, kind: str) -> None:
+    """What keeping the state in `kind` does to an unsharded optimizer: every fp32 per-element state tensor
+    stored and widened again, blocks counted from the parameter's first element (see [Note: narrow
+    optimizer state] in zerofit.engine.state_codec)."""
+    codec = Codec(kind)
+    for p, st in opt.state.items():
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor) and v.dtype == torch.float32 and v.shape == p.shape:
+                v.copy_(round_trip(v, codec, k))
+
+
 def run_engine(rank: int, world: int, case: Case, record_grads: bool = True, device: str = "cpu"):
     """The same training on `world` ranks through ZeroEngine; returns what `reference` returns, + stats.
     `device` "cuda": every rank on the one GPU (gloo moves CUDA tensors through host memory)."""
     model, opt = make_model_and_optim(case)
-    precision = PrecisionConfig(mixed_precision=case.precision,
+    precision = PrecisionConfig(mixed_precision=case.precision, optimizer_state=case.state,
                                 loss_scale=LossScaleConfig(initial_scale_power=8, hysteresis=1))
     zero = ZeroConfig(stage=case.stage, param_persistence_threshold=case.persistence,
                       offload_optimizer=OffloadConfig(device=case.offload, ratio=case.ratio,

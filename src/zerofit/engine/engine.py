@@ -57,6 +57,7 @@ from zerofit.engine.policy import (
     step_on_for,
 )
 from zerofit.engine.stage3 import Stage3Hooks
+from zerofit.engine.state_codec import Codec
 from zerofit.engine.step_mode import CompactStep, PlainStep, StepFactors, StepMode, publish
 from zerofit.engine.timing import StepTimes
 from zerofit.engine.unit import Unit
@@ -104,6 +105,18 @@ class ZeroEngine:
         self.host_share = host_share_for(off.step_on, written_share,
                                          cuda=self.device.type == "cuda", nvme=off.device == "nvme")
         """Share of the offloaded state stepped on the host when the rest is GPU-stepped (see `host_share_for`)."""
+        self.codec = Codec(self.precision.optimizer_state)
+        """How the optimizer's per-element state is stored (see [Note: narrow optimizer state])."""
+        if self.codec.narrow and off.enabled:
+            if off.device == "nvme":
+                raise EngineError(f"precision.optimizer_state {self.codec.kind!r} with offload_optimizer.device "
+                                  "'nvme' is not supported by this zerofit version yet: use offload_optimizer.device "
+                                  "'cpu' (the smaller state needs less host memory), or optimizer_state 'fp32'")
+            if self.step_on == "host" or self.host_share:
+                raise EngineError(f"precision.optimizer_state {self.codec.kind!r} is stepped on the device; "
+                                  f"offload_optimizer.step_on resolves to 'host' here (written: {off.step_on!r}"
+                                  f"{', host_share ' + repr(off.host_share) if self.host_share else ''}): set "
+                                  "offload_optimizer.step_on: device (and no host_share), or optimizer_state 'fp32'")
         self.comm = Collectives(group, self.device, grad_dtype=communication_dtype(self.precision))
         self.compute_dtype = COMPUTE_DTYPES[self.precision.mixed_precision]
         self.scaler = LossScaler(self.precision.loss_scale, enabled=self.precision.mixed_precision == "fp16")
@@ -185,16 +198,19 @@ class ZeroEngine:
     def _offload_step(self, elementwise: list[FlatGroup]) -> StepMode:
         """The step of the groups of elementwise optimizers: on the device, or wrapped by the offload parts."""
         hosted = [g for g in elementwise if g.placement.host_stepped]
-        streamed = [g for g in elementwise if g.placement.gpu_stepped]
+        # narrow state on the device is widened and narrowed chunk by chunk as GPU-stepped state is (see
+        # [Note: narrow state in the stream] in zerofit.engine.offload.gpu): those groups join its stream
+        narrow = self.codec.narrow and self.optimizer is not None
+        streamed = [g for g in elementwise if g.placement.gpu_stepped or (narrow and not g.placement.offloaded)]
         if self.optimizer is None or not (hosted or streamed):
             return self._device_step(PlainStep(self.optimizer, elementwise, self.comm))
-        on_device = [g for g in elementwise if not g.placement.offloaded]
+        on_device = [g for g in elementwise if not g.placement.offloaded and not narrow]
         mode = self._device_step(PlainStep.part_of(self.optimizer, on_device, self.comm))
         gpu = host = None
         if streamed:
             mode = gpu = GpuStep(self.optimizer, streamed, mode, model=self.model, units=self.units,
                                     comm=self.comm, times=self.times, offload=self.zero.offload_optimizer,
-                                    aio=self.zero.aio)
+                                    aio=self.zero.aio, codec=self.codec)
         if hosted:
             mode = host = HostStep(self.optimizer, hosted, mode, model=self.model, units=self.units,
                                    trainable=self.trainable_groups, comm=self.comm, reductions=self.reductions,

@@ -36,6 +36,14 @@ The main thread only decides the step (factor, this step's settings, the "gradie
 hands the groups to `IssueThread`, which queues their chunks (see [Note: issuing off the main thread]
 in zerofit.engine.offload.gpu_issue); a unit's pre-hook waits until its groups are queued.
 
+[Note: narrow state in the stream]
+With `precision.optimizer_state` bf16 or 8bit (see [Note: narrow optimizer state] in
+zerofit.engine.state_codec) a run's homes hold the stored form (`offload/stored_homes.py`); a chunk's codes
+(and block scales) travel instead of fp32 state - 2 or 1.25 bytes per element instead of 4 - and the step
+stream widens them into the slot's fp32 buffers, steps, zeroes the padding between pieces and narrows them
+again before the download. Groups kept on the device join this stream too, with their homes in device memory
+(no copy: widened from and narrowed into the home itself), so one path steps narrow state wherever it lives.
+
 [Note: GPU-stepped offload from NVMe]
 With `offload_optimizer.device: nvme` a group's master and state live in its file (`NvmeSwapper`, see
 [Note: NVMe residency]), and host memory holds only the swapper's pool of pinned slots. Per group,
@@ -75,13 +83,23 @@ from zerofit.engine.offload.gpu_runs import (  # noqa: F401 - ChunkSpan and plan
     is_streamed,
     plan_chunks,
     plan_runs,
+    probe_state_keys,
     rehome,
     state_keys,
 )
 from zerofit.engine.offload.nvme import NvmeSwapper
 from zerofit.engine.offload.part import OffloadPart
+from zerofit.engine.offload.stored_homes import (
+    bind_stored,
+    gap_index,
+    is_scale_key,
+    rehome_stored,
+    stored_home_of,
+    stored_keys,
+)
 from zerofit.engine.optim import folds_grad_scale, member_of_group, step_with_factor
 from zerofit.engine.pinned import pinned_empty
+from zerofit.engine.state_codec import Codec, Stored, blocks
 from zerofit.engine.step_mode import StepFactors, StepMode, gather_params
 from zerofit.engine.timing import StepTimes
 from zerofit.engine.unit import Unit
@@ -147,11 +165,16 @@ class GpuStep(OffloadPart):
     def __init__(self, optimizer: torch.optim.Optimizer, groups: list[FlatGroup], inner: StepMode, *,
                  model: nn.Module, units: list[Unit], comm: Collectives, times: StepTimes,
                  offload: OffloadConfig | None = None, aio: AioConfig | None = None,
-                 chunk: int | None = None, slots: int = STREAM_SLOTS):
+                 chunk: int | None = None, slots: int = STREAM_SLOTS, codec: Codec | None = None):
         """`offload`, `aio`: with `offload.device` "nvme" the state's home is a file per group (see
         [Note: GPU-stepped offload from NVMe]); `chunk`: elements per chunk (default `STREAM_CHUNK`,
-        read when the mode is built)."""
+        read when the mode is built); `codec`: how the state is stored (see [Note: narrow state in the
+        stream]); groups not offloaded keep it on the device."""
         super().__init__(optimizer, groups, inner, model=model, units=units, comm=comm, times=times)
+        self.codec = codec or Codec()
+        self._resident = {id(g) for g in groups if not g.placement.offloaded}
+        """Groups whose master and state stay on the device (narrow state: stepped through the slots too)."""
+        self._gaps: dict[tuple[int, int], torch.Tensor | None] = {}
         chunk = chunk or STREAM_CHUNK
         self.device = comm.device
         self._cuda = self.device.type == "cuda"
@@ -179,6 +202,10 @@ class GpuStep(OffloadPart):
         self._backward_ran = False
         self.swapper = self._nvme_swapper(offload, aio)  # after the pieces were matched (`plan_runs`)
         self._splits = {id(g) for g in groups if self._can_split(g)}
+        self._run_homes: dict[int, dict[str, torch.Tensor | Stored]] = {}
+        """id(run) -> per state key, the home its pieces' state views (see `_homes`)."""
+        if self.swapper is None:
+            self._allocate_homes()  # now, not inside the first steps (see [Note: homes at prepare])
         """Groups whose master travels split (see [Note: split master] in zerofit.engine.offload.master_split)."""
         self.issuer = IssueThread(groups, self.device)
         # The thread never holds this mode while idle; stop it (and remove the NVMe files) with the mode,
@@ -253,10 +280,11 @@ class GpuStep(OffloadPart):
         """Stream `run` through the slots chunk by chunk and step its pieces, but those of `unused` parameters."""
         state = self.optimizer.state
         fresh = {id(p) for p in run.pieces if not state.get(p.master)}  # their first step creates their state
-        homes = self._homes(run)
+        homes = self._homes(g, run)
         opt = self._optimizer_for(run.group, settings[run.group])
         split = id(g) in self._splits
         packed_home = id(g) in self._packed  # the host master holds the packed form (the last step split it)
+        narrow = self.codec.narrow
         run_master = g.master[run.start:run.end]
         created: dict[int, dict[str, torch.dtype]] = {}
         """id(piece) -> the per-element state the optimizer created for it (its first step)."""
@@ -275,56 +303,138 @@ class GpuStep(OffloadPart):
                     packed.copy_(_packed_home(run_master, lo, n), non_blocking=True)
                 else:
                     master.copy_(run_master[lo:lo + n], non_blocking=True)
+                staged = {}
                 for k, home in homes.items():
-                    slot.buf(k, home.dtype, n).copy_(home[lo:lo + n], non_blocking=True)
+                    if isinstance(home, Stored):
+                        staged[k] = self._staged(slot, k, home, lo, n)
+                    else:
+                        slot.buf(k, home.dtype, n).copy_(home[lo:lo + n], non_blocking=True)
                 loaded = self._record(self._up)
             with self._on(self._work):
                 if loaded is not None:
                     self._work.wait_event(loaded)
                 if packed_home:
                     master_split.join(packed, g.param_shard[span.start:span.start + n], master, carries)
+                for k, stored in staged.items():  # widened: the optimizer steps fp32 state
+                    self.codec.decode(stored, slot.buf(k, torch.float32, n), k)
                 new_keys = self._step_chunk(g, run, opt, span, master, slot, homes, fresh, unused, scale, kernel,
                                             created, last)
                 if split:  # after the parameter is published: its rounding is what the carries refer to
                     master_split.split(master, g.param_shard[span.start:span.start + n], packed, carries)
+                if narrow:
+                    for k in new_keys:  # state a fresh piece created under a key not seen before
+                        if k not in homes:
+                            homes[k] = self._run_homes[id(run)][k] = self._new_home(g, run, k, torch.float32)
+                            staged[k] = self._staged(slot, k, homes[k], lo, n, upload=False)
+                    gaps = self._gap(run, span)
+                    for k, stored in staged.items():  # narrowed again, padding zeroed first
+                        wide = slot.buf(k, torch.float32, n)
+                        if gaps is not None:
+                            wide.index_fill_(0, gaps, 0.0)
+                        self.codec.encode(wide, stored, k)
                 stepped = self._record(self._work)
             with self._on(self._down):
                 if stepped is not None:
                     self._down.wait_event(stepped)
-                for k, dtype in new_keys.items():  # state fresh pieces created: its home in host memory
-                    if k not in homes:
-                        homes[k] = self._host_tensor(run.end - run.start, dtype)
+                if not narrow:
+                    for k, dtype in new_keys.items():  # state fresh pieces created: its home in host memory
+                        if k not in homes:
+                            homes[k] = self._run_homes[id(run)][k] = self._new_home(g, run, k, dtype)
                 if split:
                     _packed_home(run_master, lo, n).copy_(packed, non_blocking=True)
                 else:
                     run_master[lo:lo + n].copy_(master, non_blocking=True)
                 for k, home in homes.items():  # every per-element state of the chunk is in its slot
-                    home[lo:lo + n].copy_(slot.buf(k, home.dtype, n), non_blocking=True)
+                    if isinstance(home, Stored):
+                        if staged[k] is not None and staged[k].codes.data_ptr() != home.codes[lo:].data_ptr():
+                            home.slice(lo, n).copy_(staged[k], non_blocking=True)
+                    else:
+                        home[lo:lo + n].copy_(slot.buf(k, home.dtype, n), non_blocking=True)
                 if g.placement.offload_params:
                     g.param_shard[span.start:span.start + n].copy_(slot.buf("param", g.compute_dtype, n),
                                                                    non_blocking=True)
                 slot.free = self._record(self._down)
         for p in run.pieces:
             for k in created.get(id(p), ()):
-                bind(run, state, k, homes[k], [p])  # its values are on their way there
+                if isinstance(homes[k], Stored):
+                    bind_stored(run, state, k, homes[k], [p])
+                else:
+                    bind(run, state, k, homes[k], [p])  # its values are on their way there
             if id(p) in last:
                 state[p.master].update(last[id(p)])  # the piece's scalar state moves on as its last part's did
 
-    def _homes(self, run: Run) -> dict[str, torch.Tensor]:
-        """Per per-element state key of `run`: the one host tensor every piece's state views (see [Note:
-        runs]); state that does not lie so (a checkpoint load's, pageable) is moved into a new one now."""
+    def _staged(self, slot: _Slot, key: str, home: Stored, lo: int, n: int, *, upload: bool = True) -> Stored:
+        """Where chunk [lo, lo + n) of `home` is widened from and narrowed into: the home itself when it is on
+        the device, else the slot's staging buffers (filled from the home now, on the upload stream)."""
+        if home.codes.device == self.device:
+            return home.slice(lo, n)
+        staged = Stored(slot.buf(key + "#codes", home.codes.dtype, n),
+                        slot.buf(key + "#scale", torch.float32, blocks(n)) if home.scale is not None else None)
+        if upload:
+            staged.copy_(home.slice(lo, n), non_blocking=True)
+        return staged
+
+    def _gap(self, run: Run, span: ChunkSpan) -> torch.Tensor | None:
+        key = (id(run), span.start)
+        if key not in self._gaps:
+            self._gaps[key] = gap_index(run, span.start, span.length, self.device)
+        return self._gaps[key]
+
+    def _homes(self, g: FlatGroup, run: Run) -> dict[str, torch.Tensor | Stored]:
+        """Per per-element state key of `run`: the one home every piece's state views (see [Note: runs]);
+        state that does not lie so (a checkpoint load's, pageable) is moved into the run's home now. Keys no
+        piece holds yet come with the home allocated for them (a piece's first step fills it)."""
         state = self.optimizer.state
-        homes = {}
-        for k, dtype in state_keys(run, state).items():
-            home = home_of(run, state, k, pinned=self._is_pinned)
-            if home is None:
-                home = self._host_tensor(run.end - run.start, dtype)
-                rehome(run, state, k, home)
-            homes[k] = home
+        mine = self._run_homes.setdefault(id(run), {})
+        homes: dict[str, torch.Tensor | Stored] = {}
+        if self.codec.narrow:
+            for k in stored_keys(run, state):
+                home = stored_home_of(run, state, k, self.codec, pinned=self._is_pinned)
+                if home is None:
+                    home = mine.get(k) or self._new_home(g, run, k, torch.float32)
+                    rehome_stored(run, state, k, home, self.codec)
+                homes[k] = mine[k] = home
+        else:
+            for k, dtype in state_keys(run, state).items():
+                home = home_of(run, state, k, pinned=self._is_pinned)
+                if home is None:
+                    home = mine.get(k)
+                    if home is None or home.dtype != dtype:
+                        home = self._new_home(g, run, k, dtype)
+                    rehome(run, state, k, home)
+                homes[k] = mine[k] = home
+        for k, home in mine.items():
+            homes.setdefault(k, home)
         return homes
 
+    def _new_home(self, g: FlatGroup, run: Run, key: str, dtype: torch.dtype) -> torch.Tensor | Stored:
+        """A home for `run`'s `key` state: stored as the codec says (fp32 state), on the device for a group
+        kept there, else in page-locked host memory."""
+        n = run.end - run.start
+        if id(g) in self._resident:
+            make = partial(_device_empty, device=self.device)
+        else:
+            make = self._host_tensor
+        if self.codec.narrow and dtype == torch.float32:
+            return self.codec.empty(n, None, make=make)
+        return make(n, dtype)
+
+    def _allocate_homes(self) -> None:
+        """[Note: homes at prepare]
+        Every run's state homes are allocated when the mode is built (at `prepare()`), for the per-element state
+        the script's optimizer class creates (found by stepping one on a 16-element tensor): page-locking tens
+        of GiB of host memory takes seconds, and inside the first steps it stalled step 2 of a 9 B run for ~20 s.
+        A key the probe did not see gets its home at its first step, as before."""
+        keys: dict[int, dict[str, torch.dtype]] = {}
+        for g in self.groups:
+            for run in self._runs[id(g)]:
+                if run.group not in keys:
+                    keys[run.group] = probe_state_keys(self.optimizer, run.group)
+                self._run_homes[id(run)] = {k: self._new_home(g, run, k, dtype) for k, dtype in keys[run.group].items()}
+
     def _is_pinned(self, t: torch.Tensor) -> bool:
-        if not self._cuda or self.swapper is not None:  # NVMe: the swapper's slots are what the copies read
+        if not self._cuda or self.swapper is not None or t.device.type != "cpu":  # NVMe: the swapper's slots
+            # are what the copies read; a home on the device needs no locking
             return True
         ptr = t.untyped_storage().data_ptr()
         if ptr not in self._pinned and t.is_pinned():
@@ -354,8 +464,9 @@ class GpuStep(OffloadPart):
             given: dict = {}
             if id(p) not in fresh:
                 own = self.optimizer.state[p.master]
-                given = {k: slot.buf(k, homes[k].dtype, n)[a - s:b - s] for k in homes if k in own}
-                given.update({k: self._scalar_copy(v, opt) for k, v in own.items() if not is_streamed(v, p.length)})
+                given = {k: slot.buf(k, _wide(homes[k]), n)[a - s:b - s] for k in homes if k in own}
+                given.update({k: self._scalar_copy(v, opt) for k, v in own.items()
+                              if not is_streamed(v, p.length) and not is_scale_key(k)})
             parts.append((view, p, a, b, dict(given)))
             opt.state[view] = given
         new_keys: dict[str, torch.dtype] = {}
@@ -454,8 +565,9 @@ class GpuStep(OffloadPart):
 
     # --- the split master (see [Note: split master]) ----------------------------------------------
     def _can_split(self, g: FlatGroup) -> bool:
-        """`g`'s master may travel split: bf16 parameters on the device (not offloaded), no NVMe file."""
-        return (self.swapper is None and not g.placement.offload_params
+        """`g`'s master may travel split: bf16 parameters on the device (not offloaded), no NVMe file, the
+        master in host memory."""
+        return (self.swapper is None and not g.placement.offload_params and g.placement.offloaded
                 and master_split.eligible(g.compute_dtype, g.master, g.param_shard))
 
     def _join_packed(self) -> None:
@@ -478,6 +590,15 @@ class GpuStep(OffloadPart):
 def _packed_home(master: torch.Tensor, lo: int, n: int) -> torch.Tensor:
     """Where chunk [lo, lo + n) of a host master keeps its packed form: the front of its own bytes."""
     return master[lo:lo + n].view(torch.uint8)[:master_split.packed_bytes(n)]
+
+
+def _wide(home: torch.Tensor | Stored) -> torch.dtype:
+    """The dtype the optimizer steps a home's state in: fp32 for stored state, else the home's own."""
+    return torch.float32 if isinstance(home, Stored) else home.dtype
+
+
+def _device_empty(numel: int, dtype: torch.dtype, *, device: torch.device) -> torch.Tensor:
+    return torch.empty(numel, dtype=dtype, device=device)
 
 
 def _close(issuer: IssueThread, swapper: NvmeSwapper | None) -> None:

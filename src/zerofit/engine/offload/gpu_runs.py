@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from zerofit.engine.flat_group import FlatGroup
+from zerofit.engine.optim import member_of_group
 
 ALIGN = 16
 """Chunk lengths are multiples of this (elements): see the module note."""
@@ -180,3 +181,22 @@ def rehome(run: Run, state: dict, key: str, home: torch.Tensor) -> None:
     for p in have:
         home[p.offset - run.start:p.offset - run.start + p.length].copy_(state[p.master][key])
     bind(run, state, key, home, have)
+
+
+def probe_state_keys(optimizer: torch.optim.Optimizer, index: int) -> dict[str, torch.dtype]:
+    """The per-element state (key -> dtype) the optimizer of param group `index` creates for an fp32 tensor, found
+    by stepping one of its class, with the group's settings, on a 16-element tensor on the CPU; {} when that
+    cannot run (the keys are then found at the first step)."""
+    settings = {k: v for k, v in optimizer.param_groups[index].items() if k != "params"}
+    cls = type(member_of_group(optimizer, index))
+    for extra in ({}, {"fused": None, "foreach": False}):
+        p = torch.zeros(16)
+        p.grad = torch.zeros(16)
+        try:
+            probe = cls([{**settings, **{k: v for k, v in extra.items() if k in settings}, "params": [p]}],
+                        lr=settings.get("lr", 1e-3))
+            probe.step()
+        except Exception:  # noqa: BLE001 - any failure: fall back to finding the keys at the first step
+            continue
+        return {k: v.dtype for k, v in probe.state[p].items() if is_streamed(v, 16)}
+    return {}
