@@ -276,6 +276,9 @@ def test_narrow_optimizer_state_counts_its_stored_bytes_in_every_home():
                         persistence_threshold=0)
         device = estimate(counts(), Setting(stage=0), work, None)
         assert device.optimizer == 432 * 4 + 2 * 432 * b
+        # narrow state on the device is widened chunk by chunk in the GPU stream's pool (no staging: in place)
+        assert device.buffers == (0 if state == "fp32" else stream_pool_bytes(
+            128, state_tensors=2, compact=False, offload_params=False, compute_bytes=2))
         host = estimate(counts(), Setting(stage=2, offload_optimizer="cpu"), work, None)
         assert host.host_optimizer == 432 * 4 + 2 * 432 * b and host.optimizer == 0
         nvme = estimate(counts(), Setting(stage=3, offload_optimizer="nvme"), work, None)
@@ -296,3 +299,15 @@ def test_a_per_parameter_optimizers_state_stays_fp32_under_narrow_state():
     mixed = estimate(c, Setting(stage=2, offload_optimizer="cpu"), work, None)
     assert mixed.optimizer == 3 * (3 * 64 * 4)  # Muon's groups: master + two fp32 states, as without the key
     assert mixed.host_optimizer == (32 + 3 * 16) * 4 + 2 * (32 + 3 * 16) * 1.25  # root and biases: state narrowed
+
+
+def test_the_planner_lists_only_what_the_engine_steps_with_narrow_state():
+    # bf16 / 8-bit state is widened and narrowed in the GPU's stream: host-stepped and NVMe rows are dropped
+    work = Workload(optimizer_state="8bit")
+    budget = Budget(gpu_bytes=10**9, host_bytes=10**9)
+    settings = [Setting(stage=2, offload_optimizer="cpu"), Setting(stage=2, offload_optimizer="cpu", step_on="device"),
+                Setting(stage=3, offload_optimizer="nvme", offload_param="cpu"), Setting(stage=0)]
+    listed = [e.setting for e in plan(counts(), work, budget, {False: None}, settings=settings).estimates]
+    assert listed == [Setting(stage=0), Setting(stage=2, offload_optimizer="cpu", step_on="device")]
+    fp32 = plan(counts(), Workload(), budget, {False: None}, settings=settings).estimates
+    assert len(fp32) == 4

@@ -29,7 +29,9 @@ Each term's bytes, and where they live:
 - streaming pool: GPU-stepped offload (`step_on: device`): 3 slots of min(16 M, largest S) elements x 4
   bytes x (1 master + k states + 1 upcast if compact) (+ c per element with param offload; + 3.125 bytes per
   element for the split master in bf16 without param offload; + k state chunks in their stored form,
-  b bytes per element, when the state is narrowed); the gradient shard stays on the GPU. Where: GPU.
+  b bytes per element, when the state is narrowed); the gradient shard stays on the GPU. Narrowed state
+  kept on the device streams through the same pool (without the stored-form chunks: it is widened from its
+  home in place). Where: GPU.
 - NVMe slots: `offload_optimizer.buffer_count` (at most one per offloaded unit) x the largest group's master
   and state. Where: host.
 - activations: measured by `zerofit.plan.activations` at the planned batch. Where: GPU.
@@ -244,7 +246,8 @@ def estimate(counts: ModelCounts, setting: Setting, work: Workload, trace: Activ
     root_gathered = 0
     largest_state = 0
     step_transient = 0
-    largest_streamed, streamed_compact = 0, False
+    largest_streamed, largest_staged, streamed_compact = 0, 0, False
+    narrow = work.optimizer_state != "fp32"
     for u, (_, true_trainable, true_frozen) in enumerate(counts.units):
         unit_numel = true_trainable + true_frozen
         trainable, frozen = counts.laid_out[u] if counts.laid_out is not None else (true_trainable, true_frozen)
@@ -279,9 +282,13 @@ def estimate(counts: ModelCounts, setting: Setting, work: Workload, trace: Activ
             state["grads"] += b.grad_shard.nbytes
             if b.step_upcast is not None:  # compact: stepped from a transient fp32 copy, one group at a time
                 step_transient = max(step_transient, b.step_upcast.nbytes)
-            if pl.gpu_stepped:
+            # narrow state kept on the device streams through the same pool, widened from its home in place
+            # ([Note: narrow state in the stream] in zerofit.engine.offload.gpu)
+            if pl.gpu_stepped or (narrow and not is_whole and not pl.offloaded):
                 largest_streamed = max(largest_streamed, lay.shard_numel)
                 streamed_compact = streamed_compact or compact
+            if pl.gpu_stepped:
+                largest_staged = max(largest_staged, lay.shard_numel)
             master = b.master.nbytes if b.master is not None else 0
             states = state_nbytes(k * lay.shard_numel, "fp32" if is_whole else work.optimizer_state)
             if setting.offload_optimizer == "nvme" and pl.offloaded:  # in files
@@ -299,8 +306,8 @@ def estimate(counts: ModelCounts, setting: Setting, work: Workload, trace: Activ
         gpu["buffers"] += stream_pool_bytes(largest_streamed, state_tensors=k, compact=streamed_compact,
                                             offload_params=setting.offload_param != "none", compute_bytes=c,
                                             split=master_travels_split(setting, work))
-        if work.optimizer_state != "fp32":  # each slot also holds every state chunk in its stored form
-            gpu["buffers"] += STREAM_SLOTS * state_nbytes(k * min(STREAM_CHUNK, largest_streamed),
+        if narrow and largest_staged:  # each slot also stages a host home's state chunks in their stored form
+            gpu["buffers"] += STREAM_SLOTS * state_nbytes(k * min(STREAM_CHUNK, largest_staged),
                                                           work.optimizer_state)
     if setting.offload_optimizer == "nvme":  # the swapper's pool: one slot per buffer, at most one per group
         offloaded = sum(h is not StateHome.DEVICE for h in homes)
@@ -315,6 +322,15 @@ def estimate(counts: ModelCounts, setting: Setting, work: Workload, trace: Activ
                     activations=activations, buffers=gpu["buffers"], host_params=host["params"],
                     host_grads=host["grads"], host_optimizer=host["optimizer"], host_buffers=host["buffers"],
                     nvme=nvme, traced=trace is not None)
+
+
+def runs_narrow_state(setting: Setting) -> bool:
+    """`setting` can step bf16 / 8-bit optimizer state: the engine widens and narrows it in the GPU's stream
+    only, so host-stepped state (step_on host, a host_share) and NVMe files are refused with it
+    (zerofit.engine.engine)."""
+    if setting.offload_optimizer == "nvme":
+        return False
+    return setting.offload_optimizer == "none" or (setting.step_on == "device" and not setting.host_share)
 
 
 def state_nbytes(numel: int, kind: str) -> int:
