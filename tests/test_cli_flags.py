@@ -17,14 +17,14 @@ from zerofit.cli.main import build_parser
 FROZEN = {
     "launch": {
         "--config_file": (), "--num_processes": (), "--num_machines": (), "--machine_rank": (),
-        "--main_process_ip": (), "--main_process_port": (), "--mixed_precision": (), "--cpu": (),
+        "--main_process_ip": (), "--main_process_port": (), "--mixed_precision": (), "--optimizer_state": (), "--cpu": (),
         "--max_restarts": (), "--resume": (), "--process_group_timeout": (), "--oom_backoff": (), "--hostfile": (),
         "--hostfile_print": (), "--overwrite_checkpoints": (), "--dry_run": (), "--module": (),
     },
     "env": {"--config_file": (), "--probe": ()},
     "config": {
         "--stage": (), "--offload_optimizer": (), "--offload_param": (), "--nvme_path": (), "--mixed_precision": (),
-        "--num_processes": (), "--gradient_accumulation_steps": (), "--gradient_clipping": (), "--format": (),
+        "--optimizer_state": (), "--num_processes": (), "--gradient_accumulation_steps": (), "--gradient_clipping": (), "--format": (),
         "--output": (),
     },
     "demo": {
@@ -36,7 +36,7 @@ FROZEN = {
         "--model": (), "--task": (), "--num_processes": ("--num_gpus",), "--gpu_memory_gib": ("--gpu_memory",),
         "--host_memory_gib": ("--host_memory",), "--gpus_per_host": (), "--micro_batch": (), "--seq": (),
         "--gradient_accumulation_steps": (), "--mixed_precision": (), "--optimizer_states": (),
-        "--checkpointing": (), "--offload_ratio": (), "--step_on": (), "--host_share": (), "--nvme": (),
+        "--optimizer_state": (), "--checkpointing": (), "--offload_ratio": (), "--step_on": (), "--host_share": (), "--nvme": (),
         "--headroom": (), "--json": (),
     },
     "bench": {
@@ -111,7 +111,8 @@ def test_launch_keeps_exactly_the_flags_that_mirror_accelerate_launch():
         "-h", "--help", "--config_file", "--config-file", "--num_processes", "--num-processes",
         "--num_machines", "--num-machines", "--machine_rank", "--machine-rank",
         "--main_process_ip", "--main-process-ip", "--main_process_port", "--main-process-port",
-        "--mixed_precision", "--mixed-precision", "--cpu", "--max_restarts", "--max-restarts",
+        "--mixed_precision", "--mixed-precision", "--optimizer_state", "--optimizer-state", "--cpu", "--max_restarts",
+        "--max-restarts",
         "--resume", "--process_group_timeout", "--process-group-timeout", "--dry-run", "--dry_run", "-m", "--module",
         "--oom_backoff", "--oom-backoff", "--hostfile", "--hostfile_print", "--hostfile-print",
         "--overwrite_checkpoints", "--overwrite-checkpoints",

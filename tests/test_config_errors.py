@@ -219,9 +219,10 @@ BAD = [
         "communication_data_type must be one of 'fp32', 'bf16', 'fp16' (got 'fp8')",
     ),
     (
-        "ds-master-weights",
-        {"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}},
-        "bf16.bf16_master_weights_and_grads = True asks for 16-bit master weights",
+        "ds-state-bf16-and-8bit",
+        {"bf16": {"enabled": True, "bf16_optimizer_states": True}, "zero_optimization": {"optimizer_state": "8bit"}},
+        "bf16.bf16_optimizer_states = true asks for bf16 optimizer state but zero_optimization.optimizer_state is "
+        "'8bit': keep one of them",
     ),
     (
         "ds-batch-contradiction",

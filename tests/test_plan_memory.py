@@ -276,3 +276,49 @@ def test_gpu_stepped_nvme_keeps_the_gradient_and_pool_on_the_gpu_and_the_state_i
     assert Setting(stage=3, offload_optimizer="nvme", step_on="device").label == "ZeRO-3 + opt nvme (GPU-stepped)"
     with pytest.raises(ValueError, match="step_on device needs offload_optimizer cpu or nvme"):
         Setting(stage=3, step_on="device")
+
+
+def test_narrow_optimizer_state_counts_its_stored_bytes_in_every_home():
+    # Adam's two state tensors of the 432 laid-out elements: 4 bytes each in fp32, 2 in bf16, 1 + 4/16 in 8bit
+    # (a code per element and an fp32 scale per 16); the fp32 master is never narrowed
+    per = {"fp32": 4, "bf16": 2, "8bit": 1.25}
+    for state, b in per.items():
+        work = Workload(mixed_precision="bf16", optimizer_state=state, gradient_accumulation_steps=2,
+                        persistence_threshold=0)
+        device = estimate(counts(), Setting(stage=0), work, None)
+        assert device.optimizer == 432 * 4 + 2 * 432 * b
+        # narrow state on the device is widened chunk by chunk in the GPU stream's pool (no staging: in place)
+        assert device.buffers == (0 if state == "fp32" else stream_pool_bytes(
+            128, state_tensors=2, compact=False, offload_params=False, compute_bytes=2))
+        host = estimate(counts(), Setting(stage=2, offload_optimizer="cpu"), work, None)
+        assert host.host_optimizer == 432 * 4 + 2 * 432 * b and host.optimizer == 0
+        nvme = estimate(counts(), Setting(stage=3, offload_optimizer="nvme"), work, None)
+        assert nvme.nvme == 432 * 4 + 2 * 432 * b
+        assert nvme.host_optimizer == 4 * (128 * 4 + 2 * 128 * b)  # the swapper's slots, the largest group each
+        streamed = estimate(counts(), Setting(stage=2, offload_optimizer="cpu", step_on="device"), work, None)
+        assert streamed.host_optimizer == 432 * 4 + 2 * 432 * b
+        pool = stream_pool_bytes(128, state_tensors=2, compact=False, offload_params=False, compute_bytes=2,
+                                 split=True)
+        staged = 0 if state == "fp32" else 3 * 2 * 128 * b  # 3 slots: each state chunk in its stored form too
+        assert streamed.buffers == pool + staged
+
+
+def test_a_per_parameter_optimizers_state_stays_fp32_under_narrow_state():
+    model = Blocks()
+    c = ModelCounts.of(model, whole=frozenset(id(b.weight) for b in model.blocks))
+    work = Workload(world=2, gradient_accumulation_steps=2, optimizer_state="8bit")
+    mixed = estimate(c, Setting(stage=2, offload_optimizer="cpu"), work, None)
+    assert mixed.optimizer == 3 * (3 * 64 * 4)  # Muon's groups: master + two fp32 states, as without the key
+    assert mixed.host_optimizer == (32 + 3 * 16) * 4 + 2 * (32 + 3 * 16) * 1.25  # root and biases: state narrowed
+
+
+def test_the_planner_lists_only_what_the_engine_steps_with_narrow_state():
+    # bf16 / 8-bit state is widened and narrowed in the GPU's stream: host-stepped and NVMe rows are dropped
+    work = Workload(optimizer_state="8bit")
+    budget = Budget(gpu_bytes=10**9, host_bytes=10**9)
+    settings = [Setting(stage=2, offload_optimizer="cpu"), Setting(stage=2, offload_optimizer="cpu", step_on="device"),
+                Setting(stage=3, offload_optimizer="nvme", offload_param="cpu"), Setting(stage=0)]
+    listed = [e.setting for e in plan(counts(), work, budget, {False: None}, settings=settings).estimates]
+    assert listed == [Setting(stage=0), Setting(stage=2, offload_optimizer="cpu", step_on="device")]
+    fp32 = plan(counts(), Workload(), budget, {False: None}, settings=settings).estimates
+    assert len(fp32) == 4

@@ -3,9 +3,10 @@
 Two ranks at ZeRO-2 and ZeRO-3 (+ offload) against transformers' own Trainer under DDP on the same two
 ranks (Accelerate's data parallelism: the same gradient summation order) and its single-process run on
 the same global batch (per-device batch doubled), for `adafactor` (transformers' Adafactor: stepped whole per
-parameter, see zerofit.engine.whole_step), `sgd` and `adamw_torch_fused` (elementwise: stepped on shards);
-torchao's 8-bit AdamW (`adamw_torch_8bit`) keeps block-quantised state that shards would cut into other
-blocks, so zerofit refuses it at prepare() naming the fix.
+parameter, see zerofit.engine.whole_step), `sgd` and `adamw_torch_fused` (elementwise: stepped on shards).
+The 8-bit names (`adamw_bnb_8bit`, `adamw_8bit`, `paged_adamw_8bit`, `adamw_torch_8bit`) run without bitsandbytes
+or torchao as torch's AdamW with `precision.optimizer_state: 8bit` ([Note: low-bit optimizers of other
+libraries]): the same run as `adamw_torch` under a config that says 8bit. Other low-bit names are refused.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 import trainer_cases as tc  # noqa: E402
@@ -25,6 +27,9 @@ CONFIGS = {
                                 "offload_param": {"device": "cpu"}}},
 }
 OPTIMS = ("adafactor", "sgd", "adamw_torch_fused")
+EIGHT_BIT = ("adamw_bnb_8bit", "adamw_8bit", "paged_adamw_8bit", "adamw_torch_8bit")
+MORE_CONFIGS = {"stage2_8bit": {"zero": {"stage": 2}, "precision": {"optimizer_state": "8bit"}},
+                "stage2_bf16": {"zero": {"stage": 2}, "precision": {"optimizer_state": "bf16"}}}
 LOSS_TOL, WEIGHT_TOL = 2e-6, 2e-5  # as tests/test_trainer.py: the two batch splits round their sums differently
 
 
@@ -37,11 +42,19 @@ def _zerofit_runs(rank: int, world: int, root: str) -> dict:
                                           zerofit=True)
     for optim in OPTIMS:  # the library's own DDP: Accelerate's all-reduced mean of the ranks' gradients
         out[(optim, "ddp")] = tc.run(tc.Run(optim=optim, steps=3), os.path.join(root, f"{optim}-ddp"), zerofit=False)
-    try:
-        tc.run(tc.Run(optim="adamw_torch_8bit", steps=1), os.path.join(root, "8bit"), zerofit=True)
-        out["8bit"] = None
-    except Exception as e:  # noqa: BLE001 - the test reads the message
-        out["8bit"] = f"{type(e).__name__}: {e}"
+    os.environ["ZEROFIT_CONFIG_FILE"] = os.path.join(root, "stage2.json")
+    for optim in EIGHT_BIT:
+        out[(optim, "stage2")] = tc.run(tc.Run(optim=optim, steps=3), os.path.join(root, optim), zerofit=True)
+    os.environ["ZEROFIT_CONFIG_FILE"] = os.path.join(root, "stage2_8bit.json")
+    out[("adamw_torch", "stage2_8bit")] = tc.run(tc.Run(optim="adamw_torch", steps=3),
+                                                 os.path.join(root, "adamw-8bit-config"), zerofit=True)
+    for optim, config in (("lion_8bit", "stage2"), ("adamw_torch_4bit", "stage2"), ("adamw_8bit", "stage2_bf16")):
+        os.environ["ZEROFIT_CONFIG_FILE"] = os.path.join(root, f"{config}.json")
+        try:
+            tc.run(tc.Run(optim=optim, steps=1), os.path.join(root, f"refused-{optim}"), zerofit=True)
+            out[("refused", optim)] = None
+        except Exception as e:  # noqa: BLE001 - the test reads the message
+            out[("refused", optim)] = f"{type(e).__name__}: {e}"
     os.environ.pop("ZEROFIT_CONFIG_FILE")
     return out
 
@@ -54,7 +67,7 @@ def _references(rank: int, world: int, root: str) -> dict:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("optim"))
-    tc.write_configs(root, CONFIGS)
+    tc.write_configs(root, {**CONFIGS, **MORE_CONFIGS})
     ranks = run_distributed(_zerofit_runs, 2, root, timeout=600)
     return ranks, run_distributed(_references, 1, root, timeout=300)[0]
 
@@ -89,9 +102,19 @@ def test_trains_as_trainer_under_ddp_and_as_the_single_process_trainer(results, 
         assert _worst(got, ref) <= 2 * 1e-3 + 1e-6
 
 
-def test_torchao_8bit_adamw_is_refused_by_name(results):
-    pytest.importorskip("torchao")  # not in any extra (it prints load errors on `import transformers.trainer`);
-    # tests/test_engine_shape_optimizers.py checks the refusal without it
+@pytest.mark.parametrize("optim", EIGHT_BIT)
+def test_8bit_names_run_as_torch_adamw_with_8bit_state_without_bitsandbytes_or_torchao(results, optim):
+    ranks, _ = results
+    got, want = ranks[0][(optim, "stage2")], ranks[0][("adamw_torch", "stage2_8bit")]
+    assert got["losses"] == want["losses"]
+    ours, theirs = tc.saved_weights(got["saved"]), tc.saved_weights(want["saved"])
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+def test_other_low_bit_names_and_a_contradicting_config_are_refused_with_the_fix(results):
     for rank in results[0]:
-        assert rank["8bit"] is not None
-        assert "torchao.optim" in rank["8bit"] and "--optim adamw_torch" in rank["8bit"], rank["8bit"]
+        lion, four, bf16 = (rank[("refused", o)] for o in ("lion_8bit", "adamw_torch_4bit", "adamw_8bit"))
+        assert lion and "--optim lion_8bit (Lion) has no torch optimizer with the same update" in lion, lion
+        assert four and "--optim adamw_torch_4bit (4-bit state)" in four and "--optim adamw_8bit" in four, four
+        assert bf16 and ("--optim adamw_8bit asks for 8bit optimizer state but the config's "
+                         "precision.optimizer_state is 'bf16'") in bf16, bf16

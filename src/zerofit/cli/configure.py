@@ -12,13 +12,13 @@ import argparse
 import json
 import os
 import sys
-from typing import Any
+from typing import Any, get_args
 
 import yaml
 
 from zerofit.cli.flags import add_flag
 from zerofit.config import is_auto, load_config
-from zerofit.config.schema import RunConfig, to_dict
+from zerofit.config.schema import OptimizerStateDtype, RunConfig, to_dict
 from zerofit.errors import ConfigError
 
 FORMATS = ("zerofit", "deepspeed", "accelerate")
@@ -49,6 +49,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_flag(p, "--nvme_path", metavar="DIR", help="directory for the optimizer state's nvme offload files")
     add_flag(p, "--mixed_precision", choices=("no", "fp16", "bf16"), default="no",
              help="compute precision")
+    add_flag(p, "--optimizer_state", choices=get_args(OptimizerStateDtype), default=None,
+             help="how optimizer state is stored between steps: fp32 (default), bf16 or 8bit (zerofit and "
+                  "deepspeed formats; an Accelerate YAML reaches it through a deepspeed_config_file)")
     add_flag(p, "--num_processes", type=int, metavar="N",
              help="processes over all machines (zerofit and accelerate formats)")
     add_flag(p, "--gradient_accumulation_steps", type=int, metavar="K",
@@ -83,6 +86,10 @@ def settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
     if args.format == "deepspeed" and args.num_processes is not None:
         problems.append("--num_processes has no place in a DeepSpeed JSON: pass it to `zerofit launch` instead, "
                         "or use --format zerofit or --format accelerate")
+    if args.format == "accelerate" and args.optimizer_state not in (None, "fp32"):
+        problems.append(f"--optimizer_state {args.optimizer_state} has no key in an Accelerate YAML's "
+                        "deepspeed_config: use --format zerofit, or --format deepspeed and point the YAML's "
+                        "deepspeed_config.deepspeed_config_file at that file")
     if problems:
         raise ConfigError(problems)
     settings: dict[str, Any] = {"zero.stage": args.stage}
@@ -92,6 +99,8 @@ def settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
         if device is not None or not planned:
             settings[key] = device or "none"
     settings["precision.mixed_precision"] = args.mixed_precision
+    if args.optimizer_state is not None:
+        settings["precision.optimizer_state"] = args.optimizer_state
     # Unset, these stay "auto" in the formats whose users expect the script to supply them.
     unset = None if args.format == "zerofit" else "auto"
     for key, value in (("batch.gradient_accumulation_steps", args.gradient_accumulation_steps),
@@ -131,6 +140,11 @@ def deepspeed_dict(cfg: RunConfig) -> dict[str, Any]:
         out["fp16"] = {"enabled": True, "loss_scale": ls.loss_scale, "initial_scale_power": ls.initial_scale_power,
                        "loss_scale_window": ls.loss_scale_window, "hysteresis": ls.hysteresis,
                        "min_loss_scale": ls.min_loss_scale}
+    state = cfg.precision.optimizer_state
+    if state == "bf16":  # DeepSpeed's own key (its bf16_master_weights_and_grads is zerofit's fp32 master, unwritten)
+        out.setdefault("bf16", {"enabled": False})["bf16_optimizer_states"] = True
+    elif state == "8bit":  # no DeepSpeed key: zerofit's own
+        zero["optimizer_state"] = state
     if cfg.precision.communication_data_type != "fp32":  # fp32 is what zerofit does without the key
         out["communication_data_type"] = cfg.precision.communication_data_type
     out.update({"gradient_accumulation_steps": cfg.batch.gradient_accumulation_steps,

@@ -41,7 +41,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_flag(p, "--gradient_accumulation_steps", type=int, default=1, help="micro-steps per optimizer step")
     add_flag(p, "--mixed_precision", default="bf16", choices=_PRECISIONS, help="compute dtype (default bf16)")
     add_flag(p, "--optimizer_states", type=int, default=2,
-             help="fp32 state tensors per parameter: 2 for Adam/AdamW (default), 1 SGD+momentum, 0 SGD")
+             help="state tensors per parameter: 2 for Adam/AdamW (default), 1 SGD+momentum, 0 SGD")
+    add_flag(p, "--optimizer_state", default="fp32", choices=("fp32", "bf16", "8bit"),
+             help="how those tensors are stored (precision.optimizer_state): fp32 (default, 4 bytes an element), "
+                  "bf16 (2) or 8bit (1.25)")
     add_flag(p, "--checkpointing", default="both", choices=("both", "on", "off"),
              help="activation checkpointing rows to show (default both)")
     add_flag(p, "--offload_ratio", type=_ratio, default="auto",
@@ -111,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "no": torch.float32}[args.mixed_precision]
     fake = build_fake_model(args.model, dtype=dtype, task=args.task)
     work = Workload(world=args.num_processes, mixed_precision=args.mixed_precision, micro_batch=args.micro_batch,
-                    seq=args.seq, optimizer_states=args.optimizer_states,
+                    seq=args.seq, optimizer_states=args.optimizer_states, optimizer_state=args.optimizer_state,
                     gradient_accumulation_steps=args.gradient_accumulation_steps)
     ck = {"both": (False, True), "on": (True,), "off": (False,)}[args.checkpointing]
     budget = machine_budget(gpu_memory_gib=args.gpu_memory_gib, host_memory_gib=args.host_memory_gib,
@@ -173,6 +176,7 @@ def _as_json(args, counts, work, budget, result, seconds: dict) -> dict:
     return {"model": args.model, "parameters": counts.numel, "units": len(counts.units),
             "workload": {"num_gpus": work.world, "micro_batch": work.micro_batch, "seq": work.seq,
                          "mixed_precision": work.mixed_precision, "optimizer_states": work.optimizer_states,
+                         "optimizer_state": work.optimizer_state,
                          "gradient_accumulation_steps": work.gradient_accumulation_steps},
             "budget": {"gpu_bytes": budget.gpu_bytes, "host_bytes": budget.host_bytes, "headroom": budget.headroom},
             "settings": [_row(e, budget, seconds) for e in result.estimates],
@@ -199,7 +203,8 @@ def _as_table(args, counts, budget, result, seconds: dict) -> str:
     if budget.gpu_bytes is None:
         gpus += " of unknown size (no GPU here)"
     head = (f"{args.model}: {count_said(counts.numel)} parameters in {len(counts.units)} units; "
-            f"{gpus}, micro-batch {args.micro_batch} x {args.seq}, {args.mixed_precision}; {unit} per rank")
+            f"{gpus}, micro-batch {args.micro_batch} x {args.seq}, {args.mixed_precision}"
+            f"{'' if args.optimizer_state == 'fp32' else f', {args.optimizer_state} optimizer state'}; {unit} per rank")
 
     def _mem(n: int) -> str:
         return f"{n / size:.2f}"

@@ -38,13 +38,13 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 from zerofit.cli import failure_report, flight_recorder, hostfile, preflight, rendezvous, slurm
 from zerofit.cli.cluster import MachineSettings
 from zerofit.cli.flags import add_flag, flag_value_problems, flags_named
 from zerofit.config import load_config, save_config, validate_config
-from zerofit.config.schema import RunConfig
+from zerofit.config.schema import OptimizerStateDtype, RunConfig
 from zerofit.distributed.runtime import CONFIG_FILE_ENV, RUN_ID_ENV, backend_for
 from zerofit.errors import ConfigError
 from zerofit.plan.bandwidth import usable_cpus
@@ -63,6 +63,7 @@ FLAG_TO_KEY = {
     "main_process_ip": "launch.main_process_ip",
     "main_process_port": "launch.main_process_port",
     "mixed_precision": "precision.mixed_precision",
+    "optimizer_state": "precision.optimizer_state",
     "cpu": "launch.use_cpu",
     "max_restarts": "launch.max_restarts",
     "process_group_timeout": "launch.process_group_timeout",
@@ -98,6 +99,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_flag(p, "--main_process_port", type=int, metavar="PORT",
              help=f"rendezvous port (default: a free port on one machine, {DEFAULT_MULTI_NODE_PORT} on several)")
     add_flag(p, "--mixed_precision", choices=("no", "fp16", "bf16"), help="compute precision")
+    add_flag(p, "--optimizer_state", choices=get_args(OptimizerStateDtype),
+             help="how optimizer state is stored between steps: fp32 (default), bf16 or 8bit (block-wise "
+                  "quantised); the update itself runs in fp32, the master weights stay fp32")
     add_flag(p, "--cpu", action="store_true", default=None, help="run on CPU with gloo even where GPUs exist")
     add_flag(p, "--max_restarts", type=int, metavar="K", help="restart the worker group up to K times after a failure")
     add_flag(p, "--resume", choices=("restart", "auto", "must", "never"),

@@ -47,6 +47,7 @@ TABLE: dict[str, str] = {
     f"{_ZERO}.stage3_param_persistence_threshold": "zero.param_persistence_threshold",
     f"{_ZERO}.stage3_max_live_parameters": "zero.max_live_parameters",
     f"{_ZERO}.gradient_checkpointing": "zero.gradient_checkpointing",  # zerofit's own
+    f"{_ZERO}.optimizer_state": "precision.optimizer_state",  # zerofit's own (DeepSpeed has no 8-bit state)
     **{
         f"{_OPT}.{k}": f"zero.offload_optimizer.{k}"
         for k in (
@@ -97,6 +98,8 @@ _AUTO_MEANS = {
     "zero.offload_param.nvme_path": None,
 }
 
+_BF16_STATES = "bf16.bf16_optimizer_states"
+
 _NO = "zerofit does not provide it: remove the key or set it off"
 # Keys whose value switches on a feature zerofit lacks: key -> (the largest value that is fine, what to say).
 _NEEDS_FEATURE: dict[str, tuple[Any, str]] = {
@@ -112,14 +115,6 @@ _NEEDS_FEATURE: dict[str, tuple[Any, str]] = {
     "fp16.fp16_master_weights_and_grads": (
         False,
         "16-bit master weights; zerofit keeps master weights in fp32: set it to false",
-    ),
-    "bf16.bf16_master_weights_and_grads": (
-        False,
-        "16-bit master weights; zerofit keeps master weights in fp32: set it to false",
-    ),
-    "bf16.bf16_optimizer_states": (
-        False,
-        "16-bit optimizer states; zerofit keeps optimizer states in fp32: set it to false",
     ),
     "sparse_gradients": (False, f"sparse gradients; {_NO}"),
     "disable_allgather": (False, f"disabling the parameter all-gather; {_NO}"),
@@ -195,6 +190,7 @@ _HANDLED = (
     "communication_data_type",
     "fp16.enabled",
     "bf16.enabled",
+    _BF16_STATES,
     "steps_per_print",
     "gradient_predivide_factor",
     "gradient_allreduce_op",
@@ -224,6 +220,7 @@ def read(data: Mapping[str, Any], source: str | None = None) -> Reading:
             if is_auto_text(dig(data, f"{path}.device")):
                 reading.set(f"zero.{kind}.device", AUTO)
     _read_precision(reading, data)
+    _read_optimizer_state(reading, data)
     _read_communication(reading, data)
     _read_deprecated(reading, data)
     ignored.check(reading, data, "deepspeed")
@@ -267,6 +264,26 @@ def _read_precision(reading: Reading, data: Mapping[str, Any]) -> None:
         reading.set("precision.mixed_precision", AUTO)
     else:
         reading.set("precision.mixed_precision", "no")
+
+
+def _read_optimizer_state(reading: Reading, data: Mapping[str, Any]) -> None:
+    """DeepSpeed's `bf16.bf16_optimizer_states: true` is `precision.optimizer_state` bf16 (zerofit keeps the master
+    fp32 whatever `bf16_master_weights_and_grads` says, which DeepSpeed requires beside it); 8-bit state has no
+    DeepSpeed key, so it is zerofit's own `zero_optimization.optimizer_state`, which the table reads."""
+    if not has(data, _BF16_STATES):
+        return
+    wants_bf16 = reading.coerce(_BF16_STATES, dig(data, _BF16_STATES), to_bool, key="precision.optimizer_state")
+    if wants_bf16 is not True:
+        return  # false: DeepSpeed's default, fp32 state (or what zero_optimization.optimizer_state says)
+    own = f"{_ZERO}.optimizer_state"
+    written = reading.values.get("precision.optimizer_state")
+    if has(data, own) and written not in (None, "bf16"):
+        reading.error(f"{_BF16_STATES} = true asks for bf16 optimizer state but {own} is {written!r}: keep one of "
+                      f"them (remove {_BF16_STATES} for {written!r}, or set {own} to \"bf16\")",
+                      key="precision.optimizer_state")
+        return
+    reading.set("precision.optimizer_state", "bf16")
+    reading.written.add("precision.optimizer_state")
 
 
 def _read_communication(reading: Reading, data: Mapping[str, Any]) -> None:

@@ -170,6 +170,8 @@ TABLE: tuple[Ignored, ...] = (
     Ignored("bf16.check_grad_overflow", False, "zerofit checks the gradient norm for NaN and inf in every "
             "precision and warns about such a step; to skip it instead set precision.skip_nonfinite_steps in "
             "zerofit's YAML", to_bool),
+    Ignored("bf16.bf16_master_weights_and_grads", False, "zerofit keeps the master weights and gradients in fp32 "
+            "(bf16.bf16_optimizer_states still stores the optimizer state in bf16)", to_bool),
     Ignored("aio.intra_op_parallelism", 1, _NVME_IO, to_int),
     Ignored("aio.use_gds", False, "zerofit's NVMe offload moves data through host memory; GPUDirect Storage is "
             "not used", to_bool),

@@ -83,8 +83,9 @@ def optimizer_kind(optimizer: torch.optim.Optimizer) -> str:
         raise EngineError(f"optimizer {name} is not supported by zerofit: {why}")
     if cls.__module__.split(".")[0] in ("bitsandbytes", "torchao"):
         raise EngineError(f"optimizer {name} keeps block-quantised state that zerofit would cut into other blocks "
-                          "on shards, so it is not run: use torch.optim.AdamW (Trainer: --optim adamw_torch); "
-                          "zerofit's own low-bit optimizer state is planned (issue #39)")
+                          "on shards, so it is not run: use torch.optim.AdamW (Trainer: --optim adamw_torch) with "
+                          "precision.optimizer_state 8bit (Accelerator.prepare() makes that switch itself for "
+                          "bitsandbytes' and torchao's 8-bit Adam)")
     raise EngineError(
         f"optimizer {name} is unknown to zerofit, which cannot tell whether its update is elementwise, so it is "
         "not run on sharded pieces (an optimizer that reads a parameter's shape would compute other numbers). "

@@ -26,10 +26,11 @@ from zerofit.engine.optim import whole_param_ids
 from zerofit.engine.optimizer_set import OptimizerSet, members_of
 from zerofit.engine.plain_backward import BackwardCaller
 from zerofit.errors import ConfigError
-from zerofit.frontend import compiling, engine_surface, ops
+from zerofit.frontend import compiling, engine_surface, lowbit_optimizers, ops
 from zerofit.frontend.banner import describe_engine
 from zerofit.frontend.data.loaders import ShardedDataLoader
 from zerofit.frontend.data.sampling import order_for
+from zerofit.frontend.lowbit_optimizers import with_optimizer_state
 from zerofit.frontend.optimizers import AcceleratedOptimizer, SiblingSteps, build_optimizer
 from zerofit.frontend.planning.auto_plan import (
     apply_checkpointing,
@@ -209,7 +210,19 @@ class PrepareMixin:
             raise ConfigError(f"the script passes its own optimizer ({type(opt).__name__}) and the config names "
                               f"one too (optimizer.type {named.type}): remove the optimizer section from the config, "
                               "or pass zerofit.utils.DummyOptim(params, lr=...) in the script", self.config.source)
-        return opt
+        replaced = lowbit_optimizers.replacement(opt)  # [Note: low-bit optimizers of other libraries]
+        if replaced is None:
+            return opt
+        built, mapped = replaced
+        what = f"optimizer {type(opt).__module__}.{type(opt).__qualname__}"
+        self.config = with_optimizer_state(self.config, mapped.state, what)
+        if self.is_main_process:
+            print(mapped.said(what), flush=True)
+        self._prepared.built[id(opt)] = built
+        # `opt` itself never steps; a torch scheduler built on it reads this flag to warn about a scheduler step
+        # before the first optimizer step, and would warn on every run (zerofit.engine.optim.mark_stepped)
+        opt._opt_called = True
+        return built
 
     def _prepare_model(self, wrapper: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
         model = compiling.uncompiled(wrapper)  # torch.compile(model) before prepare(): shard the module inside

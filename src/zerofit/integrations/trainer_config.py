@@ -25,6 +25,7 @@ from typing import Any
 from zerofit.config.naming import key_name
 from zerofit.config.schema import AUTO, RunConfig, is_auto
 from zerofit.errors import ConfigError
+from zerofit.frontend.lowbit_optimizers import trainer_optim, with_optimizer_state
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +41,8 @@ class TrainerFacts:
     betas: tuple[float, float]
     eps: float
     weight_decay: float
+    optim: str = "adamw_torch"
+    """TrainingArguments.optim: its 8-bit names set precision.optimizer_state (zerofit.frontend.lowbit_optimizers)."""
 
     @classmethod
     def from_args(cls, args: Any, world: int) -> TrainerFacts:
@@ -48,7 +51,7 @@ class TrainerFacts:
                    world=world, max_grad_norm=float(args.max_grad_norm or 0.0),
                    mixed_precision=trainer_precision(args), lr=float(args.learning_rate),
                    betas=(float(args.adam_beta1), float(args.adam_beta2)), eps=float(args.adam_epsilon),
-                   weight_decay=float(args.weight_decay))
+                   weight_decay=float(args.weight_decay), optim=str(getattr(args.optim, "value", args.optim)))
 
 
 def trainer_precision(args: Any) -> str:
@@ -133,6 +136,11 @@ def trainer_config(config: RunConfig, facts: TrainerFacts) -> RunConfig:
         optimizer = dataclasses.replace(optimizer, params=params)
     if check.problems:
         raise ConfigError(check.problems, config.source)
+    if config.optimizer is None:  # a config's optimizer section replaces --optim (DeepSpeed's rule)
+        mapped = trainer_optim(facts.optim)
+        if mapped is not None:
+            config = with_optimizer_state(config, mapped.state, f"--optim {facts.optim}")
+            precision = config.precision
     batch = dataclasses.replace(b, train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=1,
                                 train_batch_size=micro * facts.world)
     return config.replace(batch=batch, gradient_clipping=0.0, optimizer=optimizer,

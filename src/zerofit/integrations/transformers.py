@@ -45,6 +45,7 @@ from zerofit.distributed import process_group, runtime
 from zerofit.errors import CheckpointError, ConfigError
 from zerofit.frontend import ops
 from zerofit.frontend.accelerator import Accelerator
+from zerofit.frontend.lowbit_optimizers import trainer_optim
 from zerofit.frontend.plugins import DataLoaderConfiguration
 from zerofit.frontend.schedulers import AcceleratedScheduler
 from zerofit.frontend.state import AcceleratorState
@@ -69,6 +70,9 @@ class ZerofitTrainerMixin:
         _refuse_other_world(args, rank, world)
         facts = TrainerFacts.from_args(args, world=world)
         config = trainer_config(runtime.current_config(), facts)
+        mapped = trainer_optim(facts.optim) if config.optimizer is None else None
+        if mapped is not None and rank == 0:
+            print(mapped.said(f"--optim {facts.optim}"), flush=True)
         ac = args.accelerator_config
         loaders = DataLoaderConfiguration(split_batches=bool(ac.split_batches), even_batches=bool(ac.even_batches),
                                           use_seedable_sampler=bool(ac.use_seedable_sampler), data_seed=args.data_seed)
@@ -106,6 +110,17 @@ class ZerofitTrainerMixin:
         self.optimizer = DummyOptim([g for g in groups if g["params"]], lr=self.args.learning_rate,
                                     weight_decay=self.args.weight_decay)
         return self.optimizer
+
+    @staticmethod
+    def get_optimizer_cls_and_kwargs(args: Any, model: Any = None) -> tuple[Any, Any]:
+        """Trainer's own, except for the 8-bit `--optim` names (bitsandbytes', torchao's): torch's optimizer
+        with Trainer's lr, betas and eps (weight decay comes with the param groups), run with
+        `precision.optimizer_state` 8bit ([Note: low-bit optimizers of other libraries])."""
+        mapped = trainer_optim(str(getattr(args.optim, "value", args.optim)))
+        if mapped is None:
+            return transformers.Trainer.get_optimizer_cls_and_kwargs(args, model)
+        return mapped.torch_class, {"lr": args.learning_rate, "betas": (args.adam_beta1, args.adam_beta2),
+                                    "eps": args.adam_epsilon}
 
     def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
         """The config's scheduler section when it has one (total and warmup steps from Trainer's

@@ -37,7 +37,7 @@ def memory_advice(config: Any, model: Any, *, world: int, micro_batch: int = 1, 
         counts = ModelCounts.of(model)
         setting = _setting_of(cfg)
         work = Workload(world=world, mixed_precision=cfg.precision.mixed_precision,
-                        micro_batch=micro_batch, seq=seq or 512,
+                        micro_batch=micro_batch, seq=seq or 512, optimizer_state=cfg.precision.optimizer_state,
                         nvme_buffer_count=cfg.zero.offload_optimizer.buffer_count)
         if setting is None:
             return fix + "."

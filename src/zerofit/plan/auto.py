@@ -141,6 +141,7 @@ def workload_for(config: RunConfig, *, world: int, shape: tuple[int, int] | None
     precision = config.precision.mixed_precision
     return Workload(world=world, mixed_precision=precision if precision in DTYPE_BYTES else "no",
                     micro_batch=shape[0] if shape else 1, seq=shape[1] if shape else 1,
+                    optimizer_state=config.precision.optimizer_state,
                     gradient_accumulation_steps=_int(config.batch.gradient_accumulation_steps, 1),
                     persistence_threshold=_int(config.zero.param_persistence_threshold, 100_000),
                     unit_size_threshold=config.zero.unit_size_threshold,

@@ -37,7 +37,16 @@ from zerofit.engine.policy import offload_ratios
 from zerofit.plan.activations import ActivationTrace, trace_step
 from zerofit.plan.bandwidth import Rates
 from zerofit.plan.host_memory import read_host_memory
-from zerofit.plan.memory import GIB, Estimate, ModelCounts, Setting, Workload, all_settings, estimate
+from zerofit.plan.memory import (
+    GIB,
+    Estimate,
+    ModelCounts,
+    Setting,
+    Workload,
+    all_settings,
+    estimate,
+    runs_narrow_state,
+)
 from zerofit.plan.sharing import shared_rates, sharing_said
 from zerofit.plan.sources import FakeModel
 from zerofit.plan.step_time import added_seconds
@@ -175,6 +184,8 @@ def plan(counts: ModelCounts, work: Workload, budget: Budget, traces: dict[bool,
     rates = shared_rates(rates, budget.ranks_per_host) if rates else None
     if settings is None:
         settings = all_settings(work.world, checkpointing=tuple(sorted(traces)))
+    if work.optimizer_state != "fp32":  # only what the engine steps with narrow state (none: refused at build)
+        settings = [s for s in settings if runs_narrow_state(s)] or settings
     settings = sorted(settings, key=speed_rank)
     estimates = tuple(
         least_offload(counts, s, work, budget, traces.get(s.checkpointing))

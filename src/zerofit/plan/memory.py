@@ -17,8 +17,9 @@ Each term's bytes, and where they live:
   Where: with the optimizer state.
 - gradients: S*4 shard (S*c on one rank without accumulation or offload: "compact"); + N*4 full buffer when
   it persists (stage 1 on several ranks). Where: with the optimizer state.
-- optimizer states: k*S*4. Where: GPU; host with optimizer offload; files with NVMe, host- or GPU-stepped
-  (one group's worth in host slots).
+- optimizer states: k*S*b, b the stored bytes per element of `precision.optimizer_state` (4 fp32, 2 bf16,
+  1.25 8bit: `Codec.bytes_per_element`); groups a per-parameter optimizer steps whole keep b = 4. Where: GPU;
+  host with optimizer offload; files with NVMe, host- or GPU-stepped (one group's worth in host slots).
 - transient gradients: N*4 (+ S*4 reduce output) per unit while reduced, at most 2 reductions in flight.
   Where: GPU, on the activation timeline.
 - step upcast: S*4 of the largest compact group, while it steps (after backward). Where: GPU, against the
@@ -27,8 +28,10 @@ Each term's bytes, and where they live:
   host.
 - streaming pool: GPU-stepped offload (`step_on: device`): 3 slots of min(16 M, largest S) elements x 4
   bytes x (1 master + k states + 1 upcast if compact) (+ c per element with param offload; + 3.125 bytes per
-  element for the split master in bf16 without param offload); the gradient shard stays on the GPU. Where:
-  GPU.
+  element for the split master in bf16 without param offload; + k state chunks in their stored form,
+  b bytes per element, when the state is narrowed); the gradient shard stays on the GPU. Narrowed state
+  kept on the device streams through the same pool (without the stored-form chunks: it is widened from its
+  home in place). Where: GPU.
 - NVMe slots: `offload_optimizer.buffer_count` (at most one per offloaded unit) x the largest group's master
   and state. Where: host.
 - activations: measured by `zerofit.plan.activations` at the planned batch. Where: GPU.
@@ -63,6 +66,7 @@ gathered parameters on top; `fits` adds a fixed reserve for the CUDA context and
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -72,7 +76,7 @@ from zerofit.engine.buffers import group_buffers
 from zerofit.engine.engine import SHARD_ALIGN
 from zerofit.engine.find_units import UnitSpec, plan_units
 from zerofit.engine.layout import plan_layout
-from zerofit.engine.offload.gpu import stream_pool_bytes
+from zerofit.engine.offload.gpu import STREAM_CHUNK, STREAM_SLOTS, stream_pool_bytes
 from zerofit.engine.policy import (
     COMPUTE_DTYPES,
     StagePolicy,
@@ -80,6 +84,7 @@ from zerofit.engine.policy import (
     keeps_compact_grads,
     state_homes,
 )
+from zerofit.engine.state_codec import Codec
 from zerofit.plan.activations import ActivationTrace
 
 GIB = 1 << 30
@@ -151,7 +156,9 @@ class Workload:
     world: int = 1
     mixed_precision: str = "bf16"
     optimizer_states: int = 2
-    """Shard-sized fp32 state tensors per parameter (Adam/AdamW: 2; SGD with momentum: 1)."""
+    """Shard-sized state tensors per parameter (Adam/AdamW: 2; SGD with momentum: 1)."""
+    optimizer_state: str = "fp32"
+    """`precision.optimizer_state`: how those tensors are stored (fp32, bf16 or 8bit)."""
     micro_batch: int = 1
     seq: int = 512
     gradient_accumulation_steps: int = 1
@@ -256,7 +263,8 @@ def estimate(counts: ModelCounts, setting: Setting, work: Workload, trace: Activ
     root_gathered = 0
     largest_state = 0
     step_transient = 0
-    largest_streamed, streamed_compact = 0, False
+    largest_streamed, largest_staged, streamed_compact = 0, 0, False
+    narrow = work.optimizer_state != "fp32"
     for u, (_, true_trainable, true_frozen) in enumerate(counts.units):
         unit_numel = true_trainable + true_frozen
         trainable, frozen = counts.laid_out[u] if counts.laid_out is not None else (true_trainable, true_frozen)
@@ -291,15 +299,20 @@ def estimate(counts: ModelCounts, setting: Setting, work: Workload, trace: Activ
             state["grads"] += b.grad_shard.nbytes
             if b.step_upcast is not None:  # compact: stepped from a transient fp32 copy, one group at a time
                 step_transient = max(step_transient, b.step_upcast.nbytes)
-            if pl.gpu_stepped:
+            # narrow state kept on the device streams through the same pool, widened from its home in place
+            # ([Note: narrow state in the stream] in zerofit.engine.offload.gpu)
+            if pl.gpu_stepped or (narrow and not is_whole and not pl.offloaded):
                 largest_streamed = max(largest_streamed, lay.shard_numel)
                 streamed_compact = streamed_compact or compact
+            if pl.gpu_stepped:
+                largest_staged = max(largest_staged, lay.shard_numel)
             master = b.master.nbytes if b.master is not None else 0
+            states = state_nbytes(k * lay.shard_numel, "fp32" if is_whole else work.optimizer_state)
             if setting.offload_optimizer == "nvme" and pl.offloaded:  # in files
-                nvme += master + b.optimizer_state.nbytes
-                largest_state = max(largest_state, master + b.optimizer_state.nbytes)
+                nvme += master + states
+                largest_state = max(largest_state, master + states)
             else:  # with the gradient shard, except GPU-stepped: state on the host, gradient on the GPU
-                (host if b.optimizer_state.host else gpu)["optimizer"] += master + b.optimizer_state.nbytes
+                (host if b.optimizer_state.host else gpu)["optimizer"] += master + states
             for extra in (b.grad_staging, b.grad_flat):  # host staging; stage 1's persistent full gradient
                 if extra is not None:
                     (host if extra.host else gpu)["buffers"] += extra.nbytes
@@ -310,6 +323,9 @@ def estimate(counts: ModelCounts, setting: Setting, work: Workload, trace: Activ
         gpu["buffers"] += stream_pool_bytes(largest_streamed, state_tensors=k, compact=streamed_compact,
                                             offload_params=setting.offload_param != "none", compute_bytes=c,
                                             split=master_travels_split(setting, work))
+        if narrow and largest_staged:  # each slot also stages a host home's state chunks in their stored form
+            gpu["buffers"] += STREAM_SLOTS * state_nbytes(k * min(STREAM_CHUNK, largest_staged),
+                                                          work.optimizer_state)
     if setting.offload_optimizer == "nvme":  # the swapper's pool: one slot per buffer, at most one per group
         offloaded = sum(h is not StateHome.DEVICE for h in homes)
         host["optimizer"] += max(1, min(work.nvme_buffer_count, offloaded)) * largest_state
@@ -335,6 +351,21 @@ def kept_bytes(gathered: list[int], budget: int | None) -> int:
         if budget is None or kept + size <= budget:
             kept += size
     return kept
+
+
+def runs_narrow_state(setting: Setting) -> bool:
+    """`setting` can step bf16 / 8-bit optimizer state: the engine widens and narrows it in the GPU's stream
+    only, so host-stepped state (step_on host, a host_share) and NVMe files are refused with it
+    (zerofit.engine.engine)."""
+    if setting.offload_optimizer == "nvme":
+        return False
+    return setting.offload_optimizer == "none" or (setting.step_on == "device" and not setting.host_share)
+
+
+def state_nbytes(numel: int, kind: str) -> int:
+    """Bytes of `numel` optimizer state elements stored as `kind` (precision.optimizer_state): 8bit counts
+    its per-block fp32 scales (a state tensor's elements are a multiple of the block, as shards are)."""
+    return math.ceil(numel * Codec(kind).bytes_per_element())
 
 
 def master_travels_split(setting: Setting, work: Workload) -> bool:
