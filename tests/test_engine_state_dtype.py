@@ -152,3 +152,37 @@ def test_the_maps_and_blocks():
     out = torch.empty(1024)
     Codec("8bit").decode(Stored(whole.codes, whole.scale), out, "exp_avg")
     assert torch.equal(out, y)
+
+
+def _tensor_lr(rank: int, world: int) -> dict:
+    """A tensor lr that a scheduler fills in place right after each step, stepped on the device and GPU-stepped."""
+    from zerofit.engine.offload import gpu
+
+    out = {}
+    for name, zero, state in (("device", ZeroConfig(stage=2), "fp32"),
+                              ("streamed", ZeroConfig(stage=2, offload_optimizer=OffloadConfig(
+                                  device="cpu", step_on="device")), "fp32"),
+                              ("8bit", ZeroConfig(stage=2), "8bit"), ("8bit-again", ZeroConfig(stage=2), "8bit")):
+        case = Case(stage=2)
+        model, _ = make_model_and_optim(case)
+        opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-2))
+        gpu.STREAM_CHUNK = 64
+        try:
+            engine = ZeroEngine(model, opt, zero=zero, precision=PrecisionConfig(optimizer_state=state))
+        finally:
+            gpu.STREAM_CHUNK = 1 << 24
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (1 + 10 * s))
+        g = torch.Generator().manual_seed(5)
+        for _ in range(6):
+            x = torch.randint(0, 37, (8, 5), generator=g)
+            engine.backward(model(x).float().square().mean())
+            engine.step()
+            sched.step()  # fills the lr tensor while the step's groups may still be issued
+        out[name] = {k: v.clone() for k, v in engine.named_full_tensors("master").items()}
+    return out
+
+
+def test_a_tensor_lr_filled_by_a_scheduler_is_read_as_it_was_at_the_step():
+    got = run_distributed(_tensor_lr, 1, timeout=300)[0]
+    assert max_diff(got["streamed"], got["device"]) == 0.0
+    assert max_diff(got["8bit"], got["8bit-again"]) == 0.0

@@ -246,7 +246,9 @@ class GpuStep(OffloadPart):
             self.swapper.schedule(self.groups)  # the first reads start now
         folded = folds_grad_scale(self.optimizer)
         # this step's lr & co., taken now: the script's scheduler moves on while the groups are issued
-        settings = [{k: v for k, v in pg.items() if k != "params"} for pg in self.optimizer.param_groups]
+        # (a tensor lr is copied: torch's schedulers fill it in place, and the groups are stepped on another thread)
+        settings = [{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in pg.items() if k != "params"}
+                    for pg in self.optimizer.param_groups]
         for g in self.groups:
             g.step_in_flight = True  # before zero_grad, which must leave these gradients to the step
         # parameters no rank gave a gradient are left out of the update (see [Note: parameters without a
