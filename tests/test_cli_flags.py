@@ -17,14 +17,16 @@ from zerofit.cli.main import build_parser
 FROZEN = {
     "launch": {
         "--config_file": (), "--num_processes": (), "--num_machines": (), "--machine_rank": (),
-        "--main_process_ip": (), "--main_process_port": (), "--mixed_precision": (), "--optimizer_state": (), "--cpu": (),
+        "--main_process_ip": (), "--main_process_port": (), "--mixed_precision": (), "--optimizer_state": (),
+        "--cpu": (),
         "--max_restarts": (), "--resume": (), "--process_group_timeout": (), "--oom_backoff": (), "--hostfile": (),
         "--hostfile_print": (), "--overwrite_checkpoints": (), "--dry_run": (), "--module": (),
     },
     "env": {"--config_file": (), "--probe": ()},
     "config": {
         "--stage": (), "--offload_optimizer": (), "--offload_param": (), "--nvme_path": (), "--mixed_precision": (),
-        "--optimizer_state": (), "--num_processes": (), "--gradient_accumulation_steps": (), "--gradient_clipping": (), "--format": (),
+        "--optimizer_state": (), "--num_processes": (), "--gradient_accumulation_steps": (), "--gradient_clipping": (),
+        "--format": (),
         "--output": (),
     },
     "demo": {
@@ -36,7 +38,8 @@ FROZEN = {
         "--model": (), "--task": (), "--num_processes": ("--num_gpus",), "--gpu_memory_gib": ("--gpu_memory",),
         "--host_memory_gib": ("--host_memory",), "--gpus_per_host": (), "--micro_batch": (), "--seq": (),
         "--gradient_accumulation_steps": (), "--mixed_precision": (), "--optimizer_states": (),
-        "--optimizer_state": (), "--checkpointing": (), "--offload_ratio": (), "--step_on": (), "--host_share": (), "--nvme": (),
+        "--optimizer_state": (), "--checkpointing": (), "--offload_ratio": (), "--step_on": (), "--host_share": (),
+        "--nvme": (),
         "--headroom": (), "--json": (),
     },
     "bench": {
