@@ -152,6 +152,10 @@ def zerofit_or_torch_step(method: str, args, ids):
             os.makedirs(args.nvme_path, exist_ok=True)
             zero = ZeroConfig(stage=3, offload_optimizer=OffloadConfig(device="nvme", nvme_path=args.nvme_path),
                               offload_param=OffloadConfig(device="cpu"))
+        if args.stream_chunk:
+            from zerofit.engine.offload import gpu
+
+            gpu.STREAM_CHUNK = args.stream_chunk  # read when the engine builds its step mode
         engine = ZeroEngine(model, opt, zero=zero, precision=PrecisionConfig(mixed_precision="bf16",
                                                                              optimizer_state=args.optimizer_state),
                             gradient_clipping=args.clip)
@@ -237,7 +241,24 @@ def measure(method: str, step, args) -> dict:
     if phases:
         row["breakdown_s"] = {k: statistics.median(p[k] for p in phases) for k in phases[0]}
         row["breakdown_s"].update(_copy_times(step))
+    if args.profile_cpu:
+        row["cpu_profile"] = _cpu_profile(step)
     return row
+
+
+def _cpu_profile(step, steps: int = 2) -> list[str]:
+    """The host-side ops (every thread) that took the most time over two more steps: what the threads queuing
+    the work spend their time on (launches, copies, synchronisations)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    rows = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:30]
+    return [f"{e.key[:60]:60s} calls {e.count // steps:7d}  self {e.self_cpu_time_total / 1e3 / steps:8.1f} ms/step"
+            for e in rows]
 
 
 def _phases(marks, before: dict, after: dict) -> dict:
@@ -303,6 +324,9 @@ def main() -> None:
                    help="zerofit GPU-stepped offload rows: share of the offloaded state stepped on the CPU instead")
     p.add_argument("--nvme-path", default="/tmp/zerofit-nvme", help="directory for the zerofit-s3-nvme row")
     p.add_argument("--timeout", type=float, default=240, help="seconds per method")
+    p.add_argument("--stream-chunk", type=int, default=0, help="zerofit rows: elements per GPU-stepped chunk")
+    p.add_argument("--profile-cpu", action="store_true", help="record the host ops of two more steps")
+    p.add_argument("--switch-interval", type=float, default=0.0, help="sys.setswitchinterval (s) in each row")
     p.add_argument("--optimizer-state", default="fp32", choices=["fp32", "bf16", "8bit"],
                    help="zerofit rows: precision.optimizer_state")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: run one method, print JSON
@@ -310,6 +334,8 @@ def main() -> None:
     if args.vocab is None:
         args.vocab = 32000 if args.model == "llama" else 50257
     if args.one:
+        if args.switch_interval:
+            sys.setswitchinterval(args.switch_interval)
         print("RESULT " + json.dumps(run_one(args.one, args)), flush=True)
         return
     rows = []

@@ -21,6 +21,7 @@ from engine_cases import Case, make_model_and_optim, max_diff, run_cases
 from zerofit.config import load_config
 from zerofit.config.schema import OffloadConfig, PrecisionConfig, ZeroConfig
 from zerofit.engine import ZeroEngine
+from zerofit.engine.offload import gpu
 from zerofit.engine.offload.gpu import GpuStep, plan_chunks, stream_pool_bytes
 from zerofit.engine.offload.nvme import NvmeSwapper
 from zerofit.engine.policy import step_on_for
@@ -159,7 +160,7 @@ def test_pool_bytes_count_every_buffer_of_every_slot():
     assert (stream_pool_bytes(10, state_tensors=2, compact=True, offload_params=True, compute_bytes=2)
             == 3 * 10 * (16 + 2))
     assert stream_pool_bytes(1 << 30, state_tensors=1, compact=False, offload_params=False, compute_bytes=2) == \
-        3 * (1 << 24) * 8
+        3 * gpu.STREAM_CHUNK * 8
 
 
 def _engine(step_on: str, stage: int = 2, device: str = "cpu", nvme_path: str | None = None,

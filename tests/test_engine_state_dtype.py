@@ -16,7 +16,7 @@ import dataclasses
 
 import pytest
 import torch
-from engine_cases import Case, make_model_and_optim, max_diff, reference, run_cases
+from engine_cases import DEFAULT_CHUNK, Case, make_model_and_optim, max_diff, reference, run_cases
 
 from zerofit.config.schema import OffloadConfig, PrecisionConfig, ZeroConfig
 from zerofit.engine import ZeroEngine
@@ -170,7 +170,7 @@ def _tensor_lr(rank: int, world: int) -> dict:
         try:
             engine = ZeroEngine(model, opt, zero=zero, precision=PrecisionConfig(optimizer_state=state))
         finally:
-            gpu.STREAM_CHUNK = 1 << 24
+            gpu.STREAM_CHUNK = DEFAULT_CHUNK
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (1 + 10 * s))
         g = torch.Generator().manual_seed(5)
         for _ in range(6):

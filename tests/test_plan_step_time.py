@@ -55,9 +55,10 @@ def test_what_cannot_be_priced_is_none():
 
 @pytest.mark.slow  # traces GPT-2 XL on fake tensors, with and without checkpointing
 def test_measured_rates_trade_offloading_against_recomputing_on_gpt2_xl():
-    """GPT-2 XL 16 x 128 in 24 GiB: the fixed order keeps checkpointing off and streams 77 % of the state;
+    """GPT-2 XL 16 x 128 in 24 GiB: the fixed order keeps checkpointing off and streams 81 % of the state;
     on the H200's rates a recomputed forward (about 0.02 s) is far cheaper than streaming 47 % more of the
-    state (about 0.17 s), so checkpointing with 30 % streamed is chosen."""
+    state, so checkpointing with 34 % streamed is chosen (the 64 M-element stream slots take GPU memory that
+    16 M ones left to state: 77 % / 30 % / 37 % with those)."""
     from zerofit.plan.sources import build_fake_model
 
     fake = build_fake_model("GPT2Config:n_layer=48,n_embd=1600,n_head=25", dtype=__import__("torch").bfloat16,
@@ -68,12 +69,12 @@ def test_measured_rates_trade_offloading_against_recomputing_on_gpt2_xl():
     budget = Budget(gpu_bytes=24 * GIB, host_bytes=125 * GIB)
     settings = all_settings(1, step_on="device")
     fixed = plan(counts, work, budget, traces, settings=settings, open_ratio=True)
-    assert fixed.choice.setting.label == "ZeRO-2 + opt cpu 77% (GPU-stepped)"
+    assert fixed.choice.setting.label == "ZeRO-2 + opt cpu 81% (GPU-stepped)"
     timed = plan(counts, work, budget, traces, settings=settings, open_ratio=True, rates=H200)
-    assert timed.choice.setting.label == "ZeRO-2 + opt cpu 30% (GPU-stepped) + ckpt"
+    assert timed.choice.setting.label == "ZeRO-2 + opt cpu 34% (GPU-stepped) + ckpt"
     assert timed.seconds[timed.choice.setting] < timed.seconds[fixed.choice.setting]
-    assert "it adds 0.11" in timed.reason and "faster ones do not fit (DDP (stage 0) + ckpt needs" in timed.reason
+    assert "it adds 0.12" in timed.reason and "faster ones do not fit (DDP (stage 0) + ckpt needs" in timed.reason
     # batch 32 in the same memory: nothing fits without checkpointing but parameter offload, which checkpointing beats
     work32 = dataclasses.replace(work, micro_batch=32)
     capped = plan(counts, work32, budget, traces_for(fake, work32, (False, True)), settings=settings, open_ratio=True)
-    assert capped.choice.setting.label == "ZeRO-2 + opt cpu 37% (GPU-stepped) + ckpt"
+    assert capped.choice.setting.label == "ZeRO-2 + opt cpu 41% (GPU-stepped) + ckpt"

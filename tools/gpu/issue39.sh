@@ -30,6 +30,21 @@ for what in $WHAT; do
           --out "$OUT_DIR/xl_$st" | head -4
       done
       timeout 300 $B --methods zerofit-s2 torch --timeout 140 --out "$OUT_DIR/xl_no_offload" | head -4 ;;
+    prof)
+      timeout 200 $B --methods zerofit-s2-offload --optimizer-state 8bit --profile-cpu --timeout 180 --out "$OUT_DIR/p_8bit" | head -3
+      timeout 200 $B --methods zerofit-s2-offload --optimizer-state fp32 --profile-cpu --timeout 180 --out "$OUT_DIR/p_fp32" | head -3
+      timeout 200 $B --methods zerofit-s2-offload --optimizer-state 8bit --stream-chunk 67108864 --timeout 180 \
+        --out "$OUT_DIR/p_8bit_c64" | head -3
+      timeout 200 $B --methods zerofit-s2-offload --optimizer-state 8bit --switch-interval 0.0005 --timeout 180 \
+        --out "$OUT_DIR/p_8bit_sw" | head -3
+      "$PY" - "$OUT_DIR" <<'PYEOF'
+import json, pathlib, sys
+for f in sorted(pathlib.Path(sys.argv[1]).glob("p_*/results.json")):
+    for r in json.load(open(f))["rows"]:
+        print("==", f.parent.name, {k: round(v, 3) for k, v in r.get("breakdown_s", {}).items()})
+        print("\n".join(r.get("cpu_profile", [])))
+PYEOF
+      ;;
     big)
       L="--model llama --n_embd 5120 --n_layer 28 --n_head 40 --intermediate 13824 --batch 8 --seq 512 --meta"
       for st in 8bit fp32; do

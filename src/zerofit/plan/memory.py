@@ -26,7 +26,7 @@ Each term's bytes, and where they live:
   activation peak.
 - offload staging: S*4 pinned per group, when accumulating over several micro-steps (host-stepped). Where:
   host.
-- streaming pool: GPU-stepped offload (`step_on: device`): 3 slots of min(16 M, largest S) elements x 4
+- streaming pool: GPU-stepped offload (`step_on: device`): 3 slots of min(64 M, largest S) elements x 4
   bytes x (1 master + k states + 1 upcast if compact) (+ c per element with param offload; + 3.125 bytes per
   element for the split master in bf16 without param offload; + k state chunks in their stored form,
   b bytes per element, when the state is narrowed); the gradient shard stays on the GPU. Narrowed state
