@@ -39,6 +39,8 @@ BLOCK = 16
 STATE_DTYPES = ("fp32", "bf16", "8bit")
 """The values of `precision.optimizer_state`."""
 
+_TINY = torch.finfo(torch.float32).tiny
+
 UNSIGNED_KEYS = frozenset({"exp_avg_sq", "max_exp_avg_sq", "square_avg", "sum", "acc_delta", "exp_inf"})
 """Per-element state of torch's optimizers that is never negative (the unsigned map is used for these)."""
 
@@ -125,10 +127,9 @@ class Codec:
         n = src.numel()
         nb = blocks(n)
         padded = _padded(src, nb)
-        absmax = torch.linalg.vector_norm(padded, ord=float("inf"), dim=1)  # one pass, no |x| temporary
-        dst.scale.copy_(absmax)
-        safe = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
-        normed = (padded / safe[:, None]).reshape(-1)[:n]
+        torch.linalg.vector_norm(padded, ord=float("inf"), dim=1, out=dst.scale)  # one pass, no |x| temporary
+        # an all-zero block divides by the smallest normal float: its values stay 0 (code of 0)
+        normed = (padded / dst.scale.clamp_min(_TINY)[:, None]).reshape(-1)[:n]
         _, mids = _MAPS.get(key not in UNSIGNED_KEYS, src.device)
         dst.codes.copy_(torch.bucketize(normed, mids, out_int32=True))
 
