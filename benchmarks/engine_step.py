@@ -185,7 +185,7 @@ def _planned_zero(model, args):
     from zerofit.frontend.planning.auto_plan import (
         apply_checkpointing,
         budget_for,
-        machine_host_share,
+        host_share_of,
         machine_rates,
         wants_host_share,
     )
@@ -196,9 +196,10 @@ def _planned_zero(model, args):
                                        offload_param=OffloadConfig(device=AUTO)),
                        precision=PrecisionConfig(mixed_precision="bf16", optimizer_state=args.optimizer_state))
     device = torch.device("cuda")
-    share = machine_host_share(device, 1, 2) if wants_host_share(config, device) else None
+    rates = machine_rates(device, 1)
+    share = host_share_of(rates, 1, 2) if wants_host_share(config, device) else None
     chosen, result = choose(config, model, world=1, shape=(args.batch, args.seq), budget=budget_for(device, 1),
-                            host_share=share, rates=machine_rates(device, 1))
+                            host_share=share, rates=rates)
     apply_checkpointing(chosen, model)  # where the planner turned it on, as prepare() does
     print(describe(config, result), file=sys.stderr, flush=True)
     _planned_zero.label = (result.choice or result.smallest).setting.label
