@@ -63,13 +63,18 @@ setup() {
   if [ "$CPU_CHECK" != 1 ]; then  # a CPU check leaves the developer's environment as it is
     python3 -m pip install -q --no-deps --no-build-isolation -e . || echo "pip install -e . failed: src/ used"
   fi
-  if ls .whl/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --target "$DS_SITE" .whl/*.whl \
+  local wheels=()
+  for w in .whl/*.whl; do  # the low-bit optimizer packages are not needed here: left out
+    case "$(basename "$w")" in torchao-*|bitsandbytes-*) ;; *) [ -f "$w" ] && wheels+=("$w") ;; esac
+  done
+  if (( ${#wheels[@]} )); then
+    python3 -m pip install -q --no-index --no-deps --target "$DS_SITE" "${wheels[@]}" \
       || echo "the .whl/ wheels did not install: runs needing trl, datasets or deepspeed will fail"
   else
     echo "no .whl/*.whl: trl, datasets and deepspeed only if installed (cp ../shared/wheels/*.whl .whl/, carry .whl)"
   fi
-  python3 -c "import trl, datasets; print('trl', trl.__version__, 'datasets', datasets.__version__)" \
+  python3 -c "import importlib.metadata as m, trl, datasets; print(*(f'{n} {m.version(n)}' for n in
+    ('trl', 'datasets', 'pyarrow', 'fsspec', 'huggingface_hub', 'transformers', 'accelerate', 'torch')))" \
     || echo "trl or datasets is not importable: every run will fail"
   if python3 -c "import deepspeed; print('deepspeed', deepspeed.__version__)"; then HAVE_DEEPSPEED=1
   else echo "deepspeed is not importable: the DeepSpeed rows are skipped"; fi
@@ -155,6 +160,7 @@ EOF
 
 run() {  # run NAME (ENGINE-s3 or ENGINE-s2-offload): one row; a failure is recorded, never fatal
   local name="$1" engine="${1%%-*}" limit left start rc status config
+  rm -f "$RUNS_DIR/$name".{json,log,status,wall}  # WORK may hold an earlier call's files
   case "${name#*-}" in
     s3) config=zero3 ;;
     s2-offload) config=zero2_offload ;;
@@ -173,7 +179,6 @@ run() {  # run NAME (ENGINE-s3 or ENGINE-s2-offload): one row; a failure is reco
                                --config_file "$CONFIGS/$config.yaml" "${script[@]}") ;;
     *) echo "unknown run $name: zerofit- or deepspeed- then s3 or s2-offload" > "$RUNS_DIR/$name.status"; return ;;
   esac
-  rm -f "$RUNS_DIR/$name.json" "$RUNS_DIR/$name.log"
   if [ "$engine" = deepspeed ] && [ "$HAVE_DEEPSPEED" != 1 ]; then
     echo "skipped: deepspeed not importable" > "$RUNS_DIR/$name.status"; echo "== $name skipped"; return
   fi
