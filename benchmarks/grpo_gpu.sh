@@ -50,9 +50,10 @@ read -r -a RUNS <<< "${RUNS:-zerofit-s3 deepspeed-s3 zerofit-s2-offload deepspee
 ASSETS="$WORK/assets_h${HIDDEN}_l${LAYERS}_a${HEADS}_i${INTER}"
 SCRIPT="$WORK/grpo.py" CONFIGS="$WORK/configs" RUNS_DIR="$WORK/runs"
 DEADLINE=$(( SECONDS + BUDGET_S ))
-# Every run sees the same packages: the wheels first (as ANCHORS.md says), then src/ (should `pip install -e`
-# fail) and benchmarks/ (grpo_bench: the copied script's GRPOTrainer and the reward function).
-export PYTHONPATH="$DS_SITE:$PWD/src:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH}"
+# Every run sees the same packages: src/ (should `pip install -e` fail), benchmarks/ (grpo_bench: the copied
+# script's GRPOTrainer and the reward function), the machine's own, then the wheels (last, as
+# benchmarks/offload_gpu.sh has them on the device: they add what is missing and shadow nothing there).
+export PYTHONPATH="$PWD/src:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH}:$DS_SITE"
 export GRPO_BENCH_WARMUP="$WARMUP"
 HAVE_DEEPSPEED=0
 
