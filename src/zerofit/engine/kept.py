@@ -10,9 +10,10 @@ unit once, and later no-grad forwards before the next step gather nothing.
 
 The invariant: a kept unit's full parameters always equal its shards. So every point that writes a
 shard, or may write the full parameters, releases the kept units first:
-- `ZeroEngine.step()`, `zero_grad()`, `discard_window()`, `refresh_params()` (a checkpoint or
-  `load_state_dict` wrote the masters): the step publishes new shards (an overlapped host step even
-  after `step()` returns; a released unit waits for it in `Unit.gather`, a kept one would not);
+- `ZeroEngine.step()`, `discard_window()`, `refresh_params()` (a checkpoint or `load_state_dict`
+  wrote the masters): the step publishes new shards (an overlapped host step even after `step()`
+  returns; a released unit waits for it in `Unit.gather`, a kept one would not); `zero_grad()` writes
+  no shard and releases nothing;
 - `Accelerator.gathered_parameters()` (`FullStateDict.held`), whose block may rewrite the full
   parameters (PEFT's merge) that are then dropped, and any `state_dict()` read, which gathers the units
   it copies one at a time anyway.
