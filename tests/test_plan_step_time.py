@@ -47,6 +47,16 @@ def test_micro_steps_repeat_what_each_forward_pays_and_ranks_share_the_state():
         bandwidth.streamed_seconds(H200, 1_050_000, master_bytes=bandwidth.SPLIT_MASTER_BYTES))
 
 
+def test_the_stream_is_priced_at_the_bytes_the_state_is_stored_in():
+    streamed = Setting(stage=2, offload_optimizer="cpu", step_on="device")
+    split = bandwidth.SPLIT_MASTER_BYTES
+    for kind, state_bytes in (("fp32", 4), ("bf16", 2), ("8bit", 1.25)):
+        work = dataclasses.replace(WORK, optimizer_state=kind)
+        assert added_seconds(H200, COUNTS, streamed, work) == pytest.approx(
+            bandwidth.streamed_seconds(H200, 2_100_000, master_bytes=split, state_bytes=state_bytes))
+    assert bandwidth._stream_bytes(10, 2, split, 1.25) == pytest.approx(10 * (split + 2.5))
+
+
 def test_what_cannot_be_priced_is_none():
     assert added_seconds(dataclasses.replace(H200, gpu_tflops=None), COUNTS, Setting(stage=0, checkpointing=True),
                          WORK) is None

@@ -504,17 +504,19 @@ SPLIT_MASTER_BYTES = master_split.LINK_BYTES
 """Bytes per element a bf16 run's master takes on the link: low halves and carries (engine.offload.master_split)."""
 
 
-def _stream_bytes(numel: int, state_tensors: int, master_bytes: float = 4) -> float:
+def _stream_bytes(numel: int, state_tensors: int, master_bytes: float = 4, state_bytes: float = 4) -> float:
     """Bytes each way of GPU-stepping `numel` offloaded parameters: the master (4 bytes, or
-    `SPLIT_MASTER_BYTES` when it travels split) plus k fp32 state tensors."""
+    `SPLIT_MASTER_BYTES` when it travels split) plus k state tensors of `state_bytes` per element as stored
+    (`precision.optimizer_state`: 4, 2 or 1.25)."""
     _count("numel", numel)
     _count("state_tensors", state_tensors)
-    return (master_bytes + 4 * state_tensors) * numel
+    return (master_bytes + state_bytes * state_tensors) * numel
 
 
-def streamed_seconds(rates: Rates, numel: int, *, state_tensors: int = 2, master_bytes: float = 4) -> float:
+def streamed_seconds(rates: Rates, numel: int, *, state_tensors: int = 2, master_bytes: float = 4,
+                     state_bytes: float = 4) -> float:
     """Seconds to GPU-step `numel` offloaded parameters: T_s of [Note: offload time model]."""
-    return max(_stream_bytes(numel, state_tensors, master_bytes) / (rates.both_gbs * GB),
+    return max(_stream_bytes(numel, state_tensors, master_bytes, state_bytes) / (rates.both_gbs * GB),
                rates.gpu_adam_s * numel / GB)
 
 
@@ -538,11 +540,12 @@ def _link_beside_cpu(rates: Rates) -> float:
 
 
 def offload_seconds(rates: Rates, numel_streamed: int, numel_host: int, *, state_tensors: int = 2,
-                    grad_bytes: int = 4, param_bytes: int = 2, master_bytes: float = 4) -> float:
+                    grad_bytes: int = 4, param_bytes: int = 2, master_bytes: float = 4,
+                    state_bytes: float = 4) -> float:
     """Seconds to step `numel_streamed` parameters on the GPU and `numel_host` on the host at once: T of
     [Note: offload time model], max(CPU time of the host part at the busy rate, the link's time for both
     parts' bytes in the busier direction, the GPU kernel's time for the streamed part)."""
-    stream = _stream_bytes(numel_streamed, state_tensors, master_bytes)
+    stream = _stream_bytes(numel_streamed, state_tensors, master_bytes, state_bytes)
     _count("numel_host", numel_host)
     _count("grad_bytes", grad_bytes)
     _count("param_bytes", param_bytes)

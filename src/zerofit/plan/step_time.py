@@ -27,6 +27,7 @@ fixed order already puts fewer collectives first).
 
 from __future__ import annotations
 
+from zerofit.engine.state_codec import Codec
 from zerofit.plan import bandwidth
 from zerofit.plan.flops import forward_flops
 from zerofit.plan.memory import (
@@ -63,7 +64,8 @@ def added_seconds(rates: bandwidth.Rates, counts: ModelCounts, setting: Setting,
             split = master_travels_split(setting, work)
             seconds += bandwidth.offload_seconds(rates, streamed, hosted, param_bytes=param_bytes,
                                                  state_tensors=work.optimizer_states,
-                                                 master_bytes=bandwidth.SPLIT_MASTER_BYTES if split else 4)
+                                                 master_bytes=bandwidth.SPLIT_MASTER_BYTES if split else 4,
+                                                 state_bytes=Codec(work.optimizer_state).bytes_per_element())
     elif setting.offload_optimizer == "nvme":
         return None  # bound by the disk, which the probe does not measure
     per_micro = 0.0
