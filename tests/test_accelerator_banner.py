@@ -37,6 +37,14 @@ def test_prepare_prints_the_setting_once_on_the_main_process(capsys):
         "fp32, 1 process"]
 
 
+def test_optimizer_state_stored_in_fewer_bits_is_said(capsys):
+    from zerofit.config.schema import PrecisionConfig
+
+    _prepare(RunConfig(zero=ZeroConfig(stage=2), precision=PrecisionConfig(optimizer_state="8bit")))
+    assert capsys.readouterr().out.splitlines() == [
+        "zerofit: ZeRO-2 (one process: nothing to shard over), fp32, optimizer state stored in 8bit, 1 process"]
+
+
 def test_a_frozen_model_is_said_to_be_frozen(capsys):
     zero = ZeroConfig(stage=3, param_persistence_threshold=0, offload_param=OffloadConfig(device="cpu"))
     _prepare(RunConfig(zero=zero), optimizer=False)

@@ -81,5 +81,6 @@ def describe_engine(engine: ZeroEngine, *, num_processes: int, backend: str | No
     """The line for `engine` (see the module doc); `spell` names a config key in the user's format."""
     parts = [_sharding(engine, spell), _optimizer_offload(engine), _param_offload(engine),
              PRECISION_NAMES.get(engine.precision.mixed_precision, engine.precision.mixed_precision),
+             f"optimizer state stored in {engine.codec.kind}" if engine.codec.narrow else None,
              f"{num_processes} process{'es' if num_processes != 1 else ''}" + (f" ({backend})" if backend else "")]
     return "zerofit: " + ", ".join(p for p in parts if p)
