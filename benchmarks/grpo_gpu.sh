@@ -97,48 +97,41 @@ setup() {
   write_configs
 }
 
+ds_json() {  # ds_json FILE OPTIMIZER ZERO: OPTIMIZER (empty, or a newline then the section) and ZERO (the
+             # zero_optimization body) inside the keys Trainer fills ("auto") and DeepSpeed's quiet logging
+  cat > "$1" <<EOF
+{
+  "bf16": {"enabled": "auto"},$2
+  "zero_optimization": {
+$3
+  },
+  "gradient_accumulation_steps": "auto",
+  "gradient_clipping": "auto",
+  "train_batch_size": "auto",
+  "train_micro_batch_size_per_gpu": "auto",
+  "steps_per_print": 1000000,
+  "wall_clock_breakdown": false
+}
+EOF
+}
+
 write_configs() {  # what a TRL + DeepSpeed user writes ("auto" wherever Trainer knows the value), and the YAMLs
   local name
-  cat > "$CONFIGS/zero3.json" <<EOF
-{
-  "bf16": {"enabled": "auto"},
-  "zero_optimization": {
-    "stage": 3,
+  ds_json "$CONFIGS/zero3.json" '' '    "stage": 3,
     "overlap_comm": true,
     "contiguous_gradients": true,
     "reduce_bucket_size": "auto",
     "stage3_prefetch_bucket_size": "auto",
     "stage3_param_persistence_threshold": "auto",
-    "stage3_gather_16bit_weights_on_model_save": true
-  },
-  "gradient_accumulation_steps": "auto",
-  "gradient_clipping": "auto",
-  "train_batch_size": "auto",
-  "train_micro_batch_size_per_gpu": "auto",
-  "steps_per_print": 1000000,
-  "wall_clock_breakdown": false
-}
-EOF
-  cat > "$CONFIGS/zero2_offload.json" <<EOF
-{
-  "bf16": {"enabled": "auto"},
+    "stage3_gather_16bit_weights_on_model_save": true'
+  ds_json "$CONFIGS/zero2_offload.json" '
   "optimizer": {"type": "AdamW",
-                "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
-  "zero_optimization": {
-    "stage": 2,
+                "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},' \
+'    "stage": 2,
     "offload_optimizer": {"device": "cpu", "pin_memory": true},
     "overlap_comm": true,
     "contiguous_gradients": true,
-    "reduce_bucket_size": "auto"
-  },
-  "gradient_accumulation_steps": "auto",
-  "gradient_clipping": "auto",
-  "train_batch_size": "auto",
-  "train_micro_batch_size_per_gpu": "auto",
-  "steps_per_print": 1000000,
-  "wall_clock_breakdown": false
-}
-EOF
+    "reduce_bucket_size": "auto"'
   # Accelerate reads mixed precision from the JSON when deepspeed_config_file is set (a mixed_precision key
   # here is an error); Trainer's bf16 fills "auto".
   for name in zero3 zero2_offload; do
@@ -204,56 +197,25 @@ run() {  # run NAME (ENGINE-s3 or ENGINE-s2-offload): one row; a failure is reco
 
 summarize() {  # OUT/results.json and OUT/results.md from the runs so far; the table on stdout
   python3 - "$OUT" "$RUNS_DIR" "$CONFIGS" "${RUNS[@]}" <<'PY'
-import json, os, re, sys
+import os, sys
+
+sys.path.insert(0, "benchmarks")  # records.py (the script runs from the repository root)
+from records import cell, read, run_rows, settings, table, write_results
 
 out, runs_dir, configs, names = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
-
-
-def read(path, default=None):
-    try:
-        with open(path) as f:
-            return f.read().strip()
-    except OSError:
-        return default
-
-
-def first_error(log):
-    """The first exception a rank raised (torchrun's ChildFailedError only repeats it), else the last
-    line that says what went wrong."""
-    lines = log.splitlines()
-    raised = [l for l in lines if re.match(r"(\[rank\d+\]: )?[\w.]*(Error|Exception): ", l)
-              and "ChildFailedError" not in l]
-    other = [l for l in lines if re.search(r"Killed|out of memory|failed|Error", l)]
-    return (raised[:1] or other[-1:] or lines[-1:] or [""])[0][-300:]
-
-
-rows = []
-for name in names:
-    base = os.path.join(runs_dir, name)
-    status = read(base + ".status", "not run")
-    record = json.loads(read(base + ".json") or "null")
-    failed = status != "ok" and not status.startswith("skipped")
-    error = first_error(read(base + ".log", "")) if failed else None
-    rows.append({"run": name, "status": status, "wall_s": read(base + ".wall"), "error": error or None,
-                 "record": record})
-
-
-def cell(rec, key, fmt):
-    return fmt.format(rec[key]) if rec and rec.get(key) is not None else "-"
-
-
-md = ["| run | status | median s / step | generate s | train s | GPU peak GiB (generating) | host RSS GiB "
-      "| reward first -> final | final loss | setup s | wall s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+rows = run_rows(runs_dir, names)
+body = []
 for r in rows:
     rec = r["record"]
     peak = cell(rec, "gpu_peak_gib", "{:.1f}")
     if rec and rec.get("gpu_peak_generate_gib") is not None:
         peak += f" ({rec['gpu_peak_generate_gib']:.1f})"
     reward = f"{cell(rec, 'first_reward', '{:.3f}')} -> {cell(rec, 'final_reward', '{:.3f}')}" if rec else "-"
-    md.append(f"| {r['run']} | {r['status']} | {cell(rec, 'median_step_s', '{:.3f}')} "
-              f"| {cell(rec, 'median_generate_s', '{:.3f}')} | {cell(rec, 'median_train_s', '{:.3f}')} "
-              f"| {peak} | {cell(rec, 'host_rss_peak_gib', '{:.1f}')} | {reward} "
-              f"| {cell(rec, 'final_loss', '{:.4f}')} | {cell(rec, 'setup_s', '{:.0f}')} | {r['wall_s'] or '-'} |")
+    body.append([r["run"], r["status"], cell(rec, "median_step_s", "{:.3f}"), cell(rec, "median_generate_s", "{:.3f}"),
+                 cell(rec, "median_train_s", "{:.3f}"), peak, cell(rec, "host_rss_peak_gib", "{:.1f}"), reward,
+                 cell(rec, "final_loss", "{:.4f}"), cell(rec, "setup_s", "{:.0f}"), r["wall_s"] or "-"])
+md = table(["run", "status", "median s / step", "generate s", "train s", "GPU peak GiB (generating)", "host RSS GiB",
+            "reward first -> final", "final loss", "setup s", "wall s"], body)
 records = {r["run"]: r["record"] for r in rows}
 ratios = {}
 for name in names:
@@ -265,20 +227,12 @@ for name in names:
                 ratios[f"{name} / {peer}, {key[len('median_'):-len('_s')]} time"] = ours[key] / theirs[key]
 md += [""] + [f"{k}: {v:.2f}x" for k, v in ratios.items()]
 md += [f"{r['run']}: {r['error']}" for r in rows if r["error"]]
-first = next((rec for rec in records.values() if rec), None)
 keys = ("model", "parameters", "model_config", "world_size", "per_device_batch", "num_generations",
         "max_completion_length", "beta", "gradient_checkpointing", "bf16", "ds3_gather_for_generation", "steps",
         "warmup", "versions", "hardware")
-settings = {k: first.get(k) for k in keys} if first else None
-config_files = {}
-for f in sorted(os.listdir(configs)) if os.path.isdir(configs) else []:
-    config_files[f] = read(os.path.join(configs, f))
-with open(os.path.join(out, "results.json"), "w") as f:
-    json.dump({"settings": settings, "ratios": ratios, "runs": rows, "configs": config_files}, f, indent=1,
-              default=str)
-with open(os.path.join(out, "results.md"), "w") as f:
-    f.write("\n".join(md) + "\n")
-print("\n".join(md))
+listed = sorted(os.listdir(configs)) if os.path.isdir(configs) else []
+config_files = {f: read(os.path.join(configs, f)) for f in listed}
+write_results(out, {"settings": settings(rows, keys), "ratios": ratios, "runs": rows, "configs": config_files}, md)
 PY
 }
 

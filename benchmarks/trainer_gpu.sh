@@ -136,55 +136,24 @@ run() {  # run NAME (ENGINE-sSTAGE-offload): one row; a failure is recorded, nev
 
 summarize() {  # OUT/results.json and OUT/results.md from the runs so far; the table on stdout
   python3 - "$OUT" "${RUNS[@]}" <<'PY'
-import json, os, re, sys
+import os, sys
+
+sys.path.insert(0, "benchmarks")  # records.py (the script runs from the repository root)
+from records import cell, run_rows, settings, table, write_results
 
 out, names = sys.argv[1], sys.argv[2:]
-
-
-def read(path, default=None):
-    try:
-        with open(path) as f:
-            return f.read().strip()
-    except OSError:
-        return default
-
-
-def first_error(log):
-    """The first exception a rank raised (torchrun's ChildFailedError only repeats it), else the last
-    line that says what went wrong."""
-    lines = log.splitlines()
-    raised = [l for l in lines if re.match(r"(\[rank\d+\]: )?[\w.]*(Error|Exception): ", l)
-              and "ChildFailedError" not in l]
-    other = [l for l in lines if re.search(r"Killed|out of memory|failed|Error", l)]
-    return (raised[:1] or other[-1:] or lines[-1:] or [""])[0][-300:]
-
-
-rows = []
-for name in names:
-    base = os.path.join(out, "runs", name)
-    status = read(base + ".status", "not run")
-    record = json.loads(read(base + ".json") or "null")
-    error = first_error(read(base + ".log", "")) if status != "ok" else None
-    rows.append({"run": name, "status": status, "wall_s": read(base + ".wall"), "error": error or None,
-                 "record": record})
-
-
-def cell(rec, key, fmt):
-    return fmt.format(rec[key]) if rec and rec.get(key) is not None else "-"
-
-
-md = ["| run | status | median s / step | tokens / s | GPU peak GiB (in training) | host RSS GiB "
-      "| first loss | final loss | setup s | wall s |", "|---|---|---|---|---|---|---|---|---|---|"]
+rows = run_rows(os.path.join(out, "runs"), names)
+body = []
 for r in rows:
     rec = r["record"]
     peak = cell(rec, "gpu_peak_gib", "{:.1f}")
     if rec and rec.get("gpu_peak_train_gib") is not None:
         peak += f" ({rec['gpu_peak_train_gib']:.1f})"
-    md.append(f"| {r['run']} | {r['status']} | {cell(rec, 'median_step_s', '{:.3f}')} "
-              f"| {cell(rec, 'tokens_per_s', '{:,.0f}')} | {peak} "
-              f"| {cell(rec, 'host_rss_peak_gib', '{:.1f}')} "
-              f"| {cell(rec, 'first_loss', '{:.4f}')} | {cell(rec, 'final_loss', '{:.4f}')} "
-              f"| {cell(rec, 'setup_s', '{:.0f}')} | {r['wall_s'] or '-'} |")
+    body.append([r["run"], r["status"], cell(rec, "median_step_s", "{:.3f}"), cell(rec, "tokens_per_s", "{:,.0f}"),
+                 peak, cell(rec, "host_rss_peak_gib", "{:.1f}"), cell(rec, "first_loss", "{:.4f}"),
+                 cell(rec, "final_loss", "{:.4f}"), cell(rec, "setup_s", "{:.0f}"), r["wall_s"] or "-"])
+md = table(["run", "status", "median s / step", "tokens / s", "GPU peak GiB (in training)", "host RSS GiB",
+            "first loss", "final loss", "setup s", "wall s"], body)
 records = {r["run"]: r["record"] for r in rows}
 ratios = {}
 for name in names:
@@ -193,15 +162,9 @@ for name in names:
         ratios[f"{peer} / {name}"] = records[peer]["median_step_s"] / records[name]["median_step_s"]
 md += [""] + [f"step time {k}: {v:.2f}x" for k, v in ratios.items()]
 md += [f"{r['run']}: {r['error']}" for r in rows if r["error"]]
-first = next((rec for rec in records.values() if rec), None)
 keys = ("model", "parameters", "model_config", "world_size", "per_device_batch", "seq", "steps", "warmup",
         "bf16", "versions", "hardware")
-settings = {k: first.get(k) for k in keys} if first else None
-with open(os.path.join(out, "results.json"), "w") as f:
-    json.dump({"settings": settings, "ratios": ratios, "runs": rows}, f, indent=1, default=str)
-with open(os.path.join(out, "results.md"), "w") as f:
-    f.write("\n".join(md) + "\n")
-print("\n".join(md))
+write_results(out, {"settings": settings(rows, keys), "ratios": ratios, "runs": rows}, md)
 PY
 }
 
