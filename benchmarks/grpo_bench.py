@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 
 import records
+import step_clock
 import torch
 import transformers
 
@@ -127,36 +128,19 @@ def write_script(path: str) -> None:
 # ---- the timed trainer --------------------------------------------------------------------------------------
 
 
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()  # the timers' only host syncs: the work before the mark is done
-
-
-class StepClock(transformers.TrainerCallback):
+class StepClock(step_clock.StepClock):
     """Step marks (train start, each step's end) and named spans; GPU peaks overall and while generating."""
 
     def __init__(self):
-        self.marks: list[float] = []
+        super().__init__()
         self.spans: dict[str, list[tuple[float, float]]] = {}
         self.peak = 0.0
         self.peak_generate = 0.0
 
-    def _mark(self) -> None:
-        _sync()
-        self.marks.append(time.perf_counter())
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        if torch.cuda.is_available():
-            torch.cuda.reset_peak_memory_stats()
-        self._mark()
-
-    def on_step_end(self, args, state, control, **kwargs):
-        self._mark()
-
     @contextlib.contextmanager
     def span(self, name: str):
         gpu = torch.cuda.is_available()
-        _sync()
+        step_clock.sync()
         if gpu and name == "generate":  # a peak of its own: fold the running one in, then restart it
             self.peak = max(self.peak, torch.cuda.max_memory_allocated() / 2**30)
             torch.cuda.reset_peak_memory_stats()
@@ -164,7 +148,7 @@ class StepClock(transformers.TrainerCallback):
         try:
             yield
         finally:
-            _sync()
+            step_clock.sync()
             self.spans.setdefault(name, []).append((start, time.perf_counter()))
             if gpu and name == "generate":
                 self.peak_generate = max(self.peak_generate, torch.cuda.max_memory_allocated() / 2**30)
@@ -180,10 +164,6 @@ class StepClock(transformers.TrainerCallback):
         for a, b in zip(self.marks, self.marks[1:]):
             out.append(sum(e - s for s, e in self.spans.get(name, []) if a <= s < b))
         return out
-
-    @property
-    def step_s(self) -> list[float]:
-        return [b - a for a, b in zip(self.marks, self.marks[1:])]
 
 
 def __getattr__(name: str):

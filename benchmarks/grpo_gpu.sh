@@ -56,14 +56,13 @@ DEADLINE=$(( SECONDS + BUDGET_S ))
 export PYTHONPATH="$PWD/src:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH}:$DS_SITE"
 export GRPO_BENCH_WARMUP="$WARMUP"
 HAVE_DEEPSPEED=0
+. benchmarks/beside_deepspeed.sh
 
 setup() {
   echo "== grpo_gpu.sh $(date -u +%FT%TZ): $ASSETS, $STEPS steps of $BATCH completions ($GENS a prompt," \
        "<= $COMPLETION tokens), $NPROC process(es) a run"
   mkdir -p "$CONFIGS" "$RUNS_DIR"
-  if [ "$CPU_CHECK" != 1 ]; then  # a CPU check leaves the developer's environment as it is
-    python3 -m pip install -q --no-deps --no-build-isolation -e . || echo "pip install -e . failed: src/ used"
-  fi
+  install_tree
   local wheels=()
   for w in .whl/*.whl; do  # the low-bit optimizer packages are not needed here: left out
     case "$(basename "$w")" in torchao-*|bitsandbytes-*) ;; *) [ -f "$w" ] && wheels+=("$w") ;; esac
@@ -79,12 +78,7 @@ setup() {
     || echo "trl or datasets is not importable: every run will fail"
   if python3 -c "import deepspeed; print('deepspeed', deepspeed.__version__)"; then HAVE_DEEPSPEED=1
   else echo "deepspeed is not importable: the DeepSpeed rows are skipped"; fi
-  if [ "$CPU_CHECK" != 1 ]; then
-    # DeepSpeed's JIT op builder (DeepSpeedCPUAdam) cannot parse arch names like "9.0a".
-    TORCH_CUDA_ARCH_LIST="$(python3 -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability())')"
-    export TORCH_CUDA_ARCH_LIST
-    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-  fi
+  gpu_arch
   if [ -f "$ASSETS/info.json" ]; then
     echo "assets $ASSETS exist: reused"
   else
@@ -97,24 +91,6 @@ setup() {
   write_configs
 }
 
-ds_json() {  # ds_json FILE OPTIMIZER ZERO: OPTIMIZER (empty, or a newline then the section) and ZERO (the
-             # zero_optimization body) inside the keys Trainer fills ("auto") and DeepSpeed's quiet logging
-  cat > "$1" <<EOF
-{
-  "bf16": {"enabled": "auto"},$2
-  "zero_optimization": {
-$3
-  },
-  "gradient_accumulation_steps": "auto",
-  "gradient_clipping": "auto",
-  "train_batch_size": "auto",
-  "train_micro_batch_size_per_gpu": "auto",
-  "steps_per_print": 1000000,
-  "wall_clock_breakdown": false
-}
-EOF
-}
-
 write_configs() {  # what a TRL + DeepSpeed user writes ("auto" wherever Trainer knows the value), and the YAMLs
   local name
   ds_json "$CONFIGS/zero3.json" '' '    "stage": 3,
@@ -124,10 +100,7 @@ write_configs() {  # what a TRL + DeepSpeed user writes ("auto" wherever Trainer
     "stage3_prefetch_bucket_size": "auto",
     "stage3_param_persistence_threshold": "auto",
     "stage3_gather_16bit_weights_on_model_save": true'
-  ds_json "$CONFIGS/zero2_offload.json" '
-  "optimizer": {"type": "AdamW",
-                "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},' \
-'    "stage": 2,
+  ds_json "$CONFIGS/zero2_offload.json" "$ADAMW_AUTO" '    "stage": 2,
     "offload_optimizer": {"device": "cpu", "pin_memory": true},
     "overlap_comm": true,
     "contiguous_gradients": true,
@@ -153,7 +126,7 @@ EOF
 }
 
 run() {  # run NAME (ENGINE-s3 or ENGINE-s2-offload): one row; a failure is recorded, never fatal
-  local name="$1" engine="${1%%-*}" limit left start rc status config
+  local name="$1" engine="${1%%-*}" limit config
   rm -f "$RUNS_DIR/$name".{json,log,status,wall}  # WORK may hold an earlier call's files
   case "${name#*-}" in
     s3) config=zero3 ;;
@@ -176,22 +149,7 @@ run() {  # run NAME (ENGINE-s3 or ENGINE-s2-offload): one row; a failure is reco
   if [ "$engine" = deepspeed ] && [ "$HAVE_DEEPSPEED" != 1 ]; then
     echo "skipped: deepspeed not importable" > "$RUNS_DIR/$name.status"; echo "== $name skipped"; return
   fi
-  left=$(( DEADLINE - SECONDS ))
-  if (( left < 60 )); then
-    echo "skipped: ${left}s of BUDGET_S=$BUDGET_S left" > "$RUNS_DIR/$name.status"
-    echo "== $name skipped"; return
-  fi
-  (( limit > left )) && limit=$left
-  echo "== $name (timeout ${limit}s): ${cmd[*]}"
-  start=$SECONDS
-  GRPO_BENCH_RESULT="$RUNS_DIR/$name.json" timeout -k 20 "$limit" "${cmd[@]}" 2>&1 | tee "$RUNS_DIR/$name.log" \
-    | grep --line-buffered -v -e FutureWarning -e 'return func(' -e 'warnings.warn('  # per-step deprecation noise
-  rc=${PIPESTATUS[0]}
-  if [ "$rc" = 0 ] && [ -f "$RUNS_DIR/$name.json" ]; then status=ok
-  elif [ "$rc" = 124 ] || [ "$rc" = 137 ]; then status="timeout after ${limit}s"
-  else status="failed (exit $rc)"; fi
-  echo "$status" > "$RUNS_DIR/$name.status"
-  echo "$(( SECONDS - start ))" > "$RUNS_DIR/$name.wall"
+  GRPO_BENCH_RESULT="$RUNS_DIR/$name.json" timed_row "$name" "$RUNS_DIR" "$limit" "${cmd[@]}"
   rm -rf "$WORK/out_$name"
 }
 
@@ -236,14 +194,4 @@ write_results(out, {"settings": settings(rows, keys), "ratios": ratios, "runs": 
 PY
 }
 
-main() {
-  setup
-  for name in "${RUNS[@]}"; do
-    run "$name"
-    summarize > /dev/null || echo "summarize failed"
-  done
-  echo "== results ($OUT/results.md; ${SECONDS}s in all)"
-  summarize
-}
-
-main 2>&1 | tee -a "$OUT/log"
+rows_main 2>&1 | tee -a "$OUT/log"

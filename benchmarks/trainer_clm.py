@@ -21,6 +21,7 @@ import os
 import time
 
 import records
+import step_clock
 import torch
 import transformers
 
@@ -90,34 +91,16 @@ class TokenRows(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
-class StepClock(transformers.TrainerCallback):
-    """Wall time at the start of training and at each step's end (after a CUDA sync: the step's work is
-    done); the GPU peak is reset when training starts, so `peak_train` leaves out loading and setup."""
+class StepClock(step_clock.StepClock):
+    """The step marks, and `peak_train`: the GPU peak from training's start (loading and setup left out)."""
 
     def __init__(self):
-        self.marks: list[float] = []
+        super().__init__()
         self.peak_train: float | None = None
-
-    def _mark(self) -> None:
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()  # the one host sync the record needs; Trainer's logging syncs anyway
-        self.marks.append(time.perf_counter())
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        if torch.cuda.is_available():
-            torch.cuda.reset_peak_memory_stats()
-        self._mark()
-
-    def on_step_end(self, args, state, control, **kwargs):
-        self._mark()
 
     def on_train_end(self, args, state, control, **kwargs):
         if torch.cuda.is_available():
             self.peak_train = torch.cuda.max_memory_allocated() / 2**30
-
-    @property
-    def step_s(self) -> list[float]:
-        return [b - a for a, b in zip(self.marks, self.marks[1:])]
 
 
 def trainer_class(name: str) -> type:

@@ -39,24 +39,18 @@ CKPT="${CKPT:-/tmp/trainer_gpu_llama_h${HIDDEN}_l${LAYERS}_a${HEADS}_i${INTER}_v
 DEADLINE=$(( SECONDS + BUDGET_S ))
 # Every run sees the same packages: the wheels first (as ANCHORS.md says), src/ should `pip install -e` fail.
 export PYTHONPATH="$DS_SITE:$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+. benchmarks/beside_deepspeed.sh
 
 setup() {
   echo "== trainer_gpu.sh $(date -u +%FT%TZ): $CKPT, ${BATCH}x$SEQ, $STEPS steps, $NPROC process(es) a run"
-  if [ "$CPU_CHECK" != 1 ]; then  # a CPU check leaves the developer's environment as it is
-    python3 -m pip install -q --no-deps --no-build-isolation -e . || echo "pip install -e . failed: src/ used"
-  fi
+  install_tree
   if ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --target "$DS_SITE" .whl/*.whl \
       || echo "the .whl/ wheels did not install: the DeepSpeed rows will fail"
   else
     echo "no .whl/*.whl: the DeepSpeed rows will fail (cp ../shared/wheels/*.whl .whl/ and carry .whl)"
   fi
-  if [ "$CPU_CHECK" != 1 ]; then
-    # DeepSpeed's JIT op builder (DeepSpeedCPUAdam) cannot parse arch names like "9.0a".
-    TORCH_CUDA_ARCH_LIST="$(python3 -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability())')"
-    export TORCH_CUDA_ARCH_LIST
-    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-  fi
+  gpu_arch
   if [ -f "$CKPT/config.json" ]; then
     echo "checkpoint $CKPT exists: reused"
   else
@@ -72,36 +66,24 @@ write_configs() {  # what a Trainer + DeepSpeed user writes: "auto" wherever Tra
   local stage extra
   for stage in 2 3; do
     extra=''
-    [ "$stage" = 3 ] && extra='"offload_param": {"device": "cpu", "pin_memory": true},
+    [ "$stage" = 3 ] && extra='
+    "offload_param": {"device": "cpu", "pin_memory": true},
     "stage3_prefetch_bucket_size": "auto",
     "stage3_param_persistence_threshold": "auto",
     "stage3_gather_16bit_weights_on_model_save": true,'
-    cat > "$OUT/configs/zero${stage}_offload.json" <<EOF
-{
-  "bf16": {"enabled": "auto"},
-  "optimizer": {"type": "AdamW",
-                "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
-  "zero_optimization": {
+    ds_json "$OUT/configs/zero${stage}_offload.json" "$ADAMW_AUTO" "$(cat <<EOF
     "stage": $stage,
-    "offload_optimizer": {"device": "cpu", "pin_memory": true},
-    $extra
+    "offload_optimizer": {"device": "cpu", "pin_memory": true},$extra
     "overlap_comm": true,
     "contiguous_gradients": true,
     "reduce_bucket_size": "auto"
-  },
-  "gradient_accumulation_steps": "auto",
-  "gradient_clipping": "auto",
-  "train_batch_size": "auto",
-  "train_micro_batch_size_per_gpu": "auto",
-  "steps_per_print": 1000000,
-  "wall_clock_breakdown": false
-}
 EOF
+)"
   done
 }
 
 run() {  # run NAME (ENGINE-sSTAGE-offload): one row; a failure is recorded, never fatal
-  local name="$1" engine="${1%%-*}" stage="${1#*-s}" limit left start rc status cmd
+  local name="$1" engine="${1%%-*}" stage="${1#*-s}" limit cmd
   stage="${stage%%-*}"
   local config="$OUT/configs/zero${stage}_offload.json" runs="$OUT/runs"
   local script=(benchmarks/trainer_clm.py --model "$CKPT" --steps "$STEPS" --warmup "$WARMUP" --batch "$BATCH"
@@ -115,22 +97,7 @@ run() {  # run NAME (ENGINE-sSTAGE-offload): one row; a failure is recorded, nev
     *) echo "unknown run $name: zerofit-sN-offload or deepspeed-sN-offload" > "$runs/$name.status"; return ;;
   esac
   rm -f "$runs/$name.json"
-  left=$(( DEADLINE - SECONDS ))
-  if (( left < 60 )); then
-    echo "skipped: ${left}s of BUDGET_S=$BUDGET_S left" > "$runs/$name.status"
-    echo "== $name skipped"; return
-  fi
-  (( limit > left )) && limit=$left
-  echo "== $name (timeout ${limit}s): ${cmd[*]}"
-  start=$SECONDS
-  timeout -k 20 "$limit" "${cmd[@]}" 2>&1 | tee "$runs/$name.log" \
-    | grep --line-buffered -v -e FutureWarning -e 'return func('  # DeepSpeed's per-step deprecation noise
-  rc=${PIPESTATUS[0]}
-  if [ "$rc" = 0 ] && [ -f "$runs/$name.json" ]; then status=ok
-  elif [ "$rc" = 124 ] || [ "$rc" = 137 ]; then status="timeout after ${limit}s"
-  else status="failed (exit $rc)"; fi
-  echo "$status" > "$runs/$name.status"
-  echo "$(( SECONDS - start ))" > "$runs/$name.wall"
+  timed_row "$name" "$runs" "$limit" "${cmd[@]}"
   rm -rf "/tmp/trainer_gpu_$name"
 }
 
@@ -168,14 +135,4 @@ write_results(out, {"settings": settings(rows, keys), "ratios": ratios, "runs": 
 PY
 }
 
-main() {
-  setup
-  for name in "${RUNS[@]}"; do
-    run "$name"
-    summarize > /dev/null || echo "summarize failed"
-  done
-  echo "== results ($OUT/results.md; ${SECONDS}s in all)"
-  summarize
-}
-
-main 2>&1 | tee -a "$OUT/log"
+rows_main 2>&1 | tee -a "$OUT/log"
