@@ -158,20 +158,18 @@ summarize() {  # OUT/results.json and OUT/results.md from the runs so far; the t
 import os, sys
 
 sys.path.insert(0, "benchmarks")  # records.py (the script runs from the repository root)
-from records import cell, read, run_rows, settings, table, write_results
+from records import cell, peak_cell, read, run_rows, settings, table, write_results
 
 out, runs_dir, configs, names = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
 rows = run_rows(runs_dir, names)
 body = []
 for r in rows:
     rec = r["record"]
-    peak = cell(rec, "gpu_peak_gib", "{:.1f}")
-    if rec and rec.get("gpu_peak_generate_gib") is not None:
-        peak += f" ({rec['gpu_peak_generate_gib']:.1f})"
     reward = f"{cell(rec, 'first_reward', '{:.3f}')} -> {cell(rec, 'final_reward', '{:.3f}')}" if rec else "-"
     body.append([r["run"], r["status"], cell(rec, "median_step_s", "{:.3f}"), cell(rec, "median_generate_s", "{:.3f}"),
-                 cell(rec, "median_train_s", "{:.3f}"), peak, cell(rec, "host_rss_peak_gib", "{:.1f}"), reward,
-                 cell(rec, "final_loss", "{:.4f}"), cell(rec, "setup_s", "{:.0f}"), r["wall_s"] or "-"])
+                 cell(rec, "median_train_s", "{:.3f}"), peak_cell(rec, "gpu_peak_generate_gib"),
+                 cell(rec, "host_rss_peak_gib", "{:.1f}"), reward, cell(rec, "final_loss", "{:.4f}"),
+                 cell(rec, "setup_s", "{:.0f}"), r["wall_s"] or "-"])
 md = table(["run", "status", "median s / step", "generate s", "train s", "GPU peak GiB (generating)", "host RSS GiB",
             "reward first -> final", "final loss", "setup s", "wall s"], body)
 records = {r["run"]: r["record"] for r in rows}

@@ -136,6 +136,14 @@ def cell(rec: dict | None, key: str, fmt: str) -> str:
     return fmt.format(rec[key]) if rec and rec.get(key) is not None else "-"
 
 
+def peak_cell(rec: dict | None, phase_key: str) -> str:
+    """The GPU peak, and in parentheses the peak in one phase (`phase_key`: generating, training) when recorded."""
+    peak = cell(rec, "gpu_peak_gib", "{:.1f}")
+    if rec and rec.get(phase_key) is not None:
+        peak += f" ({rec[phase_key]:.1f})"
+    return peak
+
+
 def table(header: list[str], body: list[list[str]]) -> list[str]:
     """A markdown table's lines."""
     return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + ["| " + " | ".join(r) + " |" for r in body]

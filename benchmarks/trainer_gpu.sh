@@ -106,19 +106,17 @@ summarize() {  # OUT/results.json and OUT/results.md from the runs so far; the t
 import os, sys
 
 sys.path.insert(0, "benchmarks")  # records.py (the script runs from the repository root)
-from records import cell, run_rows, settings, table, write_results
+from records import cell, peak_cell, run_rows, settings, table, write_results
 
 out, names = sys.argv[1], sys.argv[2:]
 rows = run_rows(os.path.join(out, "runs"), names)
 body = []
 for r in rows:
     rec = r["record"]
-    peak = cell(rec, "gpu_peak_gib", "{:.1f}")
-    if rec and rec.get("gpu_peak_train_gib") is not None:
-        peak += f" ({rec['gpu_peak_train_gib']:.1f})"
     body.append([r["run"], r["status"], cell(rec, "median_step_s", "{:.3f}"), cell(rec, "tokens_per_s", "{:,.0f}"),
-                 peak, cell(rec, "host_rss_peak_gib", "{:.1f}"), cell(rec, "first_loss", "{:.4f}"),
-                 cell(rec, "final_loss", "{:.4f}"), cell(rec, "setup_s", "{:.0f}"), r["wall_s"] or "-"])
+                 peak_cell(rec, "gpu_peak_train_gib"), cell(rec, "host_rss_peak_gib", "{:.1f}"),
+                 cell(rec, "first_loss", "{:.4f}"), cell(rec, "final_loss", "{:.4f}"), cell(rec, "setup_s", "{:.0f}"),
+                 r["wall_s"] or "-"])
 md = table(["run", "status", "median s / step", "tokens / s", "GPU peak GiB (in training)", "host RSS GiB",
             "first loss", "final loss", "setup s", "wall s"], body)
 records = {r["run"]: r["record"] for r in rows}
