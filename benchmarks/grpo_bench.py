@@ -29,20 +29,18 @@ import argparse
 import contextlib
 import importlib.util
 import json
-import math
 import os
-import platform
 import re
-import resource
-import statistics
-import sys
 import time
 from pathlib import Path
 
+import records
+import step_clock
 import torch
 import transformers
 
 IMPORTED_AT = time.perf_counter()
+VERSIONS = ("torch", "transformers", "accelerate", "trl", "datasets", "deepspeed", "zerofit")
 DATA = Path(__file__).resolve().parent.parent / "examples" / "data"
 TRL_IMPORT = "    from trl import GRPOTrainer, get_dataset, get_peft_config, get_quantization_config\n"
 BENCH_IMPORT = ("    from trl import get_dataset, get_peft_config, get_quantization_config\n"
@@ -130,36 +128,19 @@ def write_script(path: str) -> None:
 # ---- the timed trainer --------------------------------------------------------------------------------------
 
 
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()  # the timers' only host syncs: the work before the mark is done
-
-
-class StepClock(transformers.TrainerCallback):
+class StepClock(step_clock.StepClock):
     """Step marks (train start, each step's end) and named spans; GPU peaks overall and while generating."""
 
     def __init__(self):
-        self.marks: list[float] = []
+        super().__init__()
         self.spans: dict[str, list[tuple[float, float]]] = {}
         self.peak = 0.0
         self.peak_generate = 0.0
 
-    def _mark(self) -> None:
-        _sync()
-        self.marks.append(time.perf_counter())
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        if torch.cuda.is_available():
-            torch.cuda.reset_peak_memory_stats()
-        self._mark()
-
-    def on_step_end(self, args, state, control, **kwargs):
-        self._mark()
-
     @contextlib.contextmanager
     def span(self, name: str):
         gpu = torch.cuda.is_available()
-        _sync()
+        step_clock.sync()
         if gpu and name == "generate":  # a peak of its own: fold the running one in, then restart it
             self.peak = max(self.peak, torch.cuda.max_memory_allocated() / 2**30)
             torch.cuda.reset_peak_memory_stats()
@@ -167,7 +148,7 @@ class StepClock(transformers.TrainerCallback):
         try:
             yield
         finally:
-            _sync()
+            step_clock.sync()
             self.spans.setdefault(name, []).append((start, time.perf_counter()))
             if gpu and name == "generate":
                 self.peak_generate = max(self.peak_generate, torch.cuda.max_memory_allocated() / 2**30)
@@ -183,10 +164,6 @@ class StepClock(transformers.TrainerCallback):
         for a, b in zip(self.marks, self.marks[1:]):
             out.append(sum(e - s for s, e in self.spans.get(name, []) if a <= s < b))
         return out
-
-    @property
-    def step_s(self) -> list[float]:
-        return [b - a for a, b in zip(self.marks, self.marks[1:])]
 
 
 def __getattr__(name: str):
@@ -248,12 +225,10 @@ def write_record(trainer, base_class: str) -> None:
         return [e[key] for e in logs if key in e]
 
     def median(xs: list[float]) -> float | None:
-        xs = xs[warmup:] if len(xs) > warmup else xs
-        return statistics.median(xs) if xs else None
+        return records.median_after(xs, warmup)
 
     losses, rewards = logged("loss"), logged("reward")
     model_path = trainer.model.config._name_or_path
-    gpu = torch.cuda.is_available()
     record = {
         "trainer": os.environ.get("GRPO_BENCH_TRAINER", "trl"), "base_class": base_class,
         "model": model_path, "parameters": _info(model_path).get("parameters"),
@@ -273,15 +248,11 @@ def write_record(trainer, base_class: str) -> None:
         "first_reward": rewards[0] if rewards else None, "final_reward": rewards[-1] if rewards else None,
         "init_s": trainer.bench_init_s, "setup_s": clock.marks[0] - IMPORTED_AT if clock.marks else None,
         "gpu_peak_gib": clock.gpu_peak(), "gpu_peak_generate_gib": clock.peak_generate or None,
-        "gpu_reserved_peak_gib": torch.cuda.max_memory_reserved() / 2**30 if gpu else None,
-        "host_rss_peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-        "resolved_config": resolved_config(trainer), "versions": versions(), "hardware": hardware(),
+        "gpu_reserved_peak_gib": records.gpu_reserved_peak_gib(), "host_rss_peak_gib": records.host_rss_peak_gib(),
+        "resolved_config": resolved_config(trainer), "versions": records.versions(VERSIONS),
+        "hardware": records.hardware(),
     }
-    path = os.environ.get("GRPO_BENCH_RESULT")
-    if path:
-        with open(path, "w") as f:
-            json.dump(record, f, indent=1, default=str)
-    print("grpo_bench: " + json.dumps({k: v for k, v in record.items() if k != "resolved_config"}, default=str))
+    records.emit(record, os.environ.get("GRPO_BENCH_RESULT"), "grpo_bench")
 
 
 def resolved_config(trainer):
@@ -291,7 +262,7 @@ def resolved_config(trainer):
 
         return to_dict(trainer.accelerator.config)
     plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
-    return _strict_json(getattr(plugin, "deepspeed_config", None))
+    return records.strict_json(getattr(plugin, "deepspeed_config", None))
 
 
 def _info(model_path: str) -> dict:
@@ -300,32 +271,6 @@ def _info(model_path: str) -> dict:
         return json.loads((Path(model_path).parent / "info.json").read_text())
     except (OSError, ValueError):
         return {}
-
-
-def _strict_json(value):
-    """`value` with non-finite floats as strings (Trainer sets DeepSpeed's steps_per_print to inf)."""
-    if isinstance(value, dict):
-        return {k: _strict_json(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_strict_json(v) for v in value]
-    return str(value) if isinstance(value, float) and not math.isfinite(value) else value
-
-
-def versions() -> dict[str, str | None]:
-    out = {"python": platform.python_version()}
-    for name in ("torch", "transformers", "accelerate", "trl", "datasets", "deepspeed", "zerofit"):
-        module = sys.modules.get(name)
-        out[name] = getattr(module, "__version__", None) if module else None
-    return out
-
-
-def hardware() -> dict[str, object]:
-    out: dict[str, object] = {"cpus": os.cpu_count(),
-                              "host_memory_gib": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30}
-    if torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(0)
-        out.update(gpu=props.name, gpu_memory_gib=props.total_memory / 2**30, cuda=torch.version.cuda)
-    return out
 
 
 def main(argv: list[str] | None = None) -> None:

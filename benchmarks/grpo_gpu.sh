@@ -56,14 +56,13 @@ DEADLINE=$(( SECONDS + BUDGET_S ))
 export PYTHONPATH="$PWD/src:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH}:$DS_SITE"
 export GRPO_BENCH_WARMUP="$WARMUP"
 HAVE_DEEPSPEED=0
+. benchmarks/beside_deepspeed.sh
 
 setup() {
   echo "== grpo_gpu.sh $(date -u +%FT%TZ): $ASSETS, $STEPS steps of $BATCH completions ($GENS a prompt," \
        "<= $COMPLETION tokens), $NPROC process(es) a run"
   mkdir -p "$CONFIGS" "$RUNS_DIR"
-  if [ "$CPU_CHECK" != 1 ]; then  # a CPU check leaves the developer's environment as it is
-    python3 -m pip install -q --no-deps --no-build-isolation -e . || echo "pip install -e . failed: src/ used"
-  fi
+  install_tree
   local wheels=()
   for w in .whl/*.whl; do  # the low-bit optimizer packages are not needed here: left out
     case "$(basename "$w")" in torchao-*|bitsandbytes-*) ;; *) [ -f "$w" ] && wheels+=("$w") ;; esac
@@ -79,12 +78,7 @@ setup() {
     || echo "trl or datasets is not importable: every run will fail"
   if python3 -c "import deepspeed; print('deepspeed', deepspeed.__version__)"; then HAVE_DEEPSPEED=1
   else echo "deepspeed is not importable: the DeepSpeed rows are skipped"; fi
-  if [ "$CPU_CHECK" != 1 ]; then
-    # DeepSpeed's JIT op builder (DeepSpeedCPUAdam) cannot parse arch names like "9.0a".
-    TORCH_CUDA_ARCH_LIST="$(python3 -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability())')"
-    export TORCH_CUDA_ARCH_LIST
-    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-  fi
+  gpu_arch
   if [ -f "$ASSETS/info.json" ]; then
     echo "assets $ASSETS exist: reused"
   else
@@ -99,46 +93,18 @@ setup() {
 
 write_configs() {  # what a TRL + DeepSpeed user writes ("auto" wherever Trainer knows the value), and the YAMLs
   local name
-  cat > "$CONFIGS/zero3.json" <<EOF
-{
-  "bf16": {"enabled": "auto"},
-  "zero_optimization": {
-    "stage": 3,
+  ds_json "$CONFIGS/zero3.json" '' '    "stage": 3,
     "overlap_comm": true,
     "contiguous_gradients": true,
     "reduce_bucket_size": "auto",
     "stage3_prefetch_bucket_size": "auto",
     "stage3_param_persistence_threshold": "auto",
-    "stage3_gather_16bit_weights_on_model_save": true
-  },
-  "gradient_accumulation_steps": "auto",
-  "gradient_clipping": "auto",
-  "train_batch_size": "auto",
-  "train_micro_batch_size_per_gpu": "auto",
-  "steps_per_print": 1000000,
-  "wall_clock_breakdown": false
-}
-EOF
-  cat > "$CONFIGS/zero2_offload.json" <<EOF
-{
-  "bf16": {"enabled": "auto"},
-  "optimizer": {"type": "AdamW",
-                "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
-  "zero_optimization": {
-    "stage": 2,
+    "stage3_gather_16bit_weights_on_model_save": true'
+  ds_json "$CONFIGS/zero2_offload.json" "$ADAMW_AUTO" '    "stage": 2,
     "offload_optimizer": {"device": "cpu", "pin_memory": true},
     "overlap_comm": true,
     "contiguous_gradients": true,
-    "reduce_bucket_size": "auto"
-  },
-  "gradient_accumulation_steps": "auto",
-  "gradient_clipping": "auto",
-  "train_batch_size": "auto",
-  "train_micro_batch_size_per_gpu": "auto",
-  "steps_per_print": 1000000,
-  "wall_clock_breakdown": false
-}
-EOF
+    "reduce_bucket_size": "auto"'
   # Accelerate reads mixed precision from the JSON when deepspeed_config_file is set (a mixed_precision key
   # here is an error); Trainer's bf16 fills "auto".
   for name in zero3 zero2_offload; do
@@ -160,7 +126,7 @@ EOF
 }
 
 run() {  # run NAME (ENGINE-s3 or ENGINE-s2-offload): one row; a failure is recorded, never fatal
-  local name="$1" engine="${1%%-*}" limit left start rc status config
+  local name="$1" engine="${1%%-*}" limit config
   rm -f "$RUNS_DIR/$name".{json,log,status,wall}  # WORK may hold an earlier call's files
   case "${name#*-}" in
     s3) config=zero3 ;;
@@ -183,77 +149,29 @@ run() {  # run NAME (ENGINE-s3 or ENGINE-s2-offload): one row; a failure is reco
   if [ "$engine" = deepspeed ] && [ "$HAVE_DEEPSPEED" != 1 ]; then
     echo "skipped: deepspeed not importable" > "$RUNS_DIR/$name.status"; echo "== $name skipped"; return
   fi
-  left=$(( DEADLINE - SECONDS ))
-  if (( left < 60 )); then
-    echo "skipped: ${left}s of BUDGET_S=$BUDGET_S left" > "$RUNS_DIR/$name.status"
-    echo "== $name skipped"; return
-  fi
-  (( limit > left )) && limit=$left
-  echo "== $name (timeout ${limit}s): ${cmd[*]}"
-  start=$SECONDS
-  GRPO_BENCH_RESULT="$RUNS_DIR/$name.json" timeout -k 20 "$limit" "${cmd[@]}" 2>&1 | tee "$RUNS_DIR/$name.log" \
-    | grep --line-buffered -v -e FutureWarning -e 'return func(' -e 'warnings.warn('  # per-step deprecation noise
-  rc=${PIPESTATUS[0]}
-  if [ "$rc" = 0 ] && [ -f "$RUNS_DIR/$name.json" ]; then status=ok
-  elif [ "$rc" = 124 ] || [ "$rc" = 137 ]; then status="timeout after ${limit}s"
-  else status="failed (exit $rc)"; fi
-  echo "$status" > "$RUNS_DIR/$name.status"
-  echo "$(( SECONDS - start ))" > "$RUNS_DIR/$name.wall"
+  GRPO_BENCH_RESULT="$RUNS_DIR/$name.json" timed_row "$name" "$RUNS_DIR" "$limit" "${cmd[@]}"
   rm -rf "$WORK/out_$name"
 }
 
 summarize() {  # OUT/results.json and OUT/results.md from the runs so far; the table on stdout
   python3 - "$OUT" "$RUNS_DIR" "$CONFIGS" "${RUNS[@]}" <<'PY'
-import json, os, re, sys
+import os, sys
+
+sys.path.insert(0, "benchmarks")  # records.py (the script runs from the repository root)
+from records import cell, peak_cell, read, run_rows, settings, table, write_results
 
 out, runs_dir, configs, names = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
-
-
-def read(path, default=None):
-    try:
-        with open(path) as f:
-            return f.read().strip()
-    except OSError:
-        return default
-
-
-def first_error(log):
-    """The first exception a rank raised (torchrun's ChildFailedError only repeats it), else the last
-    line that says what went wrong."""
-    lines = log.splitlines()
-    raised = [l for l in lines if re.match(r"(\[rank\d+\]: )?[\w.]*(Error|Exception): ", l)
-              and "ChildFailedError" not in l]
-    other = [l for l in lines if re.search(r"Killed|out of memory|failed|Error", l)]
-    return (raised[:1] or other[-1:] or lines[-1:] or [""])[0][-300:]
-
-
-rows = []
-for name in names:
-    base = os.path.join(runs_dir, name)
-    status = read(base + ".status", "not run")
-    record = json.loads(read(base + ".json") or "null")
-    failed = status != "ok" and not status.startswith("skipped")
-    error = first_error(read(base + ".log", "")) if failed else None
-    rows.append({"run": name, "status": status, "wall_s": read(base + ".wall"), "error": error or None,
-                 "record": record})
-
-
-def cell(rec, key, fmt):
-    return fmt.format(rec[key]) if rec and rec.get(key) is not None else "-"
-
-
-md = ["| run | status | median s / step | generate s | train s | GPU peak GiB (generating) | host RSS GiB "
-      "| reward first -> final | final loss | setup s | wall s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+rows = run_rows(runs_dir, names)
+body = []
 for r in rows:
     rec = r["record"]
-    peak = cell(rec, "gpu_peak_gib", "{:.1f}")
-    if rec and rec.get("gpu_peak_generate_gib") is not None:
-        peak += f" ({rec['gpu_peak_generate_gib']:.1f})"
     reward = f"{cell(rec, 'first_reward', '{:.3f}')} -> {cell(rec, 'final_reward', '{:.3f}')}" if rec else "-"
-    md.append(f"| {r['run']} | {r['status']} | {cell(rec, 'median_step_s', '{:.3f}')} "
-              f"| {cell(rec, 'median_generate_s', '{:.3f}')} | {cell(rec, 'median_train_s', '{:.3f}')} "
-              f"| {peak} | {cell(rec, 'host_rss_peak_gib', '{:.1f}')} | {reward} "
-              f"| {cell(rec, 'final_loss', '{:.4f}')} | {cell(rec, 'setup_s', '{:.0f}')} | {r['wall_s'] or '-'} |")
+    body.append([r["run"], r["status"], cell(rec, "median_step_s", "{:.3f}"), cell(rec, "median_generate_s", "{:.3f}"),
+                 cell(rec, "median_train_s", "{:.3f}"), peak_cell(rec, "gpu_peak_generate_gib"),
+                 cell(rec, "host_rss_peak_gib", "{:.1f}"), reward, cell(rec, "final_loss", "{:.4f}"),
+                 cell(rec, "setup_s", "{:.0f}"), r["wall_s"] or "-"])
+md = table(["run", "status", "median s / step", "generate s", "train s", "GPU peak GiB (generating)", "host RSS GiB",
+            "reward first -> final", "final loss", "setup s", "wall s"], body)
 records = {r["run"]: r["record"] for r in rows}
 ratios = {}
 for name in names:
@@ -265,31 +183,13 @@ for name in names:
                 ratios[f"{name} / {peer}, {key[len('median_'):-len('_s')]} time"] = ours[key] / theirs[key]
 md += [""] + [f"{k}: {v:.2f}x" for k, v in ratios.items()]
 md += [f"{r['run']}: {r['error']}" for r in rows if r["error"]]
-first = next((rec for rec in records.values() if rec), None)
 keys = ("model", "parameters", "model_config", "world_size", "per_device_batch", "num_generations",
         "max_completion_length", "beta", "gradient_checkpointing", "bf16", "ds3_gather_for_generation", "steps",
         "warmup", "versions", "hardware")
-settings = {k: first.get(k) for k in keys} if first else None
-config_files = {}
-for f in sorted(os.listdir(configs)) if os.path.isdir(configs) else []:
-    config_files[f] = read(os.path.join(configs, f))
-with open(os.path.join(out, "results.json"), "w") as f:
-    json.dump({"settings": settings, "ratios": ratios, "runs": rows, "configs": config_files}, f, indent=1,
-              default=str)
-with open(os.path.join(out, "results.md"), "w") as f:
-    f.write("\n".join(md) + "\n")
-print("\n".join(md))
+listed = sorted(os.listdir(configs)) if os.path.isdir(configs) else []
+config_files = {f: read(os.path.join(configs, f)) for f in listed}
+write_results(out, {"settings": settings(rows, keys), "ratios": ratios, "runs": rows, "configs": config_files}, md)
 PY
 }
 
-main() {
-  setup
-  for name in "${RUNS[@]}"; do
-    run "$name"
-    summarize > /dev/null || echo "summarize failed"
-  done
-  echo "== results ($OUT/results.md; ${SECONDS}s in all)"
-  summarize
-}
-
-main 2>&1 | tee -a "$OUT/log"
+rows_main 2>&1 | tee -a "$OUT/log"

@@ -17,10 +17,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
-import statistics
 import time
 
+import records
 import torch
 
 
@@ -89,7 +88,7 @@ def main(argv=None) -> None:
         times.append(time.perf_counter() - start)
         losses.append(loss.item())
     record = {"run": "zerofit" if acc is not None else "torch", "losses": losses, "times": times,
-              "median_s": statistics.median(times[args.warmup:] or times),
+              "median_s": records.median_after(times, args.warmup),
               "gpu_peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
               "params": sum(p.numel() for p in model.parameters()) if acc is None else None}
     if acc is not None:
@@ -98,11 +97,7 @@ def main(argv=None) -> None:
         record["setting"] = describe_engine(acc._prepared.engine_of(model), num_processes=acc.num_processes,
                                             backend=None)
     if rank == 0:
-        line = json.dumps(record)
-        print("muon: " + line, flush=True)
-        if args.result:
-            with open(args.result, "w") as f:
-                f.write(line + "\n")
+        records.emit(record, args.result, "muon", indent=None)
 
 
 if __name__ == "__main__":

@@ -8,13 +8,7 @@
 set -uo pipefail
 DRY=0
 if [ "${1:-}" = "--dry" ]; then DRY=1; shift; fi
-OUT_DIR="${1:-${OUT:-out/muon}}"
-mkdir -p "$OUT_DIR"
-OUT_DIR=$(cd "$OUT_DIR" && pwd)
-exec > >(tee -a "$OUT_DIR/log") 2>&1
-cd "$(dirname "$0")/.."
-PY="${PYTHON:-python3}"
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+. "$(dirname "$0")/preamble.sh" "${1:-}" out/muon
 CKPT=/tmp/muon_ckpt
 if (( DRY )); then
   SHAPE="${SHAPE:---hidden 64 --layers 2 --heads 4 --intermediate 128 --vocab 512}"

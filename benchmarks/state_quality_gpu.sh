@@ -14,22 +14,14 @@
 set -uo pipefail
 TINY=()
 if [ "${1:-}" = "--tiny" ]; then TINY=(--tiny); shift; fi
-OUT_DIR="${1:-${OUT:-out/state_quality}}"
-mkdir -p "$OUT_DIR"
-OUT_DIR=$(cd "$OUT_DIR" && pwd)
-exec > >(tee -a "$OUT_DIR/log") 2>&1
-cd "$(dirname "$0")/.."
-PY="${PYTHON:-python3}"
+. "$(dirname "$0")/preamble.sh" "${1:-}" out/state_quality
 START=$(date +%s)
 DEADLINE=$(( START + ${BUDGET_S:-320} ))
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 if compgen -G ".whl/torchao-*.whl" > /dev/null; then
-  SITE=/tmp/state_quality_site
-  rm -rf "$SITE"
-  "$PY" -m pip install -q --no-index --no-deps --target "$SITE" .whl/torchao-*.whl \
-    && export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+  rm -rf /tmp/state_quality_site  # pip --target keeps what an earlier call installed there
+  use_wheels /tmp/state_quality_site .whl/torchao-*.whl
 fi
-export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 "$PY" benchmarks/state_quality.py "${TINY[@]}" --build-corpus "$OUT_DIR/corpus" || exit 1
 

@@ -17,17 +17,15 @@ gets the same FILE from its launcher. Step time: the wall time between consecuti
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import os
-import platform
-import resource
-import statistics
-import sys
 import time
 
+import records
+import step_clock
 import torch
 import transformers
+
+VERSIONS = ("torch", "transformers", "accelerate", "deepspeed", "zerofit")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -93,34 +91,16 @@ class TokenRows(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
-class StepClock(transformers.TrainerCallback):
-    """Wall time at the start of training and at each step's end (after a CUDA sync: the step's work is
-    done); the GPU peak is reset when training starts, so `peak_train` leaves out loading and setup."""
+class StepClock(step_clock.StepClock):
+    """The step marks, and `peak_train`: the GPU peak from training's start (loading and setup left out)."""
 
     def __init__(self):
-        self.marks: list[float] = []
+        super().__init__()
         self.peak_train: float | None = None
-
-    def _mark(self) -> None:
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()  # the one host sync the record needs; Trainer's logging syncs anyway
-        self.marks.append(time.perf_counter())
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        if torch.cuda.is_available():
-            torch.cuda.reset_peak_memory_stats()
-        self._mark()
-
-    def on_step_end(self, args, state, control, **kwargs):
-        self._mark()
 
     def on_train_end(self, args, state, control, **kwargs):
         if torch.cuda.is_available():
             self.peak_train = torch.cuda.max_memory_allocated() / 2**30
-
-    @property
-    def step_s(self) -> list[float]:
-        return [b - a for a, b in zip(self.marks, self.marks[1:])]
 
 
 def trainer_class(name: str) -> type:
@@ -155,8 +135,7 @@ def main(argv: list[str] | None = None) -> None:
     if not trainer.is_world_process_zero():
         return
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
-    timed = clock.step_s[args.warmup:]
-    median = statistics.median(timed)
+    median = records.median_after(clock.step_s, args.warmup)
     record = {
         "trainer": args.trainer, "deepspeed_arg": args.deepspeed, "model": args.model, "parameters": params,
         "model_config": {k: getattr(model.config, k, None) for k in
@@ -167,17 +146,12 @@ def main(argv: list[str] | None = None) -> None:
         "median_step_s": median, "tokens_per_s": args.batch * world * args.seq / median, "step_s": clock.step_s,
         "losses": losses, "first_loss": losses[0] if losses else None, "final_loss": losses[-1] if losses else None,
         "load_s": load_s, "setup_s": clock.marks[0] - started, "train_runtime_s": metrics.get("train_runtime"),
-        "gpu_peak_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
-        "gpu_peak_train_gib": clock.peak_train,
-        "gpu_reserved_peak_gib": torch.cuda.max_memory_reserved() / 2**30 if torch.cuda.is_available() else None,
-        "host_rss_peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+        "gpu_peak_gib": records.gpu_peak_gib(), "gpu_peak_train_gib": clock.peak_train,
+        "gpu_reserved_peak_gib": records.gpu_reserved_peak_gib(), "host_rss_peak_gib": records.host_rss_peak_gib(),
         "resolved_config": resolved_config(trainer, args),
-        "versions": versions(), "hardware": hardware(),
+        "versions": records.versions(VERSIONS), "hardware": records.hardware(),
     }
-    if args.result:
-        with open(args.result, "w") as f:
-            json.dump(record, f, indent=1, default=str)
-    print("trainer_clm: " + json.dumps({k: v for k, v in record.items() if k != "resolved_config"}, default=str))
+    records.emit(record, args.result, "trainer_clm")
 
 
 def resolved_config(trainer, args: argparse.Namespace):
@@ -188,33 +162,7 @@ def resolved_config(trainer, args: argparse.Namespace):
 
         return to_dict(trainer.accelerator.config)
     hf_config = getattr(trainer.args, "hf_deepspeed_config", None)
-    return _strict_json(getattr(hf_config, "config", None))
-
-
-def _strict_json(value):
-    """`value` with non-finite floats as strings (Trainer sets DeepSpeed's steps_per_print to inf)."""
-    if isinstance(value, dict):
-        return {k: _strict_json(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_strict_json(v) for v in value]
-    return str(value) if isinstance(value, float) and not math.isfinite(value) else value
-
-
-def versions() -> dict[str, str | None]:
-    out = {"python": platform.python_version()}
-    for name in ("torch", "transformers", "accelerate", "deepspeed", "zerofit"):
-        module = sys.modules.get(name)
-        out[name] = getattr(module, "__version__", None) if module else None
-    return out
-
-
-def hardware() -> dict[str, object]:
-    out: dict[str, object] = {"cpus": os.cpu_count(),
-                              "host_memory_gib": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30}
-    if torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(0)
-        out.update(gpu=props.name, gpu_memory_gib=props.total_memory / 2**30, cuda=torch.version.cuda)
-    return out
+    return records.strict_json(getattr(hf_config, "config", None))
 
 
 if __name__ == "__main__":

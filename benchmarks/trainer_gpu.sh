@@ -39,24 +39,18 @@ CKPT="${CKPT:-/tmp/trainer_gpu_llama_h${HIDDEN}_l${LAYERS}_a${HEADS}_i${INTER}_v
 DEADLINE=$(( SECONDS + BUDGET_S ))
 # Every run sees the same packages: the wheels first (as ANCHORS.md says), src/ should `pip install -e` fail.
 export PYTHONPATH="$DS_SITE:$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+. benchmarks/beside_deepspeed.sh
 
 setup() {
   echo "== trainer_gpu.sh $(date -u +%FT%TZ): $CKPT, ${BATCH}x$SEQ, $STEPS steps, $NPROC process(es) a run"
-  if [ "$CPU_CHECK" != 1 ]; then  # a CPU check leaves the developer's environment as it is
-    python3 -m pip install -q --no-deps --no-build-isolation -e . || echo "pip install -e . failed: src/ used"
-  fi
+  install_tree
   if ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --target "$DS_SITE" .whl/*.whl \
       || echo "the .whl/ wheels did not install: the DeepSpeed rows will fail"
   else
     echo "no .whl/*.whl: the DeepSpeed rows will fail (cp ../shared/wheels/*.whl .whl/ and carry .whl)"
   fi
-  if [ "$CPU_CHECK" != 1 ]; then
-    # DeepSpeed's JIT op builder (DeepSpeedCPUAdam) cannot parse arch names like "9.0a".
-    TORCH_CUDA_ARCH_LIST="$(python3 -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability())')"
-    export TORCH_CUDA_ARCH_LIST
-    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-  fi
+  gpu_arch
   if [ -f "$CKPT/config.json" ]; then
     echo "checkpoint $CKPT exists: reused"
   else
@@ -72,36 +66,24 @@ write_configs() {  # what a Trainer + DeepSpeed user writes: "auto" wherever Tra
   local stage extra
   for stage in 2 3; do
     extra=''
-    [ "$stage" = 3 ] && extra='"offload_param": {"device": "cpu", "pin_memory": true},
+    [ "$stage" = 3 ] && extra='
+    "offload_param": {"device": "cpu", "pin_memory": true},
     "stage3_prefetch_bucket_size": "auto",
     "stage3_param_persistence_threshold": "auto",
     "stage3_gather_16bit_weights_on_model_save": true,'
-    cat > "$OUT/configs/zero${stage}_offload.json" <<EOF
-{
-  "bf16": {"enabled": "auto"},
-  "optimizer": {"type": "AdamW",
-                "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
-  "zero_optimization": {
+    ds_json "$OUT/configs/zero${stage}_offload.json" "$ADAMW_AUTO" "$(cat <<EOF
     "stage": $stage,
-    "offload_optimizer": {"device": "cpu", "pin_memory": true},
-    $extra
+    "offload_optimizer": {"device": "cpu", "pin_memory": true},$extra
     "overlap_comm": true,
     "contiguous_gradients": true,
     "reduce_bucket_size": "auto"
-  },
-  "gradient_accumulation_steps": "auto",
-  "gradient_clipping": "auto",
-  "train_batch_size": "auto",
-  "train_micro_batch_size_per_gpu": "auto",
-  "steps_per_print": 1000000,
-  "wall_clock_breakdown": false
-}
 EOF
+)"
   done
 }
 
 run() {  # run NAME (ENGINE-sSTAGE-offload): one row; a failure is recorded, never fatal
-  local name="$1" engine="${1%%-*}" stage="${1#*-s}" limit left start rc status cmd
+  local name="$1" engine="${1%%-*}" stage="${1#*-s}" limit cmd
   stage="${stage%%-*}"
   local config="$OUT/configs/zero${stage}_offload.json" runs="$OUT/runs"
   local script=(benchmarks/trainer_clm.py --model "$CKPT" --steps "$STEPS" --warmup "$WARMUP" --batch "$BATCH"
@@ -115,76 +97,28 @@ run() {  # run NAME (ENGINE-sSTAGE-offload): one row; a failure is recorded, nev
     *) echo "unknown run $name: zerofit-sN-offload or deepspeed-sN-offload" > "$runs/$name.status"; return ;;
   esac
   rm -f "$runs/$name.json"
-  left=$(( DEADLINE - SECONDS ))
-  if (( left < 60 )); then
-    echo "skipped: ${left}s of BUDGET_S=$BUDGET_S left" > "$runs/$name.status"
-    echo "== $name skipped"; return
-  fi
-  (( limit > left )) && limit=$left
-  echo "== $name (timeout ${limit}s): ${cmd[*]}"
-  start=$SECONDS
-  timeout -k 20 "$limit" "${cmd[@]}" 2>&1 | tee "$runs/$name.log" \
-    | grep --line-buffered -v -e FutureWarning -e 'return func('  # DeepSpeed's per-step deprecation noise
-  rc=${PIPESTATUS[0]}
-  if [ "$rc" = 0 ] && [ -f "$runs/$name.json" ]; then status=ok
-  elif [ "$rc" = 124 ] || [ "$rc" = 137 ]; then status="timeout after ${limit}s"
-  else status="failed (exit $rc)"; fi
-  echo "$status" > "$runs/$name.status"
-  echo "$(( SECONDS - start ))" > "$runs/$name.wall"
+  timed_row "$name" "$runs" "$limit" "${cmd[@]}"
   rm -rf "/tmp/trainer_gpu_$name"
 }
 
 summarize() {  # OUT/results.json and OUT/results.md from the runs so far; the table on stdout
   python3 - "$OUT" "${RUNS[@]}" <<'PY'
-import json, os, re, sys
+import os, sys
+
+sys.path.insert(0, "benchmarks")  # records.py (the script runs from the repository root)
+from records import cell, peak_cell, run_rows, settings, table, write_results
 
 out, names = sys.argv[1], sys.argv[2:]
-
-
-def read(path, default=None):
-    try:
-        with open(path) as f:
-            return f.read().strip()
-    except OSError:
-        return default
-
-
-def first_error(log):
-    """The first exception a rank raised (torchrun's ChildFailedError only repeats it), else the last
-    line that says what went wrong."""
-    lines = log.splitlines()
-    raised = [l for l in lines if re.match(r"(\[rank\d+\]: )?[\w.]*(Error|Exception): ", l)
-              and "ChildFailedError" not in l]
-    other = [l for l in lines if re.search(r"Killed|out of memory|failed|Error", l)]
-    return (raised[:1] or other[-1:] or lines[-1:] or [""])[0][-300:]
-
-
-rows = []
-for name in names:
-    base = os.path.join(out, "runs", name)
-    status = read(base + ".status", "not run")
-    record = json.loads(read(base + ".json") or "null")
-    error = first_error(read(base + ".log", "")) if status != "ok" else None
-    rows.append({"run": name, "status": status, "wall_s": read(base + ".wall"), "error": error or None,
-                 "record": record})
-
-
-def cell(rec, key, fmt):
-    return fmt.format(rec[key]) if rec and rec.get(key) is not None else "-"
-
-
-md = ["| run | status | median s / step | tokens / s | GPU peak GiB (in training) | host RSS GiB "
-      "| first loss | final loss | setup s | wall s |", "|---|---|---|---|---|---|---|---|---|---|"]
+rows = run_rows(os.path.join(out, "runs"), names)
+body = []
 for r in rows:
     rec = r["record"]
-    peak = cell(rec, "gpu_peak_gib", "{:.1f}")
-    if rec and rec.get("gpu_peak_train_gib") is not None:
-        peak += f" ({rec['gpu_peak_train_gib']:.1f})"
-    md.append(f"| {r['run']} | {r['status']} | {cell(rec, 'median_step_s', '{:.3f}')} "
-              f"| {cell(rec, 'tokens_per_s', '{:,.0f}')} | {peak} "
-              f"| {cell(rec, 'host_rss_peak_gib', '{:.1f}')} "
-              f"| {cell(rec, 'first_loss', '{:.4f}')} | {cell(rec, 'final_loss', '{:.4f}')} "
-              f"| {cell(rec, 'setup_s', '{:.0f}')} | {r['wall_s'] or '-'} |")
+    body.append([r["run"], r["status"], cell(rec, "median_step_s", "{:.3f}"), cell(rec, "tokens_per_s", "{:,.0f}"),
+                 peak_cell(rec, "gpu_peak_train_gib"), cell(rec, "host_rss_peak_gib", "{:.1f}"),
+                 cell(rec, "first_loss", "{:.4f}"), cell(rec, "final_loss", "{:.4f}"), cell(rec, "setup_s", "{:.0f}"),
+                 r["wall_s"] or "-"])
+md = table(["run", "status", "median s / step", "tokens / s", "GPU peak GiB (in training)", "host RSS GiB",
+            "first loss", "final loss", "setup s", "wall s"], body)
 records = {r["run"]: r["record"] for r in rows}
 ratios = {}
 for name in names:
@@ -193,26 +127,10 @@ for name in names:
         ratios[f"{peer} / {name}"] = records[peer]["median_step_s"] / records[name]["median_step_s"]
 md += [""] + [f"step time {k}: {v:.2f}x" for k, v in ratios.items()]
 md += [f"{r['run']}: {r['error']}" for r in rows if r["error"]]
-first = next((rec for rec in records.values() if rec), None)
 keys = ("model", "parameters", "model_config", "world_size", "per_device_batch", "seq", "steps", "warmup",
         "bf16", "versions", "hardware")
-settings = {k: first.get(k) for k in keys} if first else None
-with open(os.path.join(out, "results.json"), "w") as f:
-    json.dump({"settings": settings, "ratios": ratios, "runs": rows}, f, indent=1, default=str)
-with open(os.path.join(out, "results.md"), "w") as f:
-    f.write("\n".join(md) + "\n")
-print("\n".join(md))
+write_results(out, {"settings": settings(rows, keys), "ratios": ratios, "runs": rows}, md)
 PY
 }
 
-main() {
-  setup
-  for name in "${RUNS[@]}"; do
-    run "$name"
-    summarize > /dev/null || echo "summarize failed"
-  done
-  echo "== results ($OUT/results.md; ${SECONDS}s in all)"
-  summarize
-}
-
-main 2>&1 | tee -a "$OUT/log"
+rows_main 2>&1 | tee -a "$OUT/log"

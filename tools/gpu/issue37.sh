@@ -3,13 +3,7 @@
 # plain loss.backward() and Muon + AdamW on CUDA), then benchmarks/muon_gpu.sh (Muon + AdamW on a from_pretrained
 # checkpoint: plain PyTorch beside zerofit ZeRO-2 + GPU-stepped offload and ZeRO-3). Log: $OUT/log.
 set -uo pipefail
-OUT_DIR="${1:-${OUT:-out/issue37}}"
-mkdir -p "$OUT_DIR"
-OUT_DIR=$(cd "$OUT_DIR" && pwd)
-exec > >(tee -a "$OUT_DIR/log") 2>&1
-cd "$(dirname "$0")/../.."
-PY="${PYTHON:-python3}"
-export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+. "$(dirname "$0")/../../benchmarks/preamble.sh" "${1:-}" out/issue37
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 "$PY" -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'
 echo "== GPU tests ($(date -u +%T))"

@@ -7,13 +7,9 @@
 # big:     the 9.2 B Llama (13 B shape, 28 layers) 8x512 under stage: auto, fp32 and 8-bit state (every step timed:
 #          step 2 against the steady step)
 set -uo pipefail
-OUT_DIR="${1:-${OUT:-out/issue39}}"; shift || true
+. "$(dirname "$0")/../../benchmarks/preamble.sh" "${1:-}" out/issue39
+shift || true
 WHAT="${*:-tests xl}"
-mkdir -p "$OUT_DIR"; OUT_DIR=$(cd "$OUT_DIR" && pwd)
-exec > >(tee -a "$OUT_DIR/log") 2>&1
-cd "$(dirname "$0")/../.."
-PY="${PYTHON:-python3}"
-export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 "$PY" -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'
 B="$PY benchmarks/engine_step.py --steps 6"

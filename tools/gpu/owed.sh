@@ -18,18 +18,9 @@
 set -uo pipefail
 DRY=0
 if [ "${1:-}" = "--dry" ]; then DRY=1; shift; fi
-OUT_DIR="${1:-${OUT:-out/owed}}"
-mkdir -p "$OUT_DIR"
-OUT_DIR=$(cd "$OUT_DIR" && pwd)
-exec > >(tee -a "$OUT_DIR/log") 2>&1
-cd "$(dirname "$0")/../.."
-PY="${PYTHON:-python3}"
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-if ls .whl/*.whl >/dev/null 2>&1; then
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
-fi
-export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+. "$(dirname "$0")/../../benchmarks/preamble.sh" "${1:-}" out/owed
+export TOKENIZERS_PARALLELISM=false
+use_wheels /tmp/site .whl/*.whl
 ZF=("$PY" -m zerofit.cli.main)
 DEADLINE=$(( SECONDS + ${BUDGET_S:-530} ))
 BATCH="${BATCH:-16}" STEPS="${STEPS:-40}" PRINT_EVERY=10
