@@ -47,8 +47,9 @@ def _load(kind: str, run: Path, fixtures: Path):
     """The saved model, its loading info and the fixture model it started from, all on CPU in fp32."""
     import transformers
 
-    auto = {"classifier": transformers.AutoModelForSequenceClassification, "lm": transformers.AutoModelForCausalLM,
-            "seq2seq": transformers.AutoModelForSeq2SeqLM, "reward": transformers.AutoModelForSequenceClassification}[kind]
+    classifier = transformers.AutoModelForSequenceClassification
+    auto = {"classifier": classifier, "lm": transformers.AutoModelForCausalLM,
+            "seq2seq": transformers.AutoModelForSeq2SeqLM, "reward": classifier}[kind]
     base = auto.from_pretrained(fixtures / FIXTURE[kind], **EXTRA_KWARGS.get(kind, {}))
     adapter = adapter_dir(run)
     if adapter is None:

@@ -10,7 +10,7 @@ Writes, under OUT_DIR (nothing is downloaded; everything comes from the text thi
     tiny-bart/              BartForConditionalGeneration, same BPE wrapped in bos ... eos
     data/                   mrpc_{train,validation}.csv and text_{train,validation}.txt, copied
     sft/{train,test}.jsonl  conversations as `messages` lists (TRL's conversational SFT format)
-    dpo/{train,test}.jsonl  prompt / chosen / rejected strings (TRL's standard preference format; reward.py reads it too)
+    dpo/{train,test}.jsonl  prompt / chosen / rejected strings (TRL's preference format; reward.py reads it too)
     kto/{train,test}.jsonl  prompt / completion / label rows (TRL's unpaired preference format), half of them wanted
     prompts/train.jsonl     prompt strings alone (what RLOO / GRPO sample completions for)
     rewards.py              vowel_share, a rule-based reward for `--reward_funcs rewards.vowel_share`
