@@ -3,12 +3,12 @@
     python tools/real_scripts/check_outputs.py OUT_DIR [--baseline DDP_OUT_DIR]
 
 For each row of OUT_DIR/results.tsv (script, config, exit code, seconds, output dir, log):
-  - the losses the Trainer logged (trainer_state.json in the output dir or its last checkpoint);
+  - the losses and gradient norms the Trainer logged (trainer_state.json in the output dir or its last checkpoint);
   - the reload check: the saved model loads with AutoModelFor*.from_pretrained (for the PEFT script:
     PeftModel.from_pretrained over the fixture model) with no missing, unexpected or mismatched key,
     has exactly the fixture model's keys and shapes, every tensor non-empty and finite, and differs
     from the fixture (training reached the saved file);
-  - with --baseline, the largest loss and weight differences from the same script's DDP run.
+  - with --baseline, the largest loss, gradient-norm and weight differences from the same script's DDP run.
 Exits 1 if any run failed or any check did not pass.
 """
 
@@ -19,8 +19,11 @@ import csv
 import json
 from pathlib import Path
 
-KIND = {"glue": "classifier", "clm": "lm", "translation": "seq2seq", "sft": "lm", "dpo": "lm", "corda": "lm"}
-FIXTURE = {"classifier": "tiny-bert", "lm": "tiny-llama", "seq2seq": "tiny-bart"}
+KIND = {"glue": "classifier", "clm": "lm", "translation": "seq2seq", "sft": "lm", "dpo": "lm", "corda": "lm",
+        "reward": "reward", "kto": "lm", "rloo": "lm"}
+FIXTURE = {"classifier": "tiny-bert", "lm": "tiny-llama", "seq2seq": "tiny-bart", "reward": "tiny-llama"}
+# TRL's RewardTrainer puts a one-output score head on the causal LM's body
+EXTRA_KWARGS = {"reward": {"num_labels": 1}}
 
 
 def adapter_dir(run: Path) -> Path | None:
@@ -28,14 +31,14 @@ def adapter_dir(run: Path) -> Path | None:
     return next((d for d in (run / "ft", run) if (d / "adapter_config.json").is_file()), None)
 
 
-def logged_losses(run: Path) -> tuple[list[float], float | None]:
-    """Per-step losses and the final train_loss, from the newest trainer_state.json the run wrote."""
+def logged_losses(run: Path, key: str = "loss") -> tuple[list[float], float | None]:
+    """Per-step `key` values (loss, grad_norm) and the final train_loss, from the newest trainer_state.json."""
     states = [run / "trainer_state.json"] if (run / "trainer_state.json").is_file() else []
     states += sorted(run.glob("checkpoint-*/trainer_state.json"), key=lambda p: int(p.parent.name.split("-")[1]))
     if not states:
         return [], None
     history = json.loads(states[0 if states[0].parent == run else -1].read_text())["log_history"]
-    steps = [h["loss"] for h in history if "loss" in h]
+    steps = [h[key] for h in history if key in h]
     final = next((h["train_loss"] for h in history if "train_loss" in h), None)
     return steps, final
 
@@ -44,9 +47,10 @@ def _load(kind: str, run: Path, fixtures: Path):
     """The saved model, its loading info and the fixture model it started from, all on CPU in fp32."""
     import transformers
 
-    auto = {"classifier": transformers.AutoModelForSequenceClassification, "lm": transformers.AutoModelForCausalLM,
-            "seq2seq": transformers.AutoModelForSeq2SeqLM}[kind]
-    base = auto.from_pretrained(fixtures / FIXTURE[kind])
+    classifier = transformers.AutoModelForSequenceClassification
+    auto = {"classifier": classifier, "lm": transformers.AutoModelForCausalLM,
+            "seq2seq": transformers.AutoModelForSeq2SeqLM, "reward": classifier}[kind]
+    base = auto.from_pretrained(fixtures / FIXTURE[kind], **EXTRA_KWARGS.get(kind, {}))
     adapter = adapter_dir(run)
     if adapter is None:
         model, info = auto.from_pretrained(run, output_loading_info=True)
@@ -118,20 +122,23 @@ def main(argv: list[str] | None = None) -> int:
     base_rows = {(r["script"], _tag(r["config"])): r for r in _runs(args.baseline)} if args.baseline else {}
 
     header = ["script", "config", "run", "steps", "first loss", "last loss", "train_loss", "Δloss vs DDP",
-              "max|Δw| vs DDP", "reload", "s"]
+              "Δgrad_norm vs DDP", "max|Δw| vs DDP", "reload", "s"]
     rows, ok_all = [], True
     for r in _runs(args.out):
         run, kind = Path(r["output_dir"]), KIND[r["script"]]
         steps, final = logged_losses(run)
         ran = r["rc"] == "0"
         loaded, note, weights = reload_check(kind, run, fixtures) if ran else (False, "not run", {})
-        d_loss = d_w = "-"
+        d_loss = d_norm = d_w = "-"
         baseline = base_rows.get((r["script"], _tag(r["config"])))
         if baseline is not None and ran:
             b_run = Path(baseline["output_dir"])
             b_steps, _ = logged_losses(b_run)
             if steps and len(b_steps) == len(steps):
                 d_loss = f"{max(abs(a - b) for a, b in zip(steps, b_steps)):.1e}"
+            norms, b_norms = logged_losses(run, "grad_norm")[0], logged_losses(b_run, "grad_norm")[0]
+            if norms and len(b_norms) == len(norms):
+                d_norm = f"{max(abs(a - b) for a, b in zip(norms, b_norms)):.1e}"
             _, _, b_weights = reload_check(kind, b_run, fixtures)
             if weights and b_weights and set(weights) == set(b_weights):
                 d_w = f"{max((weights[k].float() - b_weights[k].float()).abs().max().item() for k in weights):.1e}"
@@ -139,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         ok_all &= ok
         rows.append([r["script"], r["config"], "ok" if ok else ("FAIL" if ran else f"FAIL rc={r['rc']}"),
                      str(len(steps)), f"{steps[0]:.4f}" if steps else "-", f"{steps[-1]:.4f}" if steps else "-",
-                     f"{final:.4f}" if final is not None else "-", d_loss, d_w, note, r["seconds"]])
+                     f"{final:.4f}" if final is not None else "-", d_loss, d_norm, d_w, note, r["seconds"]])
     widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
     for line in [header, ["-" * w for w in widths], *rows]:
         print(" | ".join(str(x).ljust(w) for x, w in zip(line, widths)))

@@ -10,7 +10,11 @@ Writes, under OUT_DIR (nothing is downloaded; everything comes from the text thi
     tiny-bart/              BartForConditionalGeneration, same BPE wrapped in bos ... eos
     data/                   mrpc_{train,validation}.csv and text_{train,validation}.txt, copied
     sft/{train,test}.jsonl  conversations as `messages` lists (TRL's conversational SFT format)
-    dpo/{train,test}.jsonl  prompt / chosen / rejected strings (TRL's standard preference format)
+    dpo/{train,test}.jsonl  prompt / chosen / rejected strings (TRL's preference format; reward.py reads it too)
+    kto/{train,test}.jsonl  prompt / completion / label rows (TRL's unpaired preference format), half of them wanted
+    prompts/train.jsonl     prompt strings alone (what RLOO / GRPO sample completions for)
+    rewards.py              vowel_share, a rule-based reward for `--reward_funcs rewards.vowel_share`
+                            (TRL's rloo.py / grpo.py import a dotted path from the working directory)
     instruct/train.jsonl    instruction / output pairs (PEFT's instruction-tuning examples)
     translation/{train,validation}.jsonl  {"translation": {"en": context, "de": response}} pairs
     accuracy/accuracy.py    a local `evaluate` metric: `evaluate.load("accuracy")` looks for
@@ -90,6 +94,20 @@ class Sacrebleu(evaluate.Metric):
         bleu = sacrebleu.corpus_bleu(predictions, columns)
         return {"score": bleu.score, "counts": bleu.counts, "totals": bleu.totals,
                 "sys_len": bleu.sys_len, "ref_len": bleu.ref_len}
+'''
+
+
+REWARDS_MODULE = '''"""Rule-based rewards for TRL's online scripts (written by tools/real_scripts/make_fixtures.py)."""
+
+
+def vowel_share(completions, **kwargs):
+    """The share of a completion's letters that are vowels (no reward model needed). It differs between the
+    few-token samples of a random model, so the group advantages are not all zero and the policy moves."""
+    out = []
+    for completion in completions:
+        letters = [c for c in str(completion).lower() if c.isalpha()]
+        out.append(sum(c in "aeiou" for c in letters) / len(letters) if letters else 0.0)
+    return out
 '''
 
 
@@ -220,6 +238,12 @@ def build_data(out: Path) -> None:
             {"prompt": r["context"], "chosen": " " + r["response"],
              "rejected": " " + rows[(i + 1) % len(rows)]["response"]}
             for i, r in enumerate(rows)])
+        # every other row pairs the prompt with another conversation's reply and marks it unwanted
+        _write_jsonl(out / "kto" / f"{split}.jsonl", [
+            {"prompt": r["context"], "completion": " " + rows[(i + (i % 2)) % len(rows)]["response"],
+             "label": i % 2 == 0}
+            for i, r in enumerate(rows)])
+    _write_jsonl(out / "prompts" / "train.jsonl", [{"prompt": r["context"]} for r in splits["train"]])
     for split, rows in (("train", splits["train"]), ("validation", splits["test"])):
         _write_jsonl(out / "translation" / f"{split}.jsonl",
                      [{"translation": {"en": r["context"], "de": r["response"]}} for r in rows])
@@ -230,6 +254,7 @@ def build_data(out: Path) -> None:
     (out / "accuracy" / "accuracy.py").write_text(ACCURACY_MODULE, encoding="utf-8")
     (out / "sacrebleu").mkdir(exist_ok=True)
     (out / "sacrebleu" / "sacrebleu.py").write_text(SACREBLEU_MODULE, encoding="utf-8")
+    (out / "rewards.py").write_text(REWARDS_MODULE, encoding="utf-8")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -9,6 +9,8 @@
 #   run_clm.py           transformers examples/pytorch/language-modeling/run_clm.py
 #   run_translation.py   transformers examples/pytorch/translation/run_translation.py (Seq2SeqTrainer)
 #   sft.py, dpo.py       trl/scripts/sft.py and trl/scripts/dpo.py
+#   reward.py, kto.py, rloo.py  trl/scripts/{reward,kto,rloo}.py (rloo with the rule-based --reward_funcs
+#                        rewards.vowel_share that make_fixtures.py writes)
 #   corda_finetuning.py  peft examples/corda_finetuning/corda_finetuning.py (Trainer + LoRA)
 # The transformers scripts import `evaluate`: have it importable (SCRIPTS_DIR/pydeps is put on the path).
 #
@@ -18,12 +20,16 @@
 #   CONFIGS   zerofit configs to run (default "zero2 zf_zero2 zero3_offload"); any of
 #             zero2          tests/fixtures/configs/ds_zero2_auto.json (stage 2, every batch/optimizer key auto;
 #                            its WarmupDecayLR replaces Trainer's schedule, so its losses are not DDP's)
+#             zero2_plain    a DeepSpeed JSON, stage 2, every batch key auto and no optimizer or scheduler
+#                            section (the Trainer's own AdamW and schedule, so its losses are DDP's)
 #             zero3_offload  tests/fixtures/configs/ds_zero3_offload.json with stage3_param_persistence_threshold
 #                            0, so every unit is sharded whatever "auto" resolves to for the model
 #             zero3_offload_shipped  tests/fixtures/configs/ds_zero3_offload.json as it is
 #             zf_zero2       a zerofit YAML, stage 2 with no optimizer section (the Trainer's own AdamW)
 #             acc_zero2      tests/fixtures/configs/accelerate_zero2.yaml (Accelerate YAML, DeepSpeed stage 2)
-#   SCRIPTS   which scripts (default "glue clm translation sft dpo corda")
+#   SCRIPTS   which scripts (default "glue clm translation sft dpo corda"; also reward kto rloo)
+#   LAUNCH_FLAGS  flags for `zerofit launch` before the script (default "--cpu"; "" launches as a user does on a
+#             machine without GPUs, the script's own --use_cpu saying CPU)
 #   EXTRA_ARGS  more arguments for every script (they come last, so they override), e.g. "--use_peft"
 #   TAG       names the variant EXTRA_ARGS make: runs are CONFIG+TAG, compared with the baseline's ddp+TAG
 #   BASELINE  an OUT_DIR of an earlier LAUNCHER=ddp run to compare losses and weights with
@@ -52,15 +58,17 @@ mkdir -p "$OUT"/{scripts,configs,runs,logs}
 FIX="$OUT/fixtures"
 [[ -f "$FIX/tiny-bart/config.json" ]] || "$PYTHON" "$HERE/make_fixtures.py" "$FIX" || exit 1
 
-declare -A FILE=([glue]=run_glue.py [clm]=run_clm.py [translation]=run_translation.py [sft]=sft.py [dpo]=dpo.py [corda]=corda_finetuning.py)
+declare -A FILE=([glue]=run_glue.py [clm]=run_clm.py [translation]=run_translation.py [sft]=sft.py [dpo]=dpo.py
+                 [corda]=corda_finetuning.py [reward]=reward.py [kto]=kto.py [rloo]=rloo.py)
+LAUNCH_FLAGS=${LAUNCH_FLAGS---cpu}
 
 # The one change a user makes: the trainer class comes from zerofit instead of transformers / trl.
 # A name inside a parenthesised `from transformers import (...)` leaves it, and the zerofit import
 # follows the closing parenthesis; a one-line `from trl import SFTTrainer, a, b` keeps a and b.
 IMPORT_REWRITE='
 s/^\( *\)from transformers import \(Trainer\|Seq2SeqTrainer\)$/\1from zerofit.integrations.transformers import \2/
-s/^\( *\)from trl import \(SFTTrainer\|DPOTrainer\), \(.*\)$/\1from trl import \3\n\1from zerofit.integrations.trl import \2/
-s/^\( *\)from trl import \(SFTTrainer\|DPOTrainer\)$/\1from zerofit.integrations.trl import \2/
+s/^\( *\)from trl import \(SFTTrainer\|DPOTrainer\|RewardTrainer\|KTOTrainer\|RLOOTrainer\), \(.*\)$/\1from trl import \3\n\1from zerofit.integrations.trl import \2/
+s/^\( *\)from trl import \(SFTTrainer\|DPOTrainer\|RewardTrainer\|KTOTrainer\|RLOOTrainer\)$/\1from zerofit.integrations.trl import \2/
 /^from transformers import ($/,/^)$/{
   /^    \(Seq2Seq\)\{0,1\}Trainer,$/{
     s/^    \(.*\),$/\1/
@@ -109,11 +117,16 @@ config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
 json.dump(config, open(sys.argv[2], "w"), indent=2)
 PY
             echo "$OUT/configs/ds_zero3_offload_sharded.json" ;;
+        zero2_plain)
+            printf '{"zero_optimization": {"stage": 2}, "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",\n "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto"}\n' \
+                >"$OUT/configs/ds_zero2_plain.json"
+            echo "$OUT/configs/ds_zero2_plain.json" ;;
         zf_zero2)
             printf 'zero:\n  stage: 2\nprecision:\n  mixed_precision: auto\nbatch:\n  train_micro_batch_size_per_gpu: auto\n  gradient_accumulation_steps: auto\ngradient_clipping: auto\n' \
                 >"$OUT/configs/zerofit_stage2_auto.yaml"
             echo "$OUT/configs/zerofit_stage2_auto.yaml" ;;
-        *) echo "unknown config '$1' (zero2, zero3_offload, zero3_offload_shipped, zf_zero2, acc_zero2)" >&2; return 1 ;;
+        *) echo "unknown config '$1' (zero2, zero2_plain, zero3_offload, zero3_offload_shipped, zf_zero2, acc_zero2)" >&2
+           return 1 ;;
     esac
 }
 
@@ -133,6 +146,10 @@ script_args() {  # name output_dir -> the script's own arguments
                           --num_beams 2 --per_device_eval_batch_size 4 "${common[@]}" ;;
         sft) echo --model_name_or_path "$FIX/tiny-llama" --dataset_name "$FIX/sft" --bf16 false "${common[@]}" ;;
         dpo) echo --model_name_or_path "$FIX/tiny-llama" --dataset_name "$FIX/dpo" --bf16 false "${common[@]}" ;;
+        reward) echo --model_name_or_path "$FIX/tiny-llama" --dataset_name "$FIX/dpo" --bf16 false "${common[@]}" ;;
+        kto) echo --model_name_or_path "$FIX/tiny-llama" --dataset_name "$FIX/kto" --bf16 false "${common[@]}" ;;
+        rloo) echo --model_name_or_path "$FIX/tiny-llama" --dataset_name "$FIX/prompts" --bf16 false \
+                   --reward_funcs rewards.vowel_share --num_generations 4 --max_completion_length 8 "${common[@]}" ;;
         corda) echo --model_name_or_path "$FIX/tiny-llama" --data_path "$FIX/instruct" --dataset_split train \
                     --dataset_field instruction output --corda_mode False --lora_r 8 --dataloader_num_proc 1 \
                     --model_max_length 128 "${common[@]}" ;;
@@ -156,7 +173,9 @@ for name in $SCRIPTS; do
             cmd=("$PYTHON" -m torch.distributed.run --nproc_per_node 2 --master_port "$port" "$copy" "${args[@]}")
         else
             cfg_path=$(config_file "$cfg") || exit 2
-            cmd=("$PYTHON" -m zerofit.cli.main launch --config_file "$cfg_path" --num_processes 2 --cpu "$copy" "${args[@]}")
+            # shellcheck disable=SC2206  # LAUNCH_FLAGS is a list of flags
+            cmd=("$PYTHON" -m zerofit.cli.main launch --config_file "$cfg_path" --num_processes 2 $LAUNCH_FLAGS "$copy"
+                 "${args[@]}")
         fi
         echo "== $name / $label"
         # Started in the fixtures folder: `evaluate.load("accuracy")` finds ./accuracy/accuracy.py there.
