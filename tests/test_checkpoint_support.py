@@ -57,7 +57,9 @@ def train(engine, model, case: Case, rank: int, world: int, steps: range) -> lis
 
 
 def owned_state(engine, rank: int) -> list[tuple[str, int, dict[str, torch.Tensor]]]:
-    """This rank's share of the full training state (each element reported by exactly one rank)."""
+    """This rank's share of the full training state (each element reported by exactly one rank), once the last
+    step is done (a host-stepped group's may still run on the stepper's thread)."""
+    engine.settle()
     return [(f.name, f.start, {k: v.detach().clone() for k, v in f.tensors.items()})
             for f in local_fragments(engine.groups, engine.optimizer, rank)]
 
