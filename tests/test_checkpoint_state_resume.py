@@ -1,6 +1,8 @@
 """A run storing its optimizer state in 8 bits at ZeRO-2 on 2 ranks, saved after 3 steps, resumes at ZeRO-3 on 2
 ranks exactly as the uninterrupted run goes on, and as fp32 or bf16 state exactly as a run handed the same
-state widened and narrowed once; on 1 rank (another summation order of the gradients) within TOL."""
+state widened and narrowed once; on 1 rank (another summation order of the gradients) within TOL. The 8-bit state
+resumes the same way streamed through the device, host-stepped by the CPU optimizer and homed in NVMe files, and
+what is saved from those files loads as it was."""
 
 from __future__ import annotations
 
@@ -15,6 +17,9 @@ from zerofit.engine.state_codec import Codec, Stored
 from zerofit.testing.distributed import run_distributed
 
 FORMS = ("8bit", "fp32", "bf16")
+HOMES = {"8bit host": dict(step_on="host"), "8bit nvme host": dict(step_on="host"),
+         "8bit nvme streamed": dict(step_on="device", chunk=64)}
+"""8-bit state resumed host-stepped and in NVMe files (2 ranks): each must go on as the uninterrupted run."""
 SAVED, RESUMED = range(3), range(3, 6)
 SCALE = ".absmax"
 TOL = 1e-4
@@ -76,6 +81,19 @@ def resume(rank, world, root):
                                        step_on="device", chunk=64)
         load_state(os.path.join(root, "s8"), engine)
         out["8bit streamed"] = (train(engine, model, case, rank, world, RESUMED), owned_state(engine, rank))
+        # host-stepped by the CPU optimizer, and homed in NVMe files (read by the CPU optimizer or streamed)
+        nvme = os.path.join(root, "nvme")
+        os.makedirs(nvme, exist_ok=True)
+        for name, where in HOMES.items():
+            case, model, _, engine = build(3, freeze=True, perturb=0.5, optimizer_state="8bit", offload=True,
+                                           **where, nvme_path=nvme if "nvme" in name else None)
+            load_state(os.path.join(root, "s8"), engine)
+            out[name] = (train(engine, model, case, rank, world, RESUMED), owned_state(engine, rank))
+        # saved from the NVMe files (settle reads them into memory) and loaded on the device: the same state
+        save_state(os.path.join(root, "from-nvme"), engine, update_latest=False)
+        _, _, _, device = build(3, freeze=True, perturb=0.5, optimizer_state="8bit")
+        load_state(os.path.join(root, "from-nvme"), device)
+        out["from nvme"] = owned_state(device, rank)
     return out
 
 
@@ -94,7 +112,7 @@ def test_resume_equals_going_on(runs):
     going_on, two, one = runs
     assert ("exp_avg", "torch.uint8") in going_on[0]["dtypes"] and ("exp_avg.absmax", "torch.float32") in \
         going_on[0]["dtypes"]  # the run stored its state in 8 bits
-    for form, resumed in [*((f, f) for f in FORMS), ("8bit", "8bit streamed")]:
+    for form, resumed in [*((f, f) for f in FORMS), ("8bit", "8bit streamed"), *(("8bit", h) for h in HOMES)]:
         want_loss, got_loss = going_on[0][form][0], two[0][resumed][0]
         assert got_loss == want_loss, (resumed, got_loss, want_loss)
         want = assemble([r[form][1] for r in going_on])
@@ -105,6 +123,15 @@ def test_resume_equals_going_on(runs):
         # not vacuous: the forms went different ways after the load
         if form != "8bit":
             assert not torch.equal(got[("emb.weight", "master")], masters(going_on, "8bit")[("emb.weight", "master")])
+
+
+def test_state_saved_from_nvme_files_loads_as_it_was(runs):
+    _, two, _ = runs
+    saved = assemble([r["8bit nvme streamed"][1] for r in two])
+    loaded = assemble([r["from nvme"] for r in two])
+    assert sorted(saved) == sorted(loaded) and any(key == "exp_avg.absmax" for _, key in saved)
+    for key, value in saved.items():
+        assert loaded[key].dtype == value.dtype and torch.equal(loaded[key], value), key
 
 
 def test_resume_on_one_rank_within_tol(runs):

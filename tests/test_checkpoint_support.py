@@ -13,10 +13,11 @@ from zerofit.engine.state import local_fragments
 
 def build(stage: int, *, precision: str = "no", perturb: float = 0.0, freeze: bool = False,
           steps: int = 12, offload: bool = False, optimizer_state: str = "fp32", step_on: str = "auto",
-          chunk: int = 0):
+          chunk: int = 0, nvme_path: str | None = None):
     """TinyLM + AdamW under `stage` (`offload`: optimizer, and at stage 3 parameters, on the host, stepped where
-    `step_on` says, in streamed chunks of `chunk` elements when given); `perturb` shifts every weight so a load
-    visibly changes them; `optimizer_state`: how the state is stored."""
+    `step_on` says, in streamed chunks of `chunk` elements when given; `nvme_path`: the optimizer's master and
+    state in files there); `perturb` shifts every weight so a load visibly changes them; `optimizer_state`: how
+    the state is stored."""
     case = Case(stage=stage, precision=precision, freeze=freeze, steps=steps)
     model, opt = make_model_and_optim(case)
     if perturb:
@@ -27,7 +28,8 @@ def build(stage: int, *, precision: str = "no", perturb: float = 0.0, freeze: bo
                                     loss_scale=LossScaleConfig(initial_scale_power=8, hysteresis=1))
     host = OffloadConfig(device="cpu" if offload else "none")
     zero = ZeroConfig(stage=stage, param_persistence_threshold=0,
-                      offload_optimizer=OffloadConfig(device=host.device, step_on=step_on) if offload else host,
+                      offload_optimizer=OffloadConfig(device="nvme" if nvme_path else host.device, step_on=step_on,
+                                                      nvme_path=nvme_path) if offload else host,
                       offload_param=host if stage == 3 else OffloadConfig())
     gpu.STREAM_CHUNK = chunk or DEFAULT_CHUNK  # read when the engine builds its step mode
     try:
@@ -55,7 +57,9 @@ def train(engine, model, case: Case, rank: int, world: int, steps: range) -> lis
 
 
 def owned_state(engine, rank: int) -> list[tuple[str, int, dict[str, torch.Tensor]]]:
-    """This rank's share of the full training state (each element reported by exactly one rank)."""
+    """This rank's share of the full training state (each element reported by exactly one rank), once the last
+    step is done (a host-stepped group's may still run on the stepper's thread)."""
+    engine.settle()
     return [(f.name, f.start, {k: v.detach().clone() for k, v in f.tensors.items()})
             for f in local_fragments(engine.groups, engine.optimizer, rank)]
 

@@ -25,3 +25,28 @@ def test_narrow_state_is_the_same_on_the_gpu_and_gpu_stepped(stage, precision, s
                                         state=state)
         assert losses == ref_losses, (chunk, param)
         assert all(torch.equal(ref[k], got[k]) for k in ref), (chunk, param)
+
+
+@requires_cuda
+@pytest.mark.parametrize("state", ["bf16", "8bit"])
+def test_narrow_state_gpu_stepped_from_nvme_is_the_same_as_on_the_gpu(tmp_path, state):
+    """The files and pinned slots hold codes and block scales; the chunks upload them from the slot."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    ref_losses, ref, _ = _train_offload(3, "bf16", "adamw", offload="none", state=state)
+    losses, got, streamed = _train_offload(3, "bf16", "adamw", offload="nvme", nvme_path=str(tmp_path), chunk=64,
+                                           buffer_count=2, state=state)
+    assert streamed > 0 and _train_offload.pinned_slots
+    assert losses == ref_losses
+    assert all(torch.equal(ref[k], got[k]) for k in ref)
+
+
+@requires_cuda
+@pytest.mark.parametrize("state", ["bf16", "8bit"])
+def test_narrow_state_host_stepped_beside_gpu_stepped_trains_as_on_the_gpu(state):
+    """The host part steps with the CPU's kernel (another rounding than the GPU's fused AdamW): close, not equal."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    ref_losses, ref, _ = _train_offload(2, "bf16", "adamw", offload="none", state=state)
+    losses, got, streamed = _train_offload(2, "bf16", "adamw", offload="cpu", host_share=0.5, state=state)
+    assert streamed > 0 and _train_offload.hosted > 0
+    assert losses == pytest.approx(ref_losses, rel=1e-3)
+    assert max((ref[k] - got[k]).abs().max().item() for k in ref) < 1e-2

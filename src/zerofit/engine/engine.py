@@ -107,16 +107,6 @@ class ZeroEngine:
         """Share of the offloaded state stepped on the host when the rest is GPU-stepped (see `host_share_for`)."""
         self.codec = Codec(self.precision.optimizer_state)
         """How the optimizer's per-element state is stored (see [Note: narrow optimizer state])."""
-        if self.codec.narrow and off.enabled:
-            if off.device == "nvme":
-                raise EngineError(f"precision.optimizer_state {self.codec.kind!r} with offload_optimizer.device "
-                                  "'nvme' is not supported by this zerofit version yet: use offload_optimizer.device "
-                                  "'cpu' (the smaller state needs less host memory), or optimizer_state 'fp32'")
-            if self.step_on == "host" or self.host_share:
-                raise EngineError(f"precision.optimizer_state {self.codec.kind!r} is stepped on the device; "
-                                  f"offload_optimizer.step_on resolves to 'host' here (written: {off.step_on!r}"
-                                  f"{', host_share ' + repr(off.host_share) if self.host_share else ''}): set "
-                                  "offload_optimizer.step_on: device (and no host_share), or optimizer_state 'fp32'")
         self.comm = Collectives(group, self.device, grad_dtype=communication_dtype(self.precision))
         self.compute_dtype = COMPUTE_DTYPES[self.precision.mixed_precision]
         self.scaler = LossScaler(self.precision.loss_scale, enabled=self.precision.mixed_precision == "fp16")
@@ -218,7 +208,7 @@ class ZeroEngine:
                                    trainable=self.trainable_groups, comm=self.comm, reductions=self.reductions,
                                    times=self.times, offload=self.zero.offload_optimizer, aio=self.zero.aio,
                                    needs_norm=self.gradient_clipping > 0 or self.scaler.enabled
-                                   or self.precision.skip_nonfinite_steps)
+                                   or self.precision.skip_nonfinite_steps, codec=self.codec)
         self.offload = Offload(host=host, gpu=gpu)
         return mode
 

@@ -45,7 +45,6 @@ from zerofit.plan.memory import (
     Workload,
     all_settings,
     estimate,
-    runs_narrow_state,
 )
 from zerofit.plan.sharing import shared_rates, sharing_said
 from zerofit.plan.sources import FakeModel
@@ -184,8 +183,6 @@ def plan(counts: ModelCounts, work: Workload, budget: Budget, traces: dict[bool,
     rates = shared_rates(rates, budget.ranks_per_host) if rates else None
     if settings is None:
         settings = all_settings(work.world, checkpointing=tuple(sorted(traces)))
-    if work.optimizer_state != "fp32":  # only what the engine steps with narrow state (none: refused at build)
-        settings = [s for s in settings if runs_narrow_state(s)] or settings
     settings = sorted(settings, key=speed_rank)
     estimates = tuple(
         least_offload(counts, s, work, budget, traces.get(s.checkpointing))

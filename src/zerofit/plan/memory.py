@@ -26,6 +26,9 @@ Each term's bytes, and where they live:
   activation peak.
 - offload staging: S*4 pinned per group, when accumulating over several micro-steps (host-stepped). Where:
   host.
+- narrow-state scratch: k*S*4 of the largest host-stepped group, when the state is narrowed: the CPU optimizer
+  steps one group at a time from fp32 copies of its state ([Note: narrow state on the host] in
+  zerofit.engine.offload.host_narrow). Where: host.
 - streaming pool: GPU-stepped offload (`step_on: device`): 3 slots of min(64 M, largest S) elements x 4
   bytes x (1 master + k states + 1 upcast if compact) (+ c per element with param offload; + 3.125 bytes per
   element for the split master in bf16 without param offload; + k state chunks in their stored form,
@@ -264,6 +267,7 @@ def estimate(counts: ModelCounts, setting: Setting, work: Workload, trace: Activ
     largest_state = 0
     step_transient = 0
     largest_streamed, largest_staged, streamed_compact = 0, 0, False
+    largest_host_stepped = 0
     narrow = work.optimizer_state != "fp32"
     for u, (_, true_trainable, true_frozen) in enumerate(counts.units):
         unit_numel = true_trainable + true_frozen
@@ -306,6 +310,8 @@ def estimate(counts: ModelCounts, setting: Setting, work: Workload, trace: Activ
                 streamed_compact = streamed_compact or compact
             if pl.gpu_stepped:
                 largest_staged = max(largest_staged, lay.shard_numel)
+            if pl.host_stepped and not is_whole:
+                largest_host_stepped = max(largest_host_stepped, lay.shard_numel)
             master = b.master.nbytes if b.master is not None else 0
             states = state_nbytes(k * lay.shard_numel, "fp32" if is_whole else work.optimizer_state)
             if setting.offload_optimizer == "nvme" and pl.offloaded:  # in files
@@ -326,6 +332,8 @@ def estimate(counts: ModelCounts, setting: Setting, work: Workload, trace: Activ
         if narrow and largest_staged:  # each slot also stages a host home's state chunks in their stored form
             gpu["buffers"] += STREAM_SLOTS * state_nbytes(k * min(STREAM_CHUNK, largest_staged),
                                                           work.optimizer_state)
+    if narrow:  # the host stepper widens one group's narrow state at a time into fp32 scratch
+        host["buffers"] += k * largest_host_stepped * 4
     if setting.offload_optimizer == "nvme":  # the swapper's pool: one slot per buffer, at most one per group
         offloaded = sum(h is not StateHome.DEVICE for h in homes)
         host["optimizer"] += max(1, min(work.nvme_buffer_count, offloaded)) * largest_state
@@ -351,15 +359,6 @@ def kept_bytes(gathered: list[int], budget: int | None) -> int:
         if budget is None or kept + size <= budget:
             kept += size
     return kept
-
-
-def runs_narrow_state(setting: Setting) -> bool:
-    """`setting` can step bf16 / 8-bit optimizer state: the engine widens and narrows it in the GPU's stream
-    only, so host-stepped state (step_on host, a host_share) and NVMe files are refused with it
-    (zerofit.engine.engine)."""
-    if setting.offload_optimizer == "nvme":
-        return False
-    return setting.offload_optimizer == "none" or (setting.step_on == "device" and not setting.host_share)
 
 
 def state_nbytes(numel: int, kind: str) -> int:

@@ -206,7 +206,7 @@ class GpuStep(OffloadPart):
         self._packed: set[int] = set()
         """Groups whose host master holds the packed form, chunk by chunk (issuing thread; `settle` joins)."""
         self._backward_ran = False
-        self.swapper = self._nvme_swapper(offload, aio)  # after the pieces were matched (`plan_runs`)
+        self.swapper = self._nvme_swapper(offload, aio, self.codec)  # after the pieces were matched (`plan_runs`)
         self._splits = {id(g) for g in groups if self._can_split(g)}
         self._run_homes: dict[int, dict[str, torch.Tensor | Stored]] = {}
         """id(run) -> per state key, the home its pieces' state views (see `_homes`)."""

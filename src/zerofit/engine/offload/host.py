@@ -35,6 +35,7 @@ from zerofit.engine.flat_group import FlatGroup
 from zerofit.engine.offload.host_thread import HostStepper
 from zerofit.engine.offload.part import OffloadPart
 from zerofit.engine.optim import global_grad_sumsq
+from zerofit.engine.state_codec import Codec
 from zerofit.engine.step_mode import StepFactors, StepMode, gather_params
 from zerofit.engine.timing import StepTimes
 from zerofit.engine.unit import Unit
@@ -47,17 +48,19 @@ class HostStep(OffloadPart):
     def __init__(self, optimizer: torch.optim.Optimizer, groups: list[FlatGroup], inner: StepMode, *,
                  model: nn.Module, units: list[Unit], trainable: list[FlatGroup], comm: Collectives,
                  reductions: InFlight, times: StepTimes, offload: OffloadConfig, aio: AioConfig,
-                 needs_norm: bool):
+                 needs_norm: bool, codec: Codec | None = None):
         """`trainable`: every trainable group, in unit order (the gradient norm's summation order);
-        `needs_norm`: the step depends on the global gradient norm (clipping or fp16)."""
+        `needs_norm`: the step depends on the global gradient norm (clipping or fp16); `codec`: how the
+        optimizer state is stored (see [Note: narrow state on the host] in zerofit.engine.offload.host_narrow)."""
         super().__init__(optimizer, groups, inner, model=model, units=units, comm=comm, times=times)
         self.trainable = trainable
         self.reductions = reductions
-        self.stepper = HostStepper(optimizer, groups, comm.device, times)
+        self.codec = codec or Codec()
+        self.stepper = HostStepper(optimizer, groups, comm.device, times, self.codec)
         self._unpublished: set[int] = set()
         """Groups stepped on the host whose parameters the next forward must still publish."""
         # After every sub-optimizer matched its pieces (`inner`'s too).
-        self.swapper = self._nvme_swapper(offload, aio)
+        self.swapper = self._nvme_swapper(offload, aio, self.codec)
         if self.swapper is not None:
             self.stepper.swap = self.swapper
             self._settle_before_read(self.stepper.settle_state)  # the stepper's: the worker must not keep us alive

@@ -17,6 +17,10 @@ master pieces, sharing the script optimizer's `state` dict and reading its curre
 
 With NVMe offload (`swap`, a `zerofit.engine.offload.nvme.NvmeSwapper`) the worker also swaps each group in
 before its step and out after it, while the swapper reads the next groups ahead in submission order.
+
+With optimizer state stored in fewer bits (`narrow`) the worker widens each group's state into fp32 scratch
+just before its step and narrows it back right after (see [Note: narrow state on the host] in
+zerofit.engine.offload.host_narrow), inside the swap-in / swap-out when the state lives on NVMe.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import threading
 import torch
 
 from zerofit.engine.flat_group import FlatGroup
+from zerofit.engine.offload.host_narrow import NarrowHostState
 from zerofit.engine.offload.threads import serve
 from zerofit.engine.optim import (
     master_pieces,
@@ -36,6 +41,7 @@ from zerofit.engine.optim import (
     unused_pieces,
     without_grads,
 )
+from zerofit.engine.state_codec import Codec
 from zerofit.engine.timing import StepTimes
 from zerofit.errors import EngineError
 
@@ -44,12 +50,15 @@ class HostStepper:
     """Runs offloaded groups' optimizer steps on a worker thread; forward waits per group."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, groups: list[FlatGroup], device: torch.device,
-                 times: StepTimes | None = None):
+                 times: StepTimes | None = None, codec: Codec | None = None):
+        """`codec`: how the optimizer state is stored between steps (default fp32, stepped in place)."""
         self.optimizer = optimizer
         self.device = device
         self.times = times or StepTimes()
         self.stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
         self._sub = {id(g): sub_optimizer(optimizer, master_pieces(g)) for g in groups}
+        self.narrow = NarrowHostState(codec, optimizer, groups) if codec is not None and codec.narrow else None
+        """Widens and narrows stored state around each step (None: fp32 state, stepped in place)."""
         self._done: dict[int, threading.Event] = {id(g): threading.Event() for g in groups}
         for e in self._done.values():
             e.set()
@@ -155,8 +164,12 @@ class HostStepper:
         if sub is not None:
             sync_hyperparams(sub, index, hyper)  # this step's lr & co., as submitted
             with self.times.measure("host_optimizer"):
+                if self.narrow is not None:
+                    self.narrow.widen(g)
                 with without_grads(unused_pieces(g, unused)):
                     step_with_factor(sub, factor)
+                if self.narrow is not None:
+                    self.narrow.narrow(g)
         g.grad_consumed()
         with self.times.measure("host_publish"):
             event = self._publish(g)

@@ -2,14 +2,24 @@
 
 With `offload_optimizer: {device: nvme}` a rank keeps only its host gradient shards in memory
 between steps. Each offloaded flat group owns one file `<nvme_path>/zerofit-rank<r>-<pid>-<id>/group-<i>.bin`
-laid out as `[master | state tensor 0 | state tensor 1 | ...]`, every region `shard_numel` fp32
-elements (state tensors are per piece, at the piece's offset inside its region, so a region mirrors
-the master's layout). The host stepper swaps a group in just before its step and out right after:
+laid out as `[master | state tensor 0 | state tensor 1 | ...]`, the master's region `shard_numel` fp32
+elements, each state's region `shard_numel` elements as the state is stored (state tensors are per
+piece, at the piece's offset inside its region, so a region mirrors the master's layout). The host
+stepper swaps a group in just before its step and out right after:
 
     read k+1.. (I/O threads)   step k (stepper thread)   write k-1 (I/O threads)
 
 GPU-stepped offload (`step_on: device`) drives the same swapper from `GpuStep`'s issuing thread:
 step k is its chunks' upload, step and download on the device, and write k waits for the downloads.
+
+[Note: narrow state on file]
+With `precision.optimizer_state` bf16 or 8bit ([Note: narrow optimizer state] in zerofit.engine.state_codec) a
+state region holds the stored form, as the state entries do: `shard_numel` codes (2 or 1 bytes each, the
+region rounded up to 4 bytes) and, 8-bit, right after them the fp32 absmax of each block of 16 of the shard,
+which the pieces' `K + ".absmax"` entries view at `offset // 16` (pieces start at multiples of 16 of the
+shard). So the file, the slots and the reads and writes shrink with the state: GPT-2 XL's Adam state at 8 bits
+is 2.5 bytes per element on file instead of 8. Regions are laid out in bytes; each tensor is bound to the
+slot's storage at its byte offset divided by its element size.
 
 [Note: NVMe residency]
 An offloaded group is in exactly one of three states, and its tensors say which:
@@ -64,6 +74,8 @@ from dataclasses import dataclass, field
 import torch
 
 from zerofit.engine.flat_group import FlatGroup
+from zerofit.engine.offload.stored_homes import SCALE_SUFFIX, is_scale_key
+from zerofit.engine.state_codec import BLOCK, Codec, blocks
 from zerofit.errors import EngineError
 
 _KEY = "zero_optimization.offload_optimizer"
@@ -87,8 +99,17 @@ def planned_state_tensors(optimizer: torch.optim.Optimizer) -> int:
     return _STATE_TENSORS.get(name, 2)
 
 
-def planned_bytes(groups: list[FlatGroup], state_tensors: int) -> int:
-    return sum(g.layout.shard_numel * 4 * (1 + state_tensors) for g in groups)
+def state_region_bytes(n: int, codec: Codec) -> int:
+    """Bytes of one state key's region of a file of `n`-element shards: the codes, rounded up to 4 bytes, then
+    the 8-bit block scales (see [Note: narrow state on file]; fp32: `n` * 4, as before)."""
+    codes = -(-n * codec.code_dtype.itemsize // 4) * 4
+    return codes + (blocks(n) * 4 if codec.scaled else 0)
+
+
+def planned_bytes(groups: list[FlatGroup], state_tensors: int, codec: Codec | None = None) -> int:
+    codec = codec or Codec()
+    return sum(g.layout.shard_numel * 4 + state_tensors * state_region_bytes(g.layout.shard_numel, codec)
+               for g in groups)
 
 
 def preflight_error(path: str | None, need_bytes: int, rank: int, *, key: str = f"{_KEY}.nvme_path",
@@ -215,6 +236,8 @@ class _Swapped:
     fd: int
     path: str
     n: int
+    region: int
+    """Bytes of each state key's region (`state_region_bytes`)."""
     master: torch.Tensor
     """The group's `master` (the tensor object, not the group: see HostStepper._run)."""
     pieces: list  # (layout piece, the optimizer's master-piece tensor)
@@ -229,7 +252,8 @@ class _Swapped:
 
     @property
     def numel(self) -> int:
-        return self.n * (1 + len(self.keys))
+        """fp32 elements of the file's used part (the slot's length)."""
+        return (self.n * 4 + len(self.keys) * self.region) // 4
 
 
 class _ShortRead(OSError):
@@ -272,14 +296,16 @@ class NvmeSwapper:
     """Moves offloaded groups between their files and a bounded buffer pool (see [Note: NVMe residency])."""
 
     def __init__(self, groups: list[FlatGroup], optimizer: torch.optim.Optimizer, offload, aio, comm,
-                 device: torch.device):
+                 device: torch.device, codec: Codec | None = None):
+        """`codec`: how the optimizer state is stored (see [Note: narrow state on file])."""
         if offload.buffer_count < 2:
             raise EngineError(f"{_KEY}.buffer_count must be >= 2 for NVMe offload (got {offload.buffer_count}): "
                               "one group steps while the next is read; set it to 2 or more (default 4)")
         self.optimizer = optimizer
+        self.codec = codec or Codec()
         self.rank, self.nvme_path = comm.rank, offload.nvme_path
         self.state_tensors = planned_state_tensors(optimizer)
-        preflight(offload.nvme_path, planned_bytes(groups, self.state_tensors), comm)
+        preflight(offload.nvme_path, planned_bytes(groups, self.state_tensors, self.codec), comm)
         # unique per engine: several engines of one process (tests, evaluation copies) never collide
         self.dir = tempfile.mkdtemp(prefix=f"zerofit-rank{comm.rank}-{os.getpid()}-", dir=offload.nvme_path)
         self._chunk = max(1, aio.block_size) * max(1, aio.queue_depth)
@@ -292,14 +318,17 @@ class NvmeSwapper:
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
             fds.append(fd)
             n = g.layout.shard_numel
+            region = state_region_bytes(n, self.codec)
             if n:  # reserve the blocks now: no ENOSPC in the middle of training
-                os.posix_fallocate(fd, 0, n * 4 * (1 + self.state_tensors))
+                os.posix_fallocate(fd, 0, n * 4 + self.state_tensors * region)
             pieces = [(p, by_ptr[g.master[p.shard_offset:].data_ptr()]) for p in g.layout.pieces(g.placement.rank)]
-            info = self._info[id(g)] = _Swapped(fd=fd, path=path, n=n, master=g.master, pieces=pieces)
+            assert not self.codec.scaled or all(p.shard_offset % BLOCK == 0 for p, _ in pieces), \
+                "8-bit state on file: a piece starts off a block boundary of its shard"
+            info = self._info[id(g)] = _Swapped(fd=fd, path=path, n=n, region=region, master=g.master, pieces=pieces)
             info.crc = _io(os.pwritev, fd, g.master, 0, self._chunk)  # the initial master; no state exists yet
             self._bind(info, None)
         self._infos = list(self._info.values())
-        capacity = max((i.n * (1 + self.state_tensors) for i in self._infos), default=0)
+        capacity = max(((i.n * 4 + self.state_tensors * i.region) // 4 for i in self._infos), default=0)
         pin = device.type == "cuda" and offload.pin_memory
         self.pool = BufferPool(min(offload.buffer_count, max(1, len(self._infos))), capacity, pin)
         self.ahead = self.pool.count - 1
@@ -314,15 +343,22 @@ class NvmeSwapper:
 
     # --- binding ------------------------------------------------------------------------------
     def _targets(self, info: _Swapped):
-        """(tensor, offset in the group's flat layout, numel) for the master, pieces and their state."""
+        """(tensor, byte offset in the group's file, numel) for the master, pieces and their state (codes, and
+        8-bit block scales after each key's codes: see [Note: narrow state on file])."""
         yield info.master, 0, info.n
+        size = self.codec.code_dtype.itemsize
         for piece, t in info.pieces:
-            yield t, piece.shard_offset, piece.length
+            yield t, piece.shard_offset * 4, piece.length
             state = self.optimizer.state.get(t, {})
             for i, key in enumerate(info.keys):
+                base = info.n * 4 + i * info.region
                 v = state.get(key)
                 if isinstance(v, torch.Tensor) and v.ndim == 1:
-                    yield v, (1 + i) * info.n + piece.shard_offset, piece.length
+                    yield v, base + piece.shard_offset * size, piece.length
+                scale = state.get(key + SCALE_SUFFIX) if self.codec.scaled else None
+                if isinstance(scale, torch.Tensor) and scale.ndim == 1:
+                    scales_at = base + info.region - blocks(info.n) * 4
+                    yield scale, scales_at + piece.shard_offset // BLOCK * 4, blocks(piece.length)
 
     @torch.no_grad()
     def _bind(self, info: _Swapped, flat: torch.Tensor | None) -> None:
@@ -331,23 +367,26 @@ class NvmeSwapper:
             if flat is None:
                 t.set_(torch.empty(0, dtype=t.dtype).untyped_storage())
             else:
-                t.set_(flat.untyped_storage(), flat.storage_offset() + off, (length,), (1,))
+                t.set_(flat.untyped_storage(), (flat.storage_offset() * 4 + off) // t.element_size(), (length,), (1,))
 
     @torch.no_grad()
     def _collect(self, info: _Swapped, flat: torch.Tensor) -> None:
         """Make `flat` hold the group's current values: adopt state the optimizer created (its first
         step, a checkpoint load) and copy in whatever is not already bound there."""
+        stored = self.codec.code_dtype
         for _, t in info.pieces:
             for key, v in self.optimizer.state.get(t, {}).items():
-                if isinstance(v, torch.Tensor) and v.ndim == 1 and v.numel() == t.numel() and key not in info.keys:
-                    if v.dtype != torch.float32 or len(info.keys) >= self.state_tensors:
+                if (isinstance(v, torch.Tensor) and v.ndim == 1 and v.numel() == t.numel() and key not in info.keys
+                        and not is_scale_key(key)):
+                    if v.dtype != stored or len(info.keys) >= self.state_tensors:
                         raise EngineError(
-                            f"NVMe offload planned {self.state_tensors} fp32 state tensor(s) per parameter for "
-                            f"{type(self.optimizer).__name__}, but it keeps '{key}' ({v.dtype}) too: use "
-                            f"{_KEY}.device 'cpu' for this optimizer")
+                            f"NVMe offload planned {self.state_tensors} state tensor(s) per parameter stored as "
+                            f"{stored} for {type(self.optimizer).__name__}, but it keeps '{key}' ({v.dtype}) too: "
+                            f"use {_KEY}.device 'cpu' for this optimizer")
                     info.keys.append(key)
+        raw = flat.view(torch.uint8)
         for t, off, length in list(self._targets(info)):
-            region = flat[off:off + length]
+            region = raw[off:off + length * t.element_size()].view(t.dtype)
             if t.numel() == length and t.data_ptr() != region.data_ptr():
                 region.copy_(t)
 
@@ -446,9 +485,10 @@ class NvmeSwapper:
                     raise
                 self._bind(info, info.temp)
             for _, t in info.pieces:  # state a checkpoint load created while the group was on file
-                for v in self.optimizer.state.get(t, {}).values():
+                for k, v in self.optimizer.state.get(t, {}).items():
                     if isinstance(v, torch.Tensor) and v.ndim == 1 and v.numel() == 0:
-                        v.set_(torch.zeros(t.numel(), dtype=v.dtype).untyped_storage())
+                        want = blocks(t.numel()) if is_scale_key(k) else t.numel()
+                        v.set_(torch.zeros(want, dtype=v.dtype).untyped_storage())
 
     def evict_materialized(self) -> None:
         """Write materialised groups back to their files and drop their buffers (before a step)."""

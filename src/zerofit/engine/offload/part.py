@@ -33,6 +33,7 @@ from zerofit.engine.comm import Collectives, Pending
 from zerofit.engine.flat_group import FlatGroup
 from zerofit.engine.offload.nvme import NvmeSwapper
 from zerofit.engine.stage3 import opaque
+from zerofit.engine.state_codec import Codec
 from zerofit.engine.step_mode import StepMode, WrappingStep, publish_bounds
 from zerofit.engine.timing import StepTimes
 from zerofit.engine.unit import Unit
@@ -71,12 +72,15 @@ class OffloadPart(WrappingStep):
                 hooks.append(target.register_forward_pre_hook(opaque(lambda *_a, u=unit: self._await(u))))
         return hooks
 
-    def _nvme_swapper(self, offload: OffloadConfig | None, aio: AioConfig | None) -> NvmeSwapper | None:
-        """The swapper of the groups' files under `offload.device` "nvme", else None. Built once the groups'
-        optimizer pieces were matched (by address): swapping out empties the tensors."""
+    def _nvme_swapper(self, offload: OffloadConfig | None, aio: AioConfig | None,
+                      codec: Codec | None = None) -> NvmeSwapper | None:
+        """The swapper of the groups' files under `offload.device` "nvme", else None (`codec`: the form the state
+        is stored in there). Built once the groups' optimizer pieces were matched (by address): swapping out
+        empties the tensors."""
         if offload is None or offload.device != "nvme":
             return None
-        return NvmeSwapper(self.groups, self.optimizer, offload, aio or AioConfig(), self.comm, self.comm.device)
+        return NvmeSwapper(self.groups, self.optimizer, offload, aio or AioConfig(), self.comm, self.comm.device,
+                           codec)
 
     def _settle_before_read(self, settle: Callable[[], None]) -> None:
         """Host readers of the groups' state call `settle` first. One object for every group:
