@@ -33,6 +33,7 @@ from zerofit.engine.find_units import plan_units
 from zerofit.engine.flat_group import FlatGroup
 from zerofit.engine.full_state import FullStateDict
 from zerofit.engine.full_state_load import FullStateLoad
+from zerofit.engine.kept import configured_budget
 from zerofit.engine.loss_scale import LossScaler
 from zerofit.engine.materialize import Materializer, has_meta_tensors
 from zerofit.engine.offload import GpuStep, HostStep, Offload
@@ -165,7 +166,9 @@ class ZeroEngine:
         self.watch.install()  # before the stage-3 hooks: its output hook opens a backward before they run
         self.stage3 = Stage3Hooks(self.units[0], self.units, in_backward, self._pass_over,
                                   notice_backward=self.watch.notice)
-        self.keep_gathered_budget = self._configured_keep_budget()
+        self.keep_gathered_budget = configured_budget(has_optimizer=self.optimizer is not None,
+                                                      max_live_parameters=self.zero.max_live_parameters,
+                                                      compute_dtype=self.compute_dtype)
         # model.state_dict() gathers (see its note)
         self.full_state = FullStateDict(model, self.units, is_main=self.comm.rank == 0)
         self.full_state.before_gather = self.stage3.kept.release  # [Note: kept units]
@@ -212,17 +215,6 @@ class ZeroEngine:
         self.offload = Offload(host=host, gpu=gpu)
         return mode
 
-    def _configured_keep_budget(self) -> int | None:
-        """Bytes no-grad forwards may keep gathered: `zero.max_live_parameters` elements in the compute dtype,
-        None when it is not written; 0 for a model without an optimizer (see [Note: kept units] in
-        zerofit.engine.kept: nothing would ever release them)."""
-        if self.optimizer is None:
-            return 0
-        live = self.zero.max_live_parameters
-        if live is None:
-            return None
-        return int(live) * torch.empty((), dtype=self.compute_dtype).element_size()
-
     @property
     def keep_gathered_budget(self) -> int | None:
         """Stage 3: bytes of gathered parameters forwards without autograd (generation, evaluation) keep until
@@ -232,11 +224,7 @@ class ZeroEngine:
 
     @keep_gathered_budget.setter
     def keep_gathered_budget(self, budget: int | None) -> None:
-        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
-            raise EngineError(f"keep_gathered_budget must be a number of bytes >= 0 or None (got {budget!r}): "
-                              "0 streams every unit in generation, None keeps what fits the device")
-        self.stage3.kept.release()
-        self.stage3.kept.budget = budget
+        self.stage3.kept.set_budget(budget)
 
     def _device_step(self, plain: PlainStep) -> StepMode:
         return CompactStep(self.optimizer, plain) if any(g.compact for g in plain.groups) else plain

@@ -45,6 +45,7 @@ import torch
 
 from zerofit.engine.comm import Collectives
 from zerofit.engine.unit import ParamState, Unit
+from zerofit.errors import EngineError
 
 KEEP_MARGIN_SHARE = 0.10
 """Share of the device's memory a keeping session leaves free (CUDA), for activations and the KV cache."""
@@ -55,6 +56,16 @@ KEEP_MARGIN_MIN = 1 << 30
 def gathered_bytes(unit: Unit) -> int:
     """Bytes the unit's sharded groups hold while gathered (0: nothing to gather)."""
     return sum(g.layout.padded_numel * g.param_flat.element_size() for g in unit.groups if g.placement.shard_params)
+
+
+def configured_budget(*, has_optimizer: bool, max_live_parameters, compute_dtype: torch.dtype) -> int | None:
+    """Bytes no-grad forwards may keep gathered: `zero.max_live_parameters` elements in the compute dtype,
+    None when it is not written; 0 for a model without an optimizer (nothing would ever release them)."""
+    if not has_optimizer:
+        return 0
+    if max_live_parameters is None:
+        return None
+    return int(max_live_parameters) * torch.empty((), dtype=compute_dtype).element_size()
 
 
 class KeptUnits:
@@ -69,6 +80,14 @@ class KeptUnits:
         self._bytes = 0
         self._limit: int | None = None
         """The bytes this session may keep (None: no session open)."""
+
+    def set_budget(self, budget: int | None) -> None:
+        """A new budget (bytes, 0 or None: see `budget`); what was kept is released first."""
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
+            raise EngineError(f"keep_gathered_budget must be a number of bytes >= 0 or None (got {budget!r}): "
+                              "0 streams every unit in generation, None keeps what fits the device")
+        self.release()
+        self.budget = budget
 
     @property
     def open(self) -> bool:
