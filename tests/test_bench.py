@@ -253,7 +253,9 @@ def test_a_compiled_row_trains_as_its_eager_row_and_the_table_says_so(tmp_path):
             state.record(event)
         table["rows"].append(state.as_record())
     eager, compiled = (r["equal"] for r in table["rows"])
-    assert len(eager["losses"]) == 3 and compiled["losses"] == eager["losses"]  # aot_eager: the same kernels
+    # aot_eager runs the traced graph's ATen ops eagerly; its decompositions may sum in another order, and one
+    # full-suite run saw the third loss 4.8e-7 (relative 8e-8) apart: equal to fp32 rounding, not bit for bit
+    assert len(eager["losses"]) == 3 and compiled["losses"] == pytest.approx(eager["losses"], rel=1e-6)
     assert table["rows"][1]["config"]["compile"] == "Accelerator(dynamo_backend='aot_eager')"
     assert compiled["first_s"] > compiled["train_s"]  # the compile is in the first step, not in the timed ones
     record = {"options": {"nproc": 1, "precision": "no", "clip": 1.0, "steps": 2, "warmup": 1, "device": "cpu",
