@@ -50,7 +50,12 @@ SETTINGS = ([dict(stage=s) for s in (1, 2, 3)]
                dict(stage=2, offload="cpu", step_on="device", host_share=0.5, chunk=64)]  # host and GPU-stepped
             + NVME)
 BASES = [dataclasses.replace(t, state=s) for s in ("bf16", "8bit") for t in TRAININGS]
-VARIANTS = [dataclasses.replace(b, **kw) for b in BASES for kw in SETTINGS]
+CORE = [dict(stage=2), dict(stage=3, offload="cpu", step_on="device", chunk=64),
+        dict(stage=2, offload="cpu", step_on="host"), NVME[0]]
+"""SGD's momentum and the frozen / scheduled training go through one setting of each home (the suite's time);
+AdamW's two trainings through every setting."""
+VARIANTS = [dataclasses.replace(b, **kw) for b in BASES
+            for kw in (SETTINGS if b.optim == "adamw" and not b.freeze else CORE)]
 MIXED = [Case(stage=2, precision="bf16", state=s, steps=5) for s in ("bf16", "8bit")]
 """bf16 compute (the master travels split when GPU-stepped): compared between settings only."""
 MIXED_VARIANTS = [dataclasses.replace(m, stage=3, offload="cpu", step_on="device", chunk=64) for m in MIXED]
