@@ -37,7 +37,7 @@ FROZEN = {
     "estimate": {
         "--model": (), "--task": (), "--num_processes": ("--num_gpus",), "--gpu_memory_gib": ("--gpu_memory",),
         "--host_memory_gib": ("--host_memory",), "--gpus_per_host": (), "--micro_batch": (), "--seq": (),
-        "--gradient_accumulation_steps": (), "--mixed_precision": (), "--optimizer_states": (),
+        "--gradient_accumulation_steps": (), "--mixed_precision": (), "--state_tensors": ("--optimizer_states",),
         "--optimizer_state": (), "--checkpointing": (), "--offload_ratio": (), "--step_on": (), "--host_share": (),
         "--nvme": (),
         "--headroom": (), "--json": (),

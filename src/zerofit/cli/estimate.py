@@ -40,7 +40,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_flag(p, "--seq", type=int, default=512, help="tokens per sample (default 512)")
     add_flag(p, "--gradient_accumulation_steps", type=int, default=1, help="micro-steps per optimizer step")
     add_flag(p, "--mixed_precision", default="bf16", choices=_PRECISIONS, help="compute dtype (default bf16)")
-    add_flag(p, "--optimizer_states", type=int, default=2,
+    add_flag(p, "--state_tensors", type=int, default=2, aliases=("--optimizer_states",),
              help="state tensors per parameter: 2 for Adam/AdamW (default), 1 SGD+momentum, 0 SGD")
     add_flag(p, "--optimizer_state", default="fp32", choices=("fp32", "bf16", "8bit"),
              help="how those tensors are stored (precision.optimizer_state): fp32 (default, 4 bytes an element), "
@@ -89,8 +89,8 @@ def _check(args: argparse.Namespace) -> None:
     if args.gpus_per_host is not None and not 1 <= args.gpus_per_host <= args.num_processes:
         raise UsageError(f"--gpus_per_host must be between 1 and --num_processes ({args.num_processes}) (got "
                          f"{args.gpus_per_host})")
-    if args.optimizer_states < 0:
-        raise UsageError(f"--optimizer_states must be 0 or more (got {args.optimizer_states})")
+    if args.state_tensors < 0:
+        raise UsageError(f"--state_tensors must be 0 or more (got {args.state_tensors})")
     if args.offload_ratio != "auto" and not 0 < args.offload_ratio <= 1:
         raise UsageError(f"--offload_ratio must be in (0, 1] (got {args.offload_ratio}): 1.0 offloads all of the "
                          "optimizer state")
@@ -114,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "no": torch.float32}[args.mixed_precision]
     fake = build_fake_model(args.model, dtype=dtype, task=args.task)
     work = Workload(world=args.num_processes, mixed_precision=args.mixed_precision, micro_batch=args.micro_batch,
-                    seq=args.seq, optimizer_states=args.optimizer_states, optimizer_state=args.optimizer_state,
+                    seq=args.seq, optimizer_states=args.state_tensors, optimizer_state=args.optimizer_state,
                     gradient_accumulation_steps=args.gradient_accumulation_steps)
     ck = {"both": (False, True), "on": (True,), "off": (False,)}[args.checkpointing]
     budget = machine_budget(gpu_memory_gib=args.gpu_memory_gib, host_memory_gib=args.host_memory_gib,
@@ -134,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
     if share == "auto":
         share = 0.0 if rates is None else bandwidth.best_host_share(
             shared_rates(rates, budget.ranks_per_host), 10**9, param_bytes=_BYTES[args.mixed_precision],
-            state_tensors=args.optimizer_states)
+            state_tensors=args.state_tensors)
     shares = [share, 0.0] if share and step_on == "device" else [share if step_on == "device" else 0.0]
     settings = [s for h in shares for s in all_settings(work.world, checkpointing=tuple(traces), nvme=args.nvme,
                                                          offload_ratio=ratio, step_on=step_on, host_share=h)]
