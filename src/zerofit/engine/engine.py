@@ -36,7 +36,6 @@ from zerofit.engine.full_state_load import FullStateLoad
 from zerofit.engine.kept import configured_budget
 from zerofit.engine.loss_scale import LossScaler
 from zerofit.engine.materialize import Materializer, has_meta_tensors
-from zerofit.engine.offload import GpuStep, HostStep, Offload
 from zerofit.engine.optim import (
     folds_grad_scale,
     global_grad_sumsq,
@@ -59,11 +58,11 @@ from zerofit.engine.policy import (
 )
 from zerofit.engine.stage3 import Stage3Hooks
 from zerofit.engine.state_codec import Codec
-from zerofit.engine.step_mode import CompactStep, PlainStep, StepFactors, StepMode, publish
+from zerofit.engine.step_assembly import assemble_step_mode
+from zerofit.engine.step_mode import StepFactors, publish
 from zerofit.engine.timing import StepTimes
 from zerofit.engine.unit import Unit
 from zerofit.engine.unused_params import mark_unused
-from zerofit.engine.whole_step import WholeStep
 from zerofit.engine.window import AccumulationWindow, InWindow
 from zerofit.errors import EngineError
 
@@ -153,12 +152,11 @@ class ZeroEngine:
         self._warned_nonfinite = False
         self._hooks = [p.register_post_accumulate_grad_hook(partial(self._on_grad, u, gi, i))
                        for u in self.units for gi, g in enumerate(u.trainable) for i, p in enumerate(g.params)]
-        self.offload = Offload()
-        """The offload parts of the step mode, for inspection (tests, benchmarks)."""
-        self.whole_step: WholeStep | None = None
-        """The step of the parameters stepped whole, when a per-parameter optimizer holds some (checkpoints
-        read its stand-ins: zerofit.checkpoint.whole_state)."""
-        self.mode: StepMode = self._step_mode()  # before the stage-3 hooks: see [Note: offload parts]
+        # before the stage-3 hooks: see [Note: offload parts]
+        self.mode, self.offload, self.whole_step = assemble_step_mode(self)
+        """`mode`: how the optimizer step runs; `offload`: its offload parts, for inspection (tests, benchmarks);
+        `whole_step`: the step of the parameters stepped whole, when a per-parameter optimizer holds some
+        (checkpoints read its stand-ins: zerofit.checkpoint.whole_state)."""
         in_backward = lambda: self._in_backward  # noqa: E731
         self.watch = BackwardWatch(model, [p for g in self.trainable_groups for p in g.params],
                                    in_backward=in_backward, begin=partial(self._begin_backward, scaled=False),
@@ -179,42 +177,6 @@ class ZeroEngine:
         if self.compute_dtype != torch.float32:
             self._hooks.append(model.register_forward_pre_hook(self._cast_inputs, with_kwargs=True))
 
-    def _step_mode(self) -> StepMode:
-        """How the optimizer step runs (see [Note: step modes] in zerofit.engine.step_mode): the device's
-        step of the groups kept there, wrapped by the offload parts (see [Note: offload parts] in
-        zerofit.engine.offload.part), which it records in `self.offload`."""
-        whole = [g for g in self.trainable_groups if g.whole]
-        mode = self._offload_step([g for g in self.trainable_groups if not g.whole])
-        if not whole:
-            return mode
-        self.whole_step = WholeStep(self.optimizer, whole, mode, self.comm, self.device)
-        return self.whole_step
-
-    def _offload_step(self, elementwise: list[FlatGroup]) -> StepMode:
-        """The step of the groups of elementwise optimizers: on the device, or wrapped by the offload parts."""
-        hosted = [g for g in elementwise if g.placement.host_stepped]
-        # narrow state on the device is widened and narrowed chunk by chunk as GPU-stepped state is (see
-        # [Note: narrow state in the stream] in zerofit.engine.offload.gpu): those groups join its stream
-        narrow = self.codec.narrow and self.optimizer is not None
-        streamed = [g for g in elementwise if g.placement.gpu_stepped or (narrow and not g.placement.offloaded)]
-        if self.optimizer is None or not (hosted or streamed):
-            return self._device_step(PlainStep(self.optimizer, elementwise, self.comm))
-        on_device = [g for g in elementwise if not g.placement.offloaded and not narrow]
-        mode = self._device_step(PlainStep.part_of(self.optimizer, on_device, self.comm))
-        gpu = host = None
-        if streamed:
-            mode = gpu = GpuStep(self.optimizer, streamed, mode, model=self.model, units=self.units,
-                                    comm=self.comm, times=self.times, offload=self.zero.offload_optimizer,
-                                    aio=self.zero.aio, codec=self.codec)
-        if hosted:
-            mode = host = HostStep(self.optimizer, hosted, mode, model=self.model, units=self.units,
-                                   trainable=self.trainable_groups, comm=self.comm, reductions=self.reductions,
-                                   times=self.times, offload=self.zero.offload_optimizer, aio=self.zero.aio,
-                                   needs_norm=self.gradient_clipping > 0 or self.scaler.enabled
-                                   or self.precision.skip_nonfinite_steps, codec=self.codec)
-        self.offload = Offload(host=host, gpu=gpu)
-        return mode
-
     @property
     def keep_gathered_budget(self) -> int | None:
         """Stage 3: bytes of gathered parameters forwards without autograd (generation, evaluation) keep until
@@ -225,9 +187,6 @@ class ZeroEngine:
     @keep_gathered_budget.setter
     def keep_gathered_budget(self, budget: int | None) -> None:
         self.stage3.kept.set_budget(budget)
-
-    def _device_step(self, plain: PlainStep) -> StepMode:
-        return CompactStep(self.optimizer, plain) if any(g.compact for g in plain.groups) else plain
 
     def settle(self) -> None:
         """Finish overlapped host steps and make every offloaded state tensor readable (with NVMe:

@@ -8,6 +8,9 @@
 | `gpu.py` | `GpuStep`: the GPU-stepped part (state in host memory, streamed through device chunks) |
 | `gpu_issue.py` | `IssueThread`: the thread that queues the GPU-stepped part's chunks |
 | `gpu_runs.py` | what the GPU-stepped part streams: runs of optimizer pieces and their chunks |
+| `gpu_slot.py` | one chunk's device buffers of the stream |
+| `stored_homes.py` | where a run keeps bf16 / 8-bit state, and how its pieces view it |
+| `host_narrow.py` | bf16 / 8-bit state widened for the CPU optimizer, one group at a time |
 | `master_split.py` | the fp32 master as its bf16 rounding plus low halves and carries (what crosses the bus) |
 | `nvme.py` | `NvmeSwapper`: each group's state in its own file, read ahead and written behind |
 | `threads.py` | the loop both threads run |

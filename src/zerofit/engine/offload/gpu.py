@@ -87,6 +87,7 @@ from zerofit.engine.offload.gpu_runs import (  # noqa: F401 - ChunkSpan and plan
     rehome,
     state_keys,
 )
+from zerofit.engine.offload.gpu_slot import Slot
 from zerofit.engine.offload.nvme import NvmeSwapper
 from zerofit.engine.offload.part import OffloadPart
 from zerofit.engine.offload.stored_homes import (
@@ -137,34 +138,6 @@ def stream_pool_bytes(largest_piece: int, *, state_tensors: int, compact: bool,
     return STREAM_SLOTS * per_slot
 
 
-class _Slot:
-    """One chunk's worth of device buffers, and the events that order their reuse."""
-
-    def __init__(self, capacity: int, device: torch.device):
-        self.capacity = capacity
-        self.device = device
-        self._buffers: dict[tuple[str, torch.dtype], torch.Tensor] = {}
-        self.free = None
-        """Event: the last download from this slot is done (None: never used, or CPU)."""
-
-    def buf(self, name: str, dtype: torch.dtype, n: int, shift: int = 0) -> torch.Tensor:
-        """`n` elements of buffer `name`, starting `shift` elements in (see [Note: chunk alignment])."""
-        key = (name, dtype)
-        if key not in self._buffers:
-            self._buffers[key] = torch.empty(self.capacity + VECTOR, dtype=dtype, device=self.device)
-        return self._buffers[key][shift:shift + n]
-
-    def packed(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the packed form of an `n`-element split master, the carries' scratch): uint8 buffers."""
-        packed, carries = ("packed", torch.uint8), ("carries", torch.uint8)
-        if packed not in self._buffers:
-            cap = self.capacity
-            self._buffers[packed] = torch.empty(master_split.packed_bytes(cap), dtype=torch.uint8, device=self.device)
-            self._buffers[carries] = torch.empty(master_split.scratch_bytes(cap), dtype=torch.uint8,
-                                                 device=self.device)
-        return self._buffers[packed][:master_split.packed_bytes(n)], self._buffers[carries]
-
-
 class GpuStep(OffloadPart):
     """GPU-stepped offload of `groups`; `inner` steps the groups that stay on the device (module doc)."""
 
@@ -191,7 +164,7 @@ class GpuStep(OffloadPart):
         self._runs: dict[int, list[Run]] = {id(g): plan_runs(g, optimizer, chunk) for g in groups}
         """Per group: its runs of pieces, each with its chunks (see [Note: runs] in zerofit.engine.offload.gpu_runs)."""
         largest = max((r.end - r.start for runs in self._runs.values() for r in runs), default=1)
-        self._slots = [_Slot(min(chunk, largest), self.device) for _ in range(max(1, slots))]
+        self._slots = [Slot(min(chunk, largest), self.device) for _ in range(max(1, slots))]
         self._next_slot = 0
         self._opts: dict[int, torch.optim.Optimizer] = {}
         """An optimizer of the script's class per param group, re-pointed at each chunk's pieces."""
@@ -371,7 +344,7 @@ class GpuStep(OffloadPart):
             if id(p) in last:
                 state[p.master].update(last[id(p)])  # the piece's scalar state moves on as its last part's did
 
-    def _staged(self, slot: _Slot, key: str, home: Stored, lo: int, n: int, *, upload: bool = True) -> Stored:
+    def _staged(self, slot: Slot, key: str, home: Stored, lo: int, n: int, *, upload: bool = True) -> Stored:
         """Where chunk [lo, lo + n) of `home` is widened from and narrowed into: the home itself when it is on
         the device, else the slot's staging buffers (filled from the home now, on the upload stream)."""
         if home.codes.device == self.device:
@@ -450,7 +423,7 @@ class GpuStep(OffloadPart):
         return ptr in self._pinned
 
     def _step_chunk(self, g: FlatGroup, run: Run, opt: torch.optim.Optimizer, span: ChunkSpan, master: torch.Tensor,
-                    slot: _Slot, homes: dict, fresh: set[int], unused: frozenset[int], scale, kernel,
+                    slot: Slot, homes: dict, fresh: set[int], unused: frozenset[int], scale, kernel,
                     created: dict[int, dict], last: dict[int, dict]) -> dict[str, torch.dtype]:
         """Step the pieces in one chunk (on the step stream), one tensor each, in one call; publish the chunk
         into the parameters and zero its gradient. Returns the per-element state keys the optimizer created
