@@ -89,12 +89,21 @@ def fsdp2_step(args, ids):
         fully_shard(block, mp_policy=mp, offload_policy=CPUOffloadPolicy())
     fully_shard(model, mp_policy=mp, offload_policy=CPUOffloadPolicy())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=True)
+    return _plain_step(model, opt, ids, args.clip, autocast=False)  # FSDP2's mixed-precision policy casts
+
+
+def _plain_step(model, opt, ids, clip: float, *, autocast: bool):
+    """One training step as a plain PyTorch loop writes it (bf16 autocast when asked)."""
+    import contextlib
+
+    import torch
 
     def step():
-        loss = model(input_ids=ids, labels=ids).loss
+        with torch.autocast("cuda", dtype=torch.bfloat16) if autocast else contextlib.nullcontext():
+            loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
-        if args.clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss
@@ -124,15 +133,7 @@ def zerofit_or_torch_step(method: str, args, ids):
     model = build_model(args, device="meta" if args.meta and method != "torch" else "cuda")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=True)
     if method == "torch":
-        def step():
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            if args.clip:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return loss
+        step = _plain_step(model, opt, ids, args.clip, autocast=True)
     else:
         from zerofit.config.schema import OffloadConfig, PrecisionConfig, ZeroConfig
         from zerofit.engine import ZeroEngine
