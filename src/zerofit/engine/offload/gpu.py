@@ -327,7 +327,7 @@ class GpuStep(OffloadPart):
                     run_master[lo:lo + n].copy_(master, non_blocking=True)
                 for k, home in homes.items():  # every per-element state of the chunk is in its slot
                     if isinstance(home, Stored):
-                        if staged[k] is not None and staged[k].codes.data_ptr() != home.codes[lo:].data_ptr():
+                        if home.codes.device != self.device:  # a device home was narrowed into in place
                             home.slice(lo, n).copy_(staged[k], non_blocking=True)
                     else:
                         home[lo:lo + n].copy_(slot.buf(k, home.dtype, n), non_blocking=True)
