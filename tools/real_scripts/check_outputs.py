@@ -20,7 +20,7 @@ import json
 from pathlib import Path
 
 KIND = {"glue": "classifier", "clm": "lm", "translation": "seq2seq", "sft": "lm", "dpo": "lm", "corda": "lm",
-        "reward": "reward", "kto": "lm", "rloo": "lm"}
+        "reward": "reward", "kto": "lm", "rloo": "lm", "grpo": "lm"}
 FIXTURE = {"classifier": "tiny-bert", "lm": "tiny-llama", "seq2seq": "tiny-bart", "reward": "tiny-llama"}
 # TRL's RewardTrainer puts a one-output score head on the causal LM's body
 EXTRA_KWARGS = {"reward": {"num_labels": 1}}

@@ -9,7 +9,7 @@
 #   run_clm.py           transformers examples/pytorch/language-modeling/run_clm.py
 #   run_translation.py   transformers examples/pytorch/translation/run_translation.py (Seq2SeqTrainer)
 #   sft.py, dpo.py       trl/scripts/sft.py and trl/scripts/dpo.py
-#   reward.py, kto.py, rloo.py  trl/scripts/{reward,kto,rloo}.py (rloo with the rule-based --reward_funcs
+#   reward.py, kto.py, rloo.py, grpo.py  trl/scripts/{reward,kto,rloo,grpo}.py (rloo and grpo with the rule-based --reward_funcs
 #                        rewards.vowel_share that make_fixtures.py writes)
 #   corda_finetuning.py  peft examples/corda_finetuning/corda_finetuning.py (Trainer + LoRA)
 # The transformers scripts import `evaluate`: have it importable (SCRIPTS_DIR/pydeps is put on the path).
@@ -27,7 +27,7 @@
 #             zero3_offload_shipped  tests/fixtures/configs/ds_zero3_offload.json as it is
 #             zf_zero2       a zerofit YAML, stage 2 with no optimizer section (the Trainer's own AdamW)
 #             acc_zero2      tests/fixtures/configs/accelerate_zero2.yaml (Accelerate YAML, DeepSpeed stage 2)
-#   SCRIPTS   which scripts (default "glue clm translation sft dpo corda"; also reward kto rloo)
+#   SCRIPTS   which scripts (default "glue clm translation sft dpo corda"; also reward kto rloo grpo)
 #   LAUNCH_FLAGS  flags for `zerofit launch` before the script (default "--cpu"; "" launches as a user does on a
 #             machine without GPUs, the script's own --use_cpu saying CPU)
 #   EXTRA_ARGS  more arguments for every script (they come last, so they override), e.g. "--use_peft"
@@ -59,7 +59,7 @@ FIX="$OUT/fixtures"
 [[ -f "$FIX/tiny-bart/config.json" ]] || "$PYTHON" "$HERE/make_fixtures.py" "$FIX" || exit 1
 
 declare -A FILE=([glue]=run_glue.py [clm]=run_clm.py [translation]=run_translation.py [sft]=sft.py [dpo]=dpo.py
-                 [corda]=corda_finetuning.py [reward]=reward.py [kto]=kto.py [rloo]=rloo.py)
+                 [corda]=corda_finetuning.py [reward]=reward.py [kto]=kto.py [rloo]=rloo.py [grpo]=grpo.py)
 LAUNCH_FLAGS=${LAUNCH_FLAGS---cpu}
 
 # The one change a user makes: the trainer class comes from zerofit instead of transformers / trl.
@@ -67,8 +67,8 @@ LAUNCH_FLAGS=${LAUNCH_FLAGS---cpu}
 # follows the closing parenthesis; a one-line `from trl import SFTTrainer, a, b` keeps a and b.
 IMPORT_REWRITE='
 s/^\( *\)from transformers import \(Trainer\|Seq2SeqTrainer\)$/\1from zerofit.integrations.transformers import \2/
-s/^\( *\)from trl import \(SFTTrainer\|DPOTrainer\|RewardTrainer\|KTOTrainer\|RLOOTrainer\), \(.*\)$/\1from trl import \3\n\1from zerofit.integrations.trl import \2/
-s/^\( *\)from trl import \(SFTTrainer\|DPOTrainer\|RewardTrainer\|KTOTrainer\|RLOOTrainer\)$/\1from zerofit.integrations.trl import \2/
+s/^\( *\)from trl import \(SFTTrainer\|DPOTrainer\|RewardTrainer\|KTOTrainer\|RLOOTrainer\|GRPOTrainer\), \(.*\)$/\1from trl import \3\n\1from zerofit.integrations.trl import \2/
+s/^\( *\)from trl import \(SFTTrainer\|DPOTrainer\|RewardTrainer\|KTOTrainer\|RLOOTrainer\|GRPOTrainer\)$/\1from zerofit.integrations.trl import \2/
 /^from transformers import ($/,/^)$/{
   /^    \(Seq2Seq\)\{0,1\}Trainer,$/{
     s/^    \(.*\),$/\1/
@@ -149,6 +149,8 @@ script_args() {  # name output_dir -> the script's own arguments
         reward) echo --model_name_or_path "$FIX/tiny-llama" --dataset_name "$FIX/dpo" --bf16 false "${common[@]}" ;;
         kto) echo --model_name_or_path "$FIX/tiny-llama" --dataset_name "$FIX/kto" --bf16 false "${common[@]}" ;;
         rloo) echo --model_name_or_path "$FIX/tiny-llama" --dataset_name "$FIX/prompts" --bf16 false \
+                   --reward_funcs rewards.vowel_share --num_generations 4 --max_completion_length 8 "${common[@]}" ;;
+        grpo) echo --model_name_or_path "$FIX/tiny-llama" --dataset_name "$FIX/prompts" --bf16 false --beta 0.1 \
                    --reward_funcs rewards.vowel_share --num_generations 4 --max_completion_length 8 "${common[@]}" ;;
         corda) echo --model_name_or_path "$FIX/tiny-llama" --data_path "$FIX/instruct" --dataset_split train \
                     --dataset_field instruction output --corda_mode False --lora_r 8 --dataloader_num_proc 1 \
