@@ -175,6 +175,7 @@ def run_engine(rank: int, world: int, case: Case, record_grads: bool = True, dev
             "offloaded": sum(g.placement.host_stepped for g in engine.groups),
             "streamed": sum(g.placement.gpu_stepped for g in engine.groups),
             "early": engine.times.host_steps_in_backward,
+            "gpu_early": engine.times.gpu_steps_in_backward,
             "param_offloaded": sum(g.placement.offload_params for g in engine.groups),
             "nvme_files": len(os.listdir(engine.offload.swapper.dir)) if engine.offload.swapper is not None else 0}
 

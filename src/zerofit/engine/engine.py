@@ -403,7 +403,7 @@ class ZeroEngine:
         """Unscale, then clip the global gradient norm to `max_norm`; returns the norm before clipping."""
         self.reductions.drain()
         norm = self.mode.clip_requested(float(max_norm))
-        if norm is not None:  # the update already ran: [Note: host steps during backward]
+        if norm is not None:  # the update already ran: [Note: updates during backward]
             return norm
         self._prepared = self._unscale_and_clip(float(max_norm), need_norm=True)
         return self._prepared.norm
@@ -545,9 +545,13 @@ class ZeroEngine:
     # --- introspection of the step mode -----------------------------------------------------------
     @property
     def early_off(self) -> str | None:
-        """Why host steps may not start during backward, None when they may
-        ([Note: host steps during backward] in zerofit.engine.offload.host)."""
-        return self.offload.host.early_off if self.offload.host is not None else "no host optimizer steps"
+        """Why offloaded updates may not start during backward, None when one offload part's may
+        ([Note: updates during backward] in zerofit.engine.offload.early)."""
+        parts = [p for p in (self.offload.host, self.offload.gpu) if p is not None]
+        if not parts:
+            return "no offloaded optimizer steps"
+        reasons = [p.early.off for p in parts]
+        return None if None in reasons else "; ".join(dict.fromkeys(reasons))
 
     # --- inspection (tests, checkpoints) --------------------------------------------------------
     def named_full_tensors(self, what: str) -> dict[str, torch.Tensor]:

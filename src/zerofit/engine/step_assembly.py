@@ -40,12 +40,13 @@ def _elementwise_step(engine, elementwise: list[FlatGroup]) -> tuple[StepMode, O
     mode = _device_step(optimizer, PlainStep.part_of(optimizer, on_device, engine.comm))
     gpu = host = None
     offload, aio = engine.zero.offload_optimizer, engine.zero.aio
+    # the step's factor waits for the global gradient norm: no update may start during backward
+    needs_norm = engine.gradient_clipping > 0 or engine.scaler.enabled or engine.precision.skip_nonfinite_steps
     if streamed:
         mode = gpu = GpuStep(optimizer, streamed, mode, model=engine.model, units=engine.units, comm=engine.comm,
-                             times=engine.times, offload=offload, aio=aio, codec=engine.codec)
+                             times=engine.times, offload=offload, aio=aio, codec=engine.codec,
+                             trainable=engine.trainable_groups, reductions=engine.reductions, needs_norm=needs_norm)
     if hosted:
-        needs_norm = (engine.gradient_clipping > 0 or engine.scaler.enabled
-                      or engine.precision.skip_nonfinite_steps)
         mode = host = HostStep(optimizer, hosted, mode, model=engine.model, units=engine.units,
                                trainable=engine.trainable_groups, comm=engine.comm, reductions=engine.reductions,
                                times=engine.times, offload=offload, aio=aio, needs_norm=needs_norm,

@@ -34,7 +34,9 @@ class StepTimes:
     """Main thread: forward (or a read of the state) blocked until the issuing thread had queued a group's
     chunks (with NVMe: read its state from the file first)."""
     host_steps_in_backward: int = 0
-    """Groups whose host step started during backward ([Note: host steps during backward], offload/host.py)."""
+    """Groups whose host step started during backward ([Note: updates during backward], offload/early.py)."""
+    gpu_steps_in_backward: int = 0
+    """GPU-stepped groups issued during backward (the same note)."""
 
     def snapshot(self) -> dict[str, float]:
         return asdict(self)

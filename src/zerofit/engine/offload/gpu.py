@@ -69,9 +69,10 @@ import torch
 from torch import nn
 
 from zerofit.config.schema import AioConfig, OffloadConfig
-from zerofit.engine.comm import Collectives, Pending
+from zerofit.engine.comm import Collectives, InFlight, Pending
 from zerofit.engine.flat_group import FlatGroup
 from zerofit.engine.offload import master_split
+from zerofit.engine.offload.early import EarlyStart, current_settings
 from zerofit.engine.offload.gpu_issue import IssueThread
 from zerofit.engine.offload.gpu_runs import (  # noqa: F401 - ChunkSpan and plan_chunks: public here too
     VECTOR,
@@ -98,7 +99,7 @@ from zerofit.engine.offload.stored_homes import (
     stored_home_of,
     stored_keys,
 )
-from zerofit.engine.optim import folds_grad_scale, member_of_group, step_with_factor
+from zerofit.engine.optim import folds_grad_scale, global_grad_sumsq, member_of_group, step_with_factor
 from zerofit.engine.pinned import pinned_empty
 from zerofit.engine.state_codec import Codec, Stored, blocks
 from zerofit.engine.step_mode import StepFactors, StepMode, gather_params
@@ -144,11 +145,15 @@ class GpuStep(OffloadPart):
     def __init__(self, optimizer: torch.optim.Optimizer, groups: list[FlatGroup], inner: StepMode, *,
                  model: nn.Module, units: list[Unit], comm: Collectives, times: StepTimes,
                  offload: OffloadConfig | None = None, aio: AioConfig | None = None,
-                 chunk: int | None = None, slots: int = STREAM_SLOTS, codec: Codec | None = None):
+                 chunk: int | None = None, slots: int = STREAM_SLOTS, codec: Codec | None = None,
+                 trainable: list[FlatGroup] | None = None, reductions: InFlight | None = None,
+                 needs_norm: bool = True):
         """`offload`, `aio`: with `offload.device` "nvme" the state's home is a file per group (see
         [Note: GPU-stepped offload from NVMe]); `chunk`: elements per chunk (default `STREAM_CHUNK`,
         read when the mode is built); `codec`: how the state is stored (see [Note: narrow state in the
-        stream]); groups not offloaded keep it on the device."""
+        stream]); groups not offloaded keep it on the device. `trainable` (every trainable group, in unit order),
+        `reductions` and `needs_norm` (the step depends on the global gradient norm): for updates started during
+        backward (see [Note: updates during backward] in zerofit.engine.offload.early; never without them)."""
         super().__init__(optimizer, groups, inner, model=model, units=units, comm=comm, times=times)
         self.codec = codec or Codec()
         self._resident = {id(g) for g in groups if not g.placement.offloaded}
@@ -180,6 +185,23 @@ class GpuStep(OffloadPart):
         """Groups whose host master holds the packed form, chunk by chunk (issuing thread; `settle` joins)."""
         self._backward_ran = False
         self.swapper = self._nvme_swapper(offload, aio, self.codec)  # after the pieces were matched (`plan_runs`)
+        self.trainable, self.reductions = trainable or [], reductions
+        off = None
+        if trainable is None or reductions is None:
+            off = "built without the engine's gradient reductions"
+        elif self.swapper is not None:
+            off = "NVMe offload"
+        elif needs_norm:
+            off = "the step depends on the global gradient norm (clipping, fp16 or skip_nonfinite_steps)"
+        self.early = EarlyStart(off, "GPU-stepped optimizer steps")
+        self._early_step = False
+        """This step's window started during backward (`_begin_step` until `_step`)."""
+        self._window_written = None
+        """`_written` when this window's backward began (what its early uploads wait for)."""
+        self._zeroing = True
+        """Issuing thread: the group being issued zeroes its gradient as it steps (not when started early)."""
+        self._unzeroed: set[int] = set()
+        """Groups stepped during backward whose gradients are zeroed when next awaited (after step())."""
         self._splits = {id(g) for g in groups if self._can_split(g)}
         self._run_homes: dict[int, dict[str, torch.Tensor | Stored]] = {}
         """id(run) -> per state key, the home its pieces' state views (see `_homes`)."""
@@ -201,9 +223,58 @@ class GpuStep(OffloadPart):
         if self._backward_ran:  # a second backward in this window: sums must not round (see CompactStep)
             self.widen()
         self._backward_ran = True
+        self.early.begin_backward(sync)
+        self._window_written = self._written  # the issuing thread is idle (all awaited)
+
+    def _reduced(self, unit: Unit, pendings: list[Pending]) -> None:
+        mine = [g for g in unit.trainable if id(g) in self._runs]
+        self.early.offer(unit, pendings, mine)
+        self._submit_ready()
+
+    def _end_backward(self) -> None:
+        if self.early.now:
+            self.reductions.drain()  # the last units' reductions: their groups start before step()
+            self._submit_ready()
+
+    def _submit_ready(self) -> None:
+        groups = self.early.ready(lambda: current_settings(self.optimizer))
+        if groups:
+            self._launch(groups, StepFactors(), self.early.settings, {id(g): frozenset() for g in groups},
+                         written=self._window_written, zero_grads=False)
+            self.times.gpu_steps_in_backward += len(groups)
+
+    def _clip_requested(self, max_norm: float) -> torch.Tensor | None:
+        def norm() -> torch.Tensor:  # of a window already stepped: its gradients are kept until step()
+            self._await_all()
+            return global_grad_sumsq(self.trainable, self.comm, self.device).sqrt()
+        return self.early.clip_requested(max_norm, norm)
+
+    def _begin_step(self) -> bool:
+        self._early_step = self.early.begin_step()
+        return self._early_step
+
+    def _before_inner_step(self, factors: StepFactors) -> None:
+        if not self._early_step:
+            return
+        # Started during backward: the groups backward did not complete step now, with the same settings and a
+        # factor of 1, and the early ones zero their gradients when next awaited (this window's are read until
+        # step(): clip_grad_norm_, inspection)
+        started = self.early.started
+        settings = self.early.check_settings(current_settings(self.optimizer), stacklevel=4)
+        self._unzeroed.update(id(g) for g in self.groups if id(g) in started and g.step_in_flight)
+        rest = [g for g in self.groups if id(g) not in started]
+        if rest:
+            self._launch(rest, StepFactors(), settings, {id(g): g.unused for g in rest}, written=self._window_written)
+
+    def _update_started(self) -> bool:
+        return bool(self.early.started)
+
+    def _discard(self) -> None:
+        self.early.discard()
 
     def _zero_grad(self) -> None:
         self._backward_ran = False
+        self.early.zero_grad()
 
     def _widen(self) -> None:
         for g in self.groups:
@@ -213,32 +284,40 @@ class GpuStep(OffloadPart):
 
     # --- the step -------------------------------------------------------------------------------
     def _step(self, factors: StepFactors) -> None:
+        if self._early_step:  # handed over during backward and in `_before_inner_step`
+            self._early_step = False
+            return
         self._await_all()  # a group still in flight (never used since the last step) finishes first
         self._keep = [f for f in (factors.whole, factors.remaining) if isinstance(f, torch.Tensor)]
-        ready = self._record(None)  # the gradients and the factor are final on the main stream
-        if self._written is not None:
-            self._up.wait_event(self._written)  # host state holds the last step's values
-        if ready is not None:
-            self._work.wait_event(ready)
         if self.swapper is not None:
             self.swapper.evict_materialized()  # inspected or loaded state goes back to its files
             self.swapper.schedule(self.groups)  # the first reads start now
-        folded = folds_grad_scale(self.optimizer)
         # this step's lr & co., taken now: the script's scheduler moves on while the groups are issued
-        # (a tensor lr is copied: torch's schedulers fill it in place, and the groups are stepped on another thread)
-        settings = [{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in pg.items() if k != "params"}
-                    for pg in self.optimizer.param_groups]
-        for g in self.groups:
-            g.step_in_flight = True  # before zero_grad, which must leave these gradients to the step
         # parameters no rank gave a gradient are left out of the update (see [Note: parameters without a
         # gradient]); their chunks still travel, so the host master keeps one form per group
-        unused = {id(g): g.unused for g in self.groups}
-        self.issuer.submit(self.groups, partial(self._issue, factors=factors, folded=folded, settings=settings,
-                                                unused=unused))
+        self._launch(self.groups, factors, current_settings(self.optimizer), {id(g): g.unused for g in self.groups},
+                     written=self._written)
+
+    def _launch(self, groups: list[FlatGroup], factors: StepFactors, settings: list[dict],
+                unused: dict[int, frozenset[int]], *, written, zero_grads: bool = True) -> None:
+        """Hand `groups` to the issuing thread: their gradients and `factors` are final on the main stream now;
+        their uploads wait for `written` (the downloads of the step before)."""
+        ready = self._record(None)
+        for g in groups:
+            g.step_in_flight = True  # before zero_grad, which must leave these gradients to the step
+        self.issuer.submit(groups, partial(self._issue, factors=factors, folded=folds_grad_scale(self.optimizer),
+                                           settings=settings, unused=unused, ready=ready, written=written,
+                                           zero_grads=zero_grads))
 
     def _issue(self, g: FlatGroup, *, factors: StepFactors, folded: bool, settings: list[dict],
-               unused: dict[int, frozenset[int]]) -> None:
-        """On the issuing thread: queue `g`'s chunks on the side streams (swapped in from NVMe around them)."""
+               unused: dict[int, frozenset[int]], ready, written, zero_grads: bool) -> None:
+        """On the issuing thread: queue `g`'s chunks on the side streams (swapped in from NVMe around them), after
+        the events `ready` (gradients and factor final) and `written` (the last step's downloads)."""
+        if written is not None:
+            self._up.wait_event(written)  # host state holds the last step's values
+        if ready is not None:
+            self._work.wait_event(ready)
+        self._zeroing = zero_grads
         if g.compact:  # upcast chunk by chunk; the whole factor goes with it
             scale, kernel = (None, factors.whole) if folded else (factors.whole, None)
         else:  # fp32 gradients were scaled in place already unless the kernel folds the factor
@@ -475,7 +554,8 @@ class GpuStep(OffloadPart):
             slot.buf("param", g.compute_dtype, n).copy_(master)
         else:
             g.param_shard[s:s + n].copy_(master)
-        g.grad_shard[s:s + n].zero_()
+        if self._zeroing:
+            g.grad_shard[s:s + n].zero_()
         return new_keys
 
     def _optimizer_for(self, index: int, settings: dict) -> torch.optim.Optimizer:
@@ -529,6 +609,9 @@ class GpuStep(OffloadPart):
         event = self._done.pop(id(g), None)
         if event is not None:
             torch.cuda.current_stream(self.device).wait_event(event)
+        if id(g) in self._unzeroed:  # stepped during backward, after step(): the window is over
+            self._unzeroed.discard(id(g))
+            g.grad_shard.zero_()
         return gather_params(g, self.comm)  # collectives stay on the main thread, in unit order
 
     def _settle(self, *, state: bool) -> None:
