@@ -188,7 +188,7 @@ def make_row(row: str, args, device: torch.device):
             loss = model(input_ids=ids, labels=ids).loss
             engine.backward(loss)
             engine.step()
-            return loss.detach()
+            return torch.stack([loss.detach().float(), engine.last_grad_norm.float()])
 
         autocast = False
     else:
@@ -196,10 +196,10 @@ def make_row(row: str, args, device: torch.device):
             with torch.autocast(device.type, dtype=torch.bfloat16):
                 loss = model(input_ids=ids, labels=ids).loss
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, args.clip)
+            norm = torch.nn.utils.clip_grad_norm_(params, args.clip)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            return loss.detach()
+            return torch.stack([loss.detach().float(), norm.float()])
 
         autocast = True
 
@@ -256,7 +256,8 @@ def run_row(row: str, args) -> dict:
         torch.cuda.empty_cache()  # the construction's transients go back: another row may share this GPU
         torch.cuda.reset_peak_memory_stats(device)
     record["build_s"] = time.perf_counter() - t_start
-    record.update(train_loss=[], eval=[[0, eval_loss(eval_batches)]], lr=[], step_s=[], stopped_early=False)
+    record.update(train_loss=[], grad_norm=[], eval=[[0, eval_loss(eval_batches)]], lr=[], step_s=[],
+                  stopped_early=False)
     t_train = time.perf_counter()
     try:
         _train(record, args, device, optimizer, train_step, eval_loss, (train_ids, eval_batches), t_train)
@@ -268,6 +269,15 @@ def run_row(row: str, args) -> dict:
     print(f"[{row}] done: {len(record['train_loss'])} steps in {record['train_s']:.1f}s, "
           f"eval {record['eval'][-1][1]:.4f}", flush=True)
     return record
+
+
+def _drain(record: dict, pending: list[torch.Tensor]) -> None:
+    """The (loss, gradient norm before clipping) of the steps not read yet, into the record."""
+    if pending:
+        both = torch.stack(pending).tolist()
+        record["train_loss"] += [b[0] for b in both]
+        record["grad_norm"] += [b[1] for b in both]
+        pending.clear()
 
 
 def _train(record, args, device, optimizer, train_step, eval_loss, data, t_train) -> None:
@@ -286,8 +296,7 @@ def _train(record, args, device, optimizer, train_step, eval_loss, data, t_train
         record["step_s"].append(time.perf_counter() - t0)
         done = step + 1
         if done % args.eval_every == 0 or done == args.steps or done % 25 == 0:
-            record["train_loss"] += torch.stack(pending).float().tolist()
-            pending = []
+            _drain(record, pending)
             if done % args.eval_every == 0 or done == args.steps:
                 record["eval"].append([done, eval_loss(eval_batches)])
                 _finish(record, device, t_train)
@@ -295,8 +304,7 @@ def _train(record, args, device, optimizer, train_step, eval_loss, data, t_train
             print(f"[{record['row']}] step {done}/{args.steps} loss {record['train_loss'][-1]:.4f} eval "
                   f"{record['eval'][-1][1]:.4f} (at {record['eval'][-1][0]}) {time.perf_counter() - t_train:.1f}s",
                   flush=True)
-    if pending:
-        record["train_loss"] += torch.stack(pending).float().tolist()
+    _drain(record, pending)
     if record["eval"][-1][0] != len(record["train_loss"]):
         record["eval"].append([len(record["train_loss"]), eval_loss(eval_batches)])
     _finish(record, device, t_train)

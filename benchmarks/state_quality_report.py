@@ -94,8 +94,9 @@ def summary(rows: dict[str, dict]) -> str:
            f"Gap: trailing mean over {c['window']} steps, max over steps >= {c['gap_from']} of |row - reference| / "
            "reference (reference: the fp32-state row of the same precision regime).", "",
            "| row | steps | final train loss (mean of last 50) | held-out loss | reference | max gap | at step | "
-           "final train vs reference | held-out vs reference | train s (wall) | GPU peak GiB (reserved) |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+           "final train vs reference | held-out vs reference | clipped after warm-up | train s (wall) | "
+           "GPU peak GiB (reserved) |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, row in rows.items():
         if not _ran(row):
             out.append(f"| {name} | skipped: {row.get('skipped', 'no steps')} |||||||||| ")
@@ -108,12 +109,22 @@ def summary(rows: dict[str, dict]) -> str:
                  f"{gap[0]:.2%}" if gap else "-", str(gap[1]) if gap else "-",
                  f"{final_train(row) / final_train(ref) - 1:+.2%}" if ref else "-",
                  f"{row['eval'][-1][1] / ref['eval'][-1][1] - 1:+.2%}" if ref else "-",
+                 clipped_share(row),
                  f"{row.get('train_s', 0):.0f}",
                  f"{row['gpu_peak_gib']:.1f} ({row['gpu_reserved_gib']:.1f})" if "gpu_peak_gib" in row else "-"]
         out.append("| " + " | ".join(cells) + " |")
     out += ["", *verdicts(ran), "", "Rows may have shared the GPU two at a time (benchmarks/state_quality_gpu.sh): "
             "the wall times are not speeds."]
     return "\n".join(out)
+
+
+def clipped_share(row: dict) -> str:
+    """Steps after warm-up whose gradient norm exceeded the clip (the share a step speculating that clipping does
+    not bite would redo; see [Note: clipping and the overlapped step] in zerofit.engine.offload.gpu)."""
+    norms = row.get("grad_norm", [])[row["config"]["warmup"]:]
+    if not norms:
+        return "-"
+    return f"{sum(n > row['config']['clip'] for n in norms) / len(norms):.0%} of {len(norms)}"
 
 
 def verdicts(ran: dict[str, dict]) -> list[str]:

@@ -4,6 +4,8 @@
 # tests:   the engine's GPU tests (fp32 state bit for bit as before; bf16/8-bit state the same in every home)
 # xl:      the codec's speed, then GPT-2 XL 16x128 bf16: ZeRO-2 + GPU-stepped optimizer offload and ZeRO-3 + full
 #          offload with fp32, bf16 and 8-bit optimizer state; no offload and plain PyTorch beside
+# early:   GPT-2 XL as in xl, without clipping (the step streams during backward) beside the same rows with clipping
+#          1.0 (it cannot), and no offload / plain PyTorch without clipping
 # big:     the 9.2 B Llama (13 B shape, 28 layers) 8x512 under stage: auto, fp32 and 8-bit state (every step timed:
 #          step 2 against the steady step)
 set -uo pipefail
@@ -41,10 +43,17 @@ for f in sorted(pathlib.Path(sys.argv[1]).glob("p_*/results.json")):
         print("\n".join(r.get("cpu_profile", [])))
 PYEOF
       ;;
+    early)
+      for st in 8bit fp32; do
+        timeout 400 $B --methods zerofit-s2-offload zerofit-s3-offload --optimizer-state "$st" --clip 0 --timeout 180 \
+          --out "$OUT_DIR/early_$st" | head -4
+      done
+      timeout 300 $B --methods zerofit-s2-offload --optimizer-state 8bit --timeout 180 --out "$OUT_DIR/clip_8bit" | head -3
+      timeout 300 $B --methods zerofit-s2 torch --clip 0 --timeout 140 --out "$OUT_DIR/noclip_no_offload" | head -4 ;;
     big)
       L="--model llama --n_embd 5120 --n_layer 28 --n_head 40 --intermediate 13824 --batch 8 --seq 512 --meta"
       for st in 8bit fp32; do
-        timeout 290 $B --methods zerofit-auto $L --steps 4 --optimizer-state "$st" --timeout 280 \
+        timeout 290 $B --methods zerofit-auto $L --steps 4 --optimizer-state "$st" --clip "${CLIP:-1.0}" --timeout 280 \
           --out "$OUT_DIR/big_$st" | head -3
       done ;;
   esac
