@@ -44,6 +44,19 @@ stream widens them into the slot's fp32 buffers, steps, zeroes the padding betwe
 again before the download. Groups kept on the device join this stream too, with their homes in device memory
 (no copy: widened from and narrowed into the home itself), so one path steps narrow state wherever it lives.
 
+[Note: clipping and the overlapped step]
+Without clipping the groups stream during backward (see [Note: updates during backward] in
+zerofit.engine.offload.early). With clipping the factor c = min(1, max_norm / norm) needs every gradient,
+and no exact part of the update can run before it: Adam's moments take c * g and c^2 * g^2. Uploads do not
+depend on c, but the link carries as many bytes down as up and downloads need the update, so uploading
+early would shorten only the stream's head, by one chunk. The way past it is speculation (DeepSpeed's
+SuperOffload): step with c = 1 during backward, and keep the step only if the norm says clipping did not
+bite (c is then exactly 1.0, and torch's clip multiplies by 1.0: the same update), else step again from
+the old state. That needs the old state and master kept until the verdict - a second host home for
+every speculated group (the master's 2.125 and the state's 2.5 bytes per element again, 8-bit) and its
+old parameters on the device (2 bytes per element) - and gains only on steps where clipping does not
+bite; `benchmarks/state_quality_report.py` reports that share for a run. Not built yet.
+
 [Note: GPU-stepped offload from NVMe]
 With `offload_optimizer.device: nvme` a group's master and state live in its file (`NvmeSwapper`, see
 [Note: NVMe residency]), and host memory holds only the swapper's pool of pinned slots. Per group,
