@@ -44,12 +44,12 @@ for f in sorted(pathlib.Path(sys.argv[1]).glob("p_*/results.json")):
 PYEOF
       ;;
     early)
-      for st in 8bit fp32; do
-        timeout 400 $B --methods zerofit-s2-offload zerofit-s3-offload --optimizer-state "$st" --clip 0 --timeout 180 \
-          --out "$OUT_DIR/early_$st" | head -4
-      done
-      timeout 300 $B --methods zerofit-s2-offload --optimizer-state 8bit --timeout 180 --out "$OUT_DIR/clip_8bit" | head -3
-      timeout 300 $B --methods zerofit-s2 torch --clip 0 --timeout 140 --out "$OUT_DIR/noclip_no_offload" | head -4 ;;
+      timeout 300 $B --methods zerofit-s2-offload zerofit-s3-offload --optimizer-state 8bit --clip 0 --timeout 140 \
+        --out "$OUT_DIR/early_8bit" | head -4
+      timeout 200 $B --methods zerofit-s2-offload --optimizer-state 8bit --timeout 140 --out "$OUT_DIR/clip_8bit" | head -3
+      timeout 200 $B --methods zerofit-s2-offload --optimizer-state fp32 --clip 0 --timeout 140 \
+        --out "$OUT_DIR/early_fp32" | head -3
+      timeout 200 $B --methods zerofit-s2 --clip 0 --timeout 140 --out "$OUT_DIR/noclip_no_offload" | head -3 ;;
     big)
       L="--model llama --n_embd 5120 --n_layer 28 --n_head 40 --intermediate 13824 --batch 8 --seq 512 --meta"
       for st in 8bit fp32; do
