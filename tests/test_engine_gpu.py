@@ -79,6 +79,7 @@ def _train_offload(stage: int, precision: str, optim: str, *, offload: str, offl
         losses.append(loss.item())
     streamed = sum(g.placement.gpu_stepped for g in engine.groups)
     _train_offload.hosted = sum(g.placement.host_stepped for g in engine.groups)
+    _train_offload.early = engine.times.gpu_steps_in_backward
     _train_offload.pinned_slots = engine.offload.swapper is not None and engine.offload.swapper.pool.pin
     return losses, {k: v.cpu() for k, v in engine.named_full_tensors("master").items()}, streamed
 
@@ -93,6 +94,22 @@ def test_gpu_stepped_offload_is_bit_identical_to_state_on_the_gpu(stage, precisi
         losses, got, streamed = _train_offload(stage, precision, optim, offload="cpu", offload_param=param,
                                                chunk=chunk)
         assert streamed > 0
+        assert losses == ref_losses, (chunk, param)
+        assert all(torch.equal(ref[k], got[k]) for k in ref), (chunk, param)
+
+
+@requires_cuda
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("precision,state", [("bf16", "fp32"), ("no", "fp32"), ("bf16", "8bit")])
+def test_gpu_stepped_offload_streamed_during_backward_is_bit_identical(stage, precision, state):
+    """No clipping: from the second step on, each unit's groups stream through the GPU while backward computes the
+    units before it ([Note: updates during backward]); the update is the one the state on the GPU gets."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    ref_losses, ref, _ = _train_offload(stage, precision, "adamw", offload="none", clip=0.0, state=state)
+    for chunk, param in ((0, "none"), (64, "cpu" if stage == 3 else "none")):
+        losses, got, streamed = _train_offload(stage, precision, "adamw", offload="cpu", offload_param=param,
+                                               chunk=chunk, clip=0.0, state=state)
+        assert streamed > 0 and _train_offload.early > 0
         assert losses == ref_losses, (chunk, param)
         assert all(torch.equal(ref[k], got[k]) for k in ref), (chunk, param)
 
