@@ -74,14 +74,15 @@ def measure(blocks: int, dim: int, state: str, steps: int, warmup: int, profile:
     gpu = engine.offload.gpu
     chunks = sum(len(run.chunks) for runs in gpu._runs.values() for run in runs)
     x = torch.randn(8, dim)
-    per_step = []
+    per_step, cpu_per_step = [], []
     for step in range(warmup + steps):
-        before = engine.times.stream_issue
         engine.backward(model(x).square().mean())
+        before, cpu = engine.times.stream_issue, time.process_time()
         engine.step()
         gpu.settle(state=True)  # the issuing thread is done with this step
         if step >= warmup:
             per_step.append(engine.times.stream_issue - before)
+            cpu_per_step.append(time.process_time() - cpu)
     ops = None
     if profile:
         engine.backward(model(x).square().mean())
@@ -94,7 +95,7 @@ def measure(blocks: int, dim: int, state: str, steps: int, warmup: int, profile:
         ops = sum(1 for e in prof.events() if e.name.startswith("aten::") and not _under_aten(e)) / chunks
     issue = statistics.median(per_step)
     return {"state": state, "chunks": chunks, "issue_ms_per_step": issue * 1e3, "us_per_chunk": issue / chunks * 1e6,
-            "aten_ops_per_chunk": ops}
+            "cpu_us_per_chunk": statistics.median(cpu_per_step) / chunks * 1e6, "aten_ops_per_chunk": ops}
 
 
 def _under_aten(event) -> bool:
@@ -125,7 +126,8 @@ def main(argv=None) -> None:
                 r = measure(args.blocks, args.dim, state, args.steps, args.warmup, args.profile)
                 ops = f"  {r['aten_ops_per_chunk']:.1f} aten ops/chunk" if r["aten_ops_per_chunk"] is not None else ""
                 print(f"issue_cost state={r['state']:4s} chunks/step={r['chunks']}  issuing "
-                      f"{r['issue_ms_per_step']:.2f} ms/step  {r['us_per_chunk']:.0f} us/chunk{ops}  "
+                      f"{r['issue_ms_per_step']:.2f} ms/step  {r['us_per_chunk']:.0f} us/chunk  (CPU time of the step: "
+                      f"{r['cpu_us_per_chunk']:.0f} us/chunk){ops}  "
                       f"({time.perf_counter() - t0:.1f} s)", flush=True)
         finally:
             dist.destroy_process_group()

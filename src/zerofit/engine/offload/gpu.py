@@ -266,6 +266,8 @@ class GpuStep(OffloadPart):
             lo, n = span.start - run.start, span.length
             wide = {k: slot.buf(k, _wide(home), n) for k, home in homes.items()}
             """Per state key: the slot's buffer the optimizer steps the chunk's state in."""
+            at_home = now.chunk(lo, n)  # per state key: the chunk's elements in its home
+            master_home = run_master[lo:lo + n]
             with self._on(self._up):
                 if slot.free is not None:
                     self._up.wait_event(slot.free)
@@ -274,13 +276,13 @@ class GpuStep(OffloadPart):
                 if packed_home:  # the low halves and carries come up; the device holds the rest
                     packed.copy_(_packed_home(run_master, lo, n), non_blocking=True)
                 else:
-                    master.copy_(run_master[lo:lo + n], non_blocking=True)
+                    master.copy_(master_home, non_blocking=True)
                 staged = {}
-                for k, home in homes.items():
+                for k, home in at_home.items():
                     if isinstance(home, Stored):
-                        staged[k] = self._staged(slot, k, home, lo, n)
+                        staged[k] = self._staged(slot, k, home, n)
                     else:
-                        wide[k].copy_(home[lo:lo + n], non_blocking=True)
+                        wide[k].copy_(home, non_blocking=True)
                 loaded = self._record(self._up)
             with self._on(self._work):
                 if loaded is not None:
@@ -298,7 +300,8 @@ class GpuStep(OffloadPart):
                         if k not in homes:
                             homes[k] = self._homes.add(g, run, k, torch.float32)
                             wide[k] = slot.buf(k, torch.float32, n)
-                            staged[k] = self._staged(slot, k, homes[k], lo, n, upload=False)
+                            at_home[k] = homes[k].slice(lo, n)
+                            staged[k] = self._staged(slot, k, at_home[k], n, upload=False)
                     gaps = self._gap(run, span)
                     for k, stored in staged.items():  # narrowed again, padding zeroed first
                         if gaps is not None:
@@ -313,16 +316,17 @@ class GpuStep(OffloadPart):
                         if k not in homes:
                             homes[k] = self._homes.add(g, run, k, dtype)
                             wide[k] = slot.buf(k, dtype, n)
+                            at_home[k] = homes[k][lo:lo + n]
                 if split:
                     _packed_home(run_master, lo, n).copy_(packed, non_blocking=True)
                 else:
-                    run_master[lo:lo + n].copy_(master, non_blocking=True)
-                for k, home in homes.items():  # every per-element state of the chunk is in its slot
+                    master_home.copy_(master, non_blocking=True)
+                for k, home in at_home.items():  # every per-element state of the chunk is in its slot
                     if isinstance(home, Stored):
                         if home.codes.device != self.device:  # a device home was narrowed into in place
-                            home.slice(lo, n).copy_(staged[k], non_blocking=True)
+                            home.copy_(staged[k], non_blocking=True)
                     else:
-                        home[lo:lo + n].copy_(wide[k], non_blocking=True)
+                        home.copy_(wide[k], non_blocking=True)
                 if g.placement.offload_params:
                     g.param_shard[span.start:span.start + n].copy_(slot.buf("param", g.compute_dtype, n),
                                                                    non_blocking=True)
@@ -338,15 +342,15 @@ class GpuStep(OffloadPart):
             state[p.master].update(scalars)  # the piece's scalar state moves on as its last part's did
         self._homes.stepped(run, now, changed=bool(created))
 
-    def _staged(self, slot: Slot, key: str, home: Stored, lo: int, n: int, *, upload: bool = True) -> Stored:
-        """Where chunk [lo, lo + n) of `home` is widened from and narrowed into: the home itself when it is on
-        the device, else the slot's staging buffers (filled from the home now, on the upload stream)."""
+    def _staged(self, slot: Slot, key: str, home: Stored, n: int, *, upload: bool = True) -> Stored:
+        """Where a chunk's `n` elements in their home (`home`) are widened from and narrowed into: the home itself
+        when it is on the device, else the slot's staging buffers (filled from the home now, on the upload stream)."""
         if home.codes.device == self.device:
-            return home.slice(lo, n)
+            return home
         staged = Stored(slot.buf(key + "#codes", home.codes.dtype, n),
                         slot.buf(key + "#scale", torch.float32, blocks(n)) if home.scale is not None else None)
         if upload:
-            staged.copy_(home.slice(lo, n), non_blocking=True)
+            staged.copy_(home, non_blocking=True)
         return staged
 
     def _gap(self, run: Run, span: ChunkSpan) -> torch.Tensor | None:
@@ -363,7 +367,7 @@ class GpuStep(OffloadPart):
         state; `pieces`: per piece of the run, its state now. Returns the per-element state keys the optimizer
         created (now in the slot's buffers)."""
         n, s = span.length, span.start
-        grad = g.grad_shard[s:s + n]
+        grad = grad_shard = g.grad_shard[s:s + n]
         if grad.dtype != torch.float32:  # compact gradient: upcast, exactly, into the slot
             grad = slot.buf("grad", torch.float32, n, span.shift).copy_(grad)
             if isinstance(scale, torch.Tensor):
@@ -416,7 +420,7 @@ class GpuStep(OffloadPart):
             slot.buf("param", g.compute_dtype, n).copy_(master)
         else:
             g.param_shard[s:s + n].copy_(master)
-        g.grad_shard[s:s + n].zero_()
+        grad_shard.zero_()
         return new_keys
 
     def _optimizer_for(self, index: int, settings: dict) -> torch.optim.Optimizer:

@@ -17,7 +17,7 @@ slot (`set_`) every step - so runs with a swapper are walked in full at every st
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 import torch
@@ -47,6 +47,15 @@ class RunState:
 
     homes: dict[str, torch.Tensor | Stored]
     pieces: tuple[PieceState, ...]
+    _chunks: dict[int, dict[str, torch.Tensor | Stored]] = field(default_factory=dict)
+
+    def chunk(self, lo: int, n: int) -> dict[str, torch.Tensor | Stored]:
+        """Per key, elements [lo, lo + n) of the run in its home (a new dict, of views made once while kept)."""
+        views = self._chunks.get(lo)
+        if views is None or len(views) != len(self.homes):
+            views = self._chunks[lo] = {k: h.slice(lo, n) if isinstance(h, Stored) else h[lo:lo + n]
+                                        for k, h in self.homes.items()}
+        return dict(views)
 
 
 @dataclass(frozen=True)
