@@ -40,6 +40,7 @@ STATE_DTYPES = ("fp32", "bf16", "8bit")
 """The values of `precision.optimizer_state`."""
 
 _TINY = torch.finfo(torch.float32).tiny
+_INF = float("inf")
 
 UNSIGNED_KEYS = frozenset({"exp_avg_sq", "max_exp_avg_sq", "square_avg", "sum", "acc_delta", "exp_inf"})
 """Per-element state of torch's optimizers that is never negative (the unsigned map is used for these)."""
@@ -75,11 +76,12 @@ class _Maps:
 
     def get(self, signed: bool, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         key = (signed, device)
-        if key not in self._by:
+        found = self._by.get(key)
+        if found is None:
             values = dynamic_map(signed)
             mids = (values[1:] + values[:-1]) / 2  # bucketize against these = nearest value
-            self._by[key] = (values.to(device), mids.to(device))
-        return self._by[key]
+            found = self._by[key] = (values.to(device), mids.to(device))
+        return found
 
 
 _MAPS = _Maps()
@@ -124,30 +126,35 @@ class Codec:
         if not self.scaled:
             dst.codes.copy_(src)  # bf16: round to nearest even; fp32: a copy
             return
+        # 5 kernels, the fewest torch offers: bucketize writes only int32 or int64 (hence the copy into the
+        # uint8 codes), and an all-zero block needs its absmax clamped (kept unclamped in `scale`)
         n = src.numel()
         nb = blocks(n)
-        padded = _padded(src, nb)
-        torch.linalg.vector_norm(padded, ord=float("inf"), dim=1, out=dst.scale)  # one pass, no |x| temporary
+        whole = nb * BLOCK == n
+        padded = src.view(nb, BLOCK) if whole else _padded(src, nb)
+        torch.linalg.vector_norm(padded, _INF, 1, out=dst.scale)  # one pass, no |x| temporary
         # an all-zero block divides by the smallest normal float: its values stay 0 (code of 0)
-        normed = (padded / dst.scale.clamp_min(_TINY)[:, None]).reshape(-1)[:n]
+        normed = torch.div(padded, dst.scale.clamp_min(_TINY).unsqueeze(1)).view(-1)
         _, mids = _MAPS.get(key not in UNSIGNED_KEYS, src.device)
-        dst.codes.copy_(torch.bucketize(normed, mids, out_int32=True))
+        dst.codes.copy_(torch.bucketize(normed if whole else normed[:n], mids, out_int32=True))
 
     def decode(self, src: Stored, dst: torch.Tensor, key: str) -> None:
         """Widen `src` into fp32 `dst` (1-D, same length)."""
         if not self.scaled:
             dst.copy_(src.codes)
             return
+        # the map's values straight into `dst`, then scaled there in place: 3 kernels, no temporary
         n = dst.numel()
         values, _ = _MAPS.get(key not in UNSIGNED_KEYS, dst.device)
-        wide = torch.index_select(values, 0, src.codes.int())
-        nb = blocks(n)
-        scale = src.scale.to(dst.device)
-        full = nb * BLOCK
-        if full == n:
-            torch.mul(wide.view(nb, BLOCK), scale[:, None], out=dst.view(nb, BLOCK))
-        else:
-            dst.copy_((_padded(wide, nb) * scale[:, None]).reshape(-1)[:n])
+        torch.index_select(values, 0, src.codes.int(), out=dst)
+        scale = src.scale if src.scale.device == dst.device else src.scale.to(dst.device)
+        whole = n // BLOCK
+        if whole * BLOCK == n:
+            dst.view(whole, BLOCK).mul_(scale.unsqueeze(1))
+            return
+        if whole:
+            dst[:whole * BLOCK].view(whole, BLOCK).mul_(scale[:whole].unsqueeze(1))
+        dst[whole * BLOCK:].mul_(scale[whole])  # the last, partial block
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@
 | `gpu_issue.py` | `IssueThread`: the thread that queues the GPU-stepped part's chunks |
 | `gpu_runs.py` | what the GPU-stepped part streams: runs of optimizer pieces and their chunks |
 | `gpu_slot.py` | one chunk's device buffers of the stream |
+| `gpu_homes.py` | where each run of the stream keeps its state, verified once and kept while it holds |
 | `stored_homes.py` | where a run keeps bf16 / 8-bit state, and how its pieces view it |
 | `host_narrow.py` | bf16 / 8-bit state widened for the CPU optimizer, one group at a time |
 | `master_split.py` | the fp32 master as its bf16 rounding plus low halves and carries (what crosses the bus) |

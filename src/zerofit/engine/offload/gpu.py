@@ -86,6 +86,7 @@ from zerofit.engine.comm import Collectives, InFlight, Pending
 from zerofit.engine.flat_group import FlatGroup
 from zerofit.engine.offload import master_split
 from zerofit.engine.offload.early import EarlyStart, current_settings
+from zerofit.engine.offload.gpu_homes import PieceState, RunHomes
 from zerofit.engine.offload.gpu_issue import IssueThread
 from zerofit.engine.offload.gpu_runs import (  # noqa: F401 - ChunkSpan and plan_chunks: public here too
     VECTOR,
@@ -93,27 +94,15 @@ from zerofit.engine.offload.gpu_runs import (  # noqa: F401 - ChunkSpan and plan
     Run,
     aligned_chunk,
     bind,
-    home_of,
     is_streamed,
     plan_chunks,
     plan_runs,
-    probe_state_keys,
-    rehome,
-    state_keys,
 )
 from zerofit.engine.offload.gpu_slot import Slot
 from zerofit.engine.offload.nvme import NvmeSwapper
 from zerofit.engine.offload.part import OffloadPart
-from zerofit.engine.offload.stored_homes import (
-    bind_stored,
-    gap_index,
-    is_scale_key,
-    rehome_stored,
-    stored_home_of,
-    stored_keys,
-)
+from zerofit.engine.offload.stored_homes import bind_stored, gap_index
 from zerofit.engine.optim import folds_grad_scale, global_grad_sumsq, member_of_group, step_with_factor
-from zerofit.engine.pinned import pinned_empty
 from zerofit.engine.state_codec import Codec, Stored, blocks
 from zerofit.engine.step_mode import StepFactors, StepMode, gather_params
 from zerofit.engine.timing import StepTimes
@@ -123,10 +112,11 @@ from zerofit.engine.unit import Unit
 STREAM_CHUNK = 1 << 26  # elements per chunk (64 M): see [Note: chunk size]
 """[Note: chunk size]
 Copies reach the link's full bandwidth from a few M elements on, but every chunk costs the issuing thread a
-fixed round of Python and kernel launches (~80 with 8-bit state), and that thread, not the link, was what the
-next forward waited for: GPT-2 XL's ZeRO-2 offload step with 8-bit state took 0.527 s in 16 M chunks and 0.261 s
-in 64 M ones (one H100, same call). A slot holds at most the largest run, so a model whose layers are
-smaller than 64 M elements pays only for its largest layer."""
+fixed round of Python and kernel launches (~60 aten ops with 8-bit state, ~30 with fp32: benchmarks/issue_cost.py),
+and that thread, not the link, was what the next forward waited for: GPT-2 XL's ZeRO-2 offload step with 8-bit
+state took 0.527 s in 16 M chunks and 0.261 s in 64 M ones (one H100, same call, before issue #39's cuts). A slot
+holds at most the largest run, so a model whose layers are smaller than 64 M elements pays only for its largest
+layer."""
 STREAM_SLOTS = 3  # chunks in flight: one uploading, one stepping, one downloading
 _FUSED_ON_CUDA = ("Adam", "AdamW", "SGD")  # optimizer classes whose fused kernels exist on CUDA
 """[Note: chunk alignment] torch's multi-tensor kernels take a vectorised path only for a tensor that
@@ -169,7 +159,7 @@ class GpuStep(OffloadPart):
         backward (see [Note: updates during backward] in zerofit.engine.offload.early; never without them)."""
         super().__init__(optimizer, groups, inner, model=model, units=units, comm=comm, times=times)
         self.codec = codec or Codec()
-        self._resident = {id(g) for g in groups if not g.placement.offloaded}
+        resident = {id(g) for g in groups if not g.placement.offloaded}
         """Groups whose master and state stay on the device (narrow state: stepped through the slots too)."""
         self._gaps: dict[tuple[int, int], torch.Tensor | None] = {}
         chunk = chunk or STREAM_CHUNK
@@ -184,16 +174,15 @@ class GpuStep(OffloadPart):
         largest = max((r.end - r.start for runs in self._runs.values() for r in runs), default=1)
         self._slots = [Slot(min(chunk, largest), self.device) for _ in range(max(1, slots))]
         self._next_slot = 0
-        self._opts: dict[int, torch.optim.Optimizer] = {}
-        """An optimizer of the script's class per param group, re-pointed at each chunk's pieces."""
+        self._opts: dict[int, tuple[torch.optim.Optimizer, dict]] = {}
+        """An optimizer of the script's class per param group, re-pointed at each chunk's pieces, and the
+        settings it was last given."""
         self._done: dict[int, object] = {}
         """Per group in flight: the event after which its parameters are published and gradient zeroed."""
         self._written = None
         """Event: every download of the last step is done (host master and state hold its values)."""
         self._keep: list = []
         """Tensors the side streams still read (the step's factor), held until the next step."""
-        self._pinned: set[int] = set()
-        """data_ptr of host storages known to be page-locked."""
         self._packed: set[int] = set()
         """Groups whose host master holds the packed form, chunk by chunk (issuing thread; `settle` joins)."""
         self._backward_ran = False
@@ -216,10 +205,11 @@ class GpuStep(OffloadPart):
         self._unzeroed: set[int] = set()
         """Groups stepped during backward whose gradients are zeroed when next awaited (after step())."""
         self._splits = {id(g) for g in groups if self._can_split(g)}
-        self._run_homes: dict[int, dict[str, torch.Tensor | Stored]] = {}
-        """id(run) -> per state key, the home its pieces' state views (see `_homes`)."""
-        if self.swapper is None:
-            self._allocate_homes()  # now, not inside the first steps (see [Note: homes at prepare])
+        self._homes = RunHomes(optimizer, self.codec, self.device, resident=resident, swapped=self.swapper is not None)
+        """Where each run's state lives (see [Note: verified homes] in zerofit.engine.offload.gpu_homes)."""
+        if self.swapper is None:  # now, not inside the first steps (see [Note: homes at prepare])
+            for g in groups:
+                self._homes.allocate(g, self._runs[id(g)])
         """Groups whose master travels split (see [Note: split master] in zerofit.engine.offload.master_split)."""
         self.issuer = IssueThread(groups, self.device)
         # The thread never holds this mode while idle; stop it (and remove the NVMe files) with the mode,
@@ -352,8 +342,8 @@ class GpuStep(OffloadPart):
     def _step_run(self, g: FlatGroup, run: Run, scale, kernel, settings: list[dict], unused: frozenset[int]) -> None:
         """Stream `run` through the slots chunk by chunk and step its pieces, but those of `unused` parameters."""
         state = self.optimizer.state
-        fresh = {id(p) for p in run.pieces if not state.get(p.master)}  # their first step creates their state
-        homes = self._homes(g, run)
+        now = self._homes.of(g, run)  # the homes, and which pieces have state (see [Note: verified homes])
+        homes = now.homes
         opt = self._optimizer_for(run.group, settings[run.group])
         split = id(g) in self._splits
         packed_home = id(g) in self._packed  # the host master holds the packed form (the last step split it)
@@ -361,12 +351,16 @@ class GpuStep(OffloadPart):
         run_master = g.master[run.start:run.end]
         created: dict[int, dict[str, torch.dtype]] = {}
         """id(piece) -> the per-element state the optimizer created for it (its first step)."""
-        last: dict[int, dict] = {}
-        """id(piece) -> the scalar state of its last stepped part."""
+        last: dict[int, tuple] = {}
+        """id(piece) -> (the piece, the scalar state of its last stepped part)."""
         for span in run.chunks:
             slot = self._slots[self._next_slot]
             self._next_slot = (self._next_slot + 1) % len(self._slots)
             lo, n = span.start - run.start, span.length
+            wide = {k: slot.buf(k, _wide(home), n) for k, home in homes.items()}
+            """Per state key: the slot's buffer the optimizer steps the chunk's state in."""
+            at_home = now.chunk(lo, n)  # per state key: the chunk's elements in its home
+            master_home = run_master[lo:lo + n]
             with self._on(self._up):
                 if slot.free is not None:
                     self._up.wait_event(slot.free)
@@ -375,13 +369,13 @@ class GpuStep(OffloadPart):
                 if packed_home:  # the low halves and carries come up; the device holds the rest
                     packed.copy_(_packed_home(run_master, lo, n), non_blocking=True)
                 else:
-                    master.copy_(run_master[lo:lo + n], non_blocking=True)
+                    master.copy_(master_home, non_blocking=True)
                 staged = {}
-                for k, home in homes.items():
+                for k, home in at_home.items():
                     if isinstance(home, Stored):
-                        staged[k] = self._staged(slot, k, home, lo, n)
+                        staged[k] = self._staged(slot, k, home, n)
                     else:
-                        slot.buf(k, home.dtype, n).copy_(home[lo:lo + n], non_blocking=True)
+                        wide[k].copy_(home, non_blocking=True)
                 loaded = self._record(self._up)
             with self._on(self._work):
                 if loaded is not None:
@@ -389,22 +383,23 @@ class GpuStep(OffloadPart):
                 if packed_home:
                     master_split.join(packed, g.param_shard[span.start:span.start + n], master, carries)
                 for k, stored in staged.items():  # widened: the optimizer steps fp32 state
-                    self.codec.decode(stored, slot.buf(k, torch.float32, n), k)
-                new_keys = self._step_chunk(g, run, opt, span, master, slot, homes, fresh, unused, scale, kernel,
+                    self.codec.decode(stored, wide[k], k)
+                new_keys = self._step_chunk(g, run, opt, span, master, slot, wide, now.pieces, unused, scale, kernel,
                                             created, last)
                 if split:  # after the parameter is published: its rounding is what the carries refer to
                     master_split.split(master, g.param_shard[span.start:span.start + n], packed, carries)
                 if narrow:
                     for k in new_keys:  # state a fresh piece created under a key not seen before
                         if k not in homes:
-                            homes[k] = self._run_homes[id(run)][k] = self._new_home(g, run, k, torch.float32)
-                            staged[k] = self._staged(slot, k, homes[k], lo, n, upload=False)
+                            homes[k] = self._homes.add(g, run, k, torch.float32)
+                            wide[k] = slot.buf(k, torch.float32, n)
+                            at_home[k] = homes[k].slice(lo, n)
+                            staged[k] = self._staged(slot, k, at_home[k], n, upload=False)
                     gaps = self._gap(run, span)
                     for k, stored in staged.items():  # narrowed again, padding zeroed first
-                        wide = slot.buf(k, torch.float32, n)
                         if gaps is not None:
-                            wide.index_fill_(0, gaps, 0.0)
-                        self.codec.encode(wide, stored, k)
+                            wide[k].index_fill_(0, gaps, 0.0)
+                        self.codec.encode(wide[k], stored, k)
                 stepped = self._record(self._work)
             with self._on(self._down):
                 if stepped is not None:
@@ -412,39 +407,43 @@ class GpuStep(OffloadPart):
                 if not narrow:
                     for k, dtype in new_keys.items():  # state fresh pieces created: its home in host memory
                         if k not in homes:
-                            homes[k] = self._run_homes[id(run)][k] = self._new_home(g, run, k, dtype)
+                            homes[k] = self._homes.add(g, run, k, dtype)
+                            wide[k] = slot.buf(k, dtype, n)
+                            at_home[k] = homes[k][lo:lo + n]
                 if split:
                     _packed_home(run_master, lo, n).copy_(packed, non_blocking=True)
                 else:
-                    run_master[lo:lo + n].copy_(master, non_blocking=True)
-                for k, home in homes.items():  # every per-element state of the chunk is in its slot
+                    master_home.copy_(master, non_blocking=True)
+                for k, home in at_home.items():  # every per-element state of the chunk is in its slot
                     if isinstance(home, Stored):
                         if home.codes.device != self.device:  # a device home was narrowed into in place
-                            home.slice(lo, n).copy_(staged[k], non_blocking=True)
+                            home.copy_(staged[k], non_blocking=True)
                     else:
-                        home[lo:lo + n].copy_(slot.buf(k, home.dtype, n), non_blocking=True)
+                        home.copy_(wide[k], non_blocking=True)
                 if g.placement.offload_params:
                     g.param_shard[span.start:span.start + n].copy_(slot.buf("param", g.compute_dtype, n),
                                                                    non_blocking=True)
                 slot.free = self._record(self._down)
-        for p in run.pieces:
-            for k in created.get(id(p), ()):
-                if isinstance(homes[k], Stored):
-                    bind_stored(run, state, k, homes[k], [p])
-                else:
-                    bind(run, state, k, homes[k], [p])  # its values are on their way there
-            if id(p) in last:
-                state[p.master].update(last[id(p)])  # the piece's scalar state moves on as its last part's did
+        if created:
+            for p in run.pieces:
+                for k in created.get(id(p), ()):
+                    if isinstance(homes[k], Stored):
+                        bind_stored(run, state, k, homes[k], [p])
+                    else:
+                        bind(run, state, k, homes[k], [p])  # its values are on their way there
+        for p, scalars in last.values():
+            state[p.master].update(scalars)  # the piece's scalar state moves on as its last part's did
+        self._homes.stepped(run, now, changed=bool(created))
 
-    def _staged(self, slot: Slot, key: str, home: Stored, lo: int, n: int, *, upload: bool = True) -> Stored:
-        """Where chunk [lo, lo + n) of `home` is widened from and narrowed into: the home itself when it is on
-        the device, else the slot's staging buffers (filled from the home now, on the upload stream)."""
+    def _staged(self, slot: Slot, key: str, home: Stored, n: int, *, upload: bool = True) -> Stored:
+        """Where a chunk's `n` elements in their home (`home`) are widened from and narrowed into: the home itself
+        when it is on the device, else the slot's staging buffers (filled from the home now, on the upload stream)."""
         if home.codes.device == self.device:
-            return home.slice(lo, n)
+            return home
         staged = Stored(slot.buf(key + "#codes", home.codes.dtype, n),
                         slot.buf(key + "#scale", torch.float32, blocks(n)) if home.scale is not None else None)
         if upload:
-            staged.copy_(home.slice(lo, n), non_blocking=True)
+            staged.copy_(home, non_blocking=True)
         return staged
 
     def _gap(self, run: Run, span: ChunkSpan) -> torch.Tensor | None:
@@ -453,151 +452,116 @@ class GpuStep(OffloadPart):
             self._gaps[key] = gap_index(run, span.start, span.length, self.device)
         return self._gaps[key]
 
-    def _homes(self, g: FlatGroup, run: Run) -> dict[str, torch.Tensor | Stored]:
-        """Per per-element state key of `run`: the one home every piece's state views (see [Note: runs]);
-        state that does not lie so (a checkpoint load's, pageable) is moved into the run's home now. Keys no
-        piece holds yet come with the home allocated for them (a piece's first step fills it)."""
-        state = self.optimizer.state
-        mine = self._run_homes.setdefault(id(run), {})
-        homes: dict[str, torch.Tensor | Stored] = {}
-        if self.codec.narrow:
-            for k in stored_keys(run, state):
-                home = stored_home_of(run, state, k, self.codec, pinned=self._is_pinned)
-                if home is None:
-                    home = mine.get(k) or self._new_home(g, run, k, torch.float32)
-                    rehome_stored(run, state, k, home, self.codec)
-                homes[k] = mine[k] = home
-        else:
-            for k, dtype in state_keys(run, state).items():
-                home = home_of(run, state, k, pinned=self._is_pinned)
-                if home is None:
-                    home = mine.get(k)
-                    if home is None or home.dtype != dtype:
-                        home = self._new_home(g, run, k, dtype)
-                    rehome(run, state, k, home)
-                homes[k] = mine[k] = home
-        for k, home in mine.items():
-            homes.setdefault(k, home)
-        return homes
-
-    def _new_home(self, g: FlatGroup, run: Run, key: str, dtype: torch.dtype) -> torch.Tensor | Stored:
-        """A home for `run`'s `key` state: stored as the codec says (fp32 state), on the device for a group
-        kept there, else in page-locked host memory."""
-        n = run.end - run.start
-        if id(g) in self._resident:
-            make = partial(_device_empty, device=self.device)
-        else:
-            make = self._host_tensor
-        if self.codec.narrow and dtype == torch.float32:
-            return self.codec.empty(n, None, make=make)
-        return make(n, dtype)
-
-    def _allocate_homes(self) -> None:
-        """[Note: homes at prepare]
-        Every run's state homes are allocated when the mode is built (at `prepare()`), for the per-element state
-        the script's optimizer class creates (found by stepping one on a 16-element tensor): page-locking tens
-        of GiB of host memory takes seconds, and inside the first steps it stalled step 2 of a 9 B run for ~20 s.
-        A key the probe did not see gets its home at its first step, as before."""
-        keys: dict[int, dict[str, torch.dtype]] = {}
-        for g in self.groups:
-            for run in self._runs[id(g)]:
-                if run.group not in keys:
-                    keys[run.group] = probe_state_keys(self.optimizer, run.group)
-                self._run_homes[id(run)] = {k: self._new_home(g, run, k, dtype) for k, dtype in keys[run.group].items()}
-
-    def _is_pinned(self, t: torch.Tensor) -> bool:
-        if not self._cuda or self.swapper is not None or t.device.type != "cpu":  # NVMe: the swapper's slots
-            # are what the copies read; a home on the device needs no locking
-            return True
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in self._pinned and t.is_pinned():
-            self._pinned.add(ptr)
-        return ptr in self._pinned
-
     def _step_chunk(self, g: FlatGroup, run: Run, opt: torch.optim.Optimizer, span: ChunkSpan, master: torch.Tensor,
-                    slot: Slot, homes: dict, fresh: set[int], unused: frozenset[int], scale, kernel,
-                    created: dict[int, dict], last: dict[int, dict]) -> dict[str, torch.dtype]:
+                    slot: Slot, wide: dict[str, torch.Tensor], pieces: tuple[PieceState, ...], unused: frozenset[int],
+                    scale, kernel, created: dict[int, dict], last: dict[int, tuple]) -> dict[str, torch.dtype]:
         """Step the pieces in one chunk (on the step stream), one tensor each, in one call; publish the chunk
-        into the parameters and zero its gradient. Returns the per-element state keys the optimizer created
-        (now in the slot's buffers)."""
+        into the parameters and zero its gradient. `wide`: per state key, the slot's buffer of the chunk's
+        state; `pieces`: per piece of the run, its state now. Returns the per-element state keys the optimizer
+        created (now in the slot's buffers)."""
         n, s = span.length, span.start
-        grad = g.grad_shard[s:s + n]
+        grad = grad_shard = g.grad_shard[s:s + n]
         if grad.dtype != torch.float32:  # compact gradient: upcast, exactly, into the slot
             grad = slot.buf("grad", torch.float32, n, span.shift).copy_(grad)
             if isinstance(scale, torch.Tensor):
                 grad.mul_(scale.to(grad.device))
             elif scale is not None and scale != 1.0:
                 grad.mul_(scale)
-        parts = []
-        for p, a, b in run.parts(span):
+        views, parts, scalars = [], [], []
+        for i, p, a, b in run.local_parts(span):
             if p.param in unused:
                 continue  # left out: its elements go back as they came
-            view = master[a - s:b - s]
-            view.grad = grad[a - s:b - s]
+            view = master[a:b]
+            view.grad = grad[a:b]
+            own = pieces[i]
             given: dict = {}
-            if id(p) not in fresh:
-                own = self.optimizer.state[p.master]
-                given = {k: slot.buf(k, _wide(homes[k]), n)[a - s:b - s] for k in homes if k in own}
-                given.update({k: self._scalar_copy(v, opt) for k, v in own.items()
-                              if not is_streamed(v, p.length) and not is_scale_key(k)})
-            parts.append((view, p, a, b, dict(given)))
+            if own.entry is not None:  # else its first step: the optimizer creates its state
+                for k in own.held:
+                    given[k] = wide[k][a:b]
+                for k, v in own.entry.items():
+                    if k not in own.skip:
+                        scalars.append((given, k, v))
+            views.append(view)
+            parts.append((p, a, b, own.held, given))
             opt.state[view] = given
         new_keys: dict[str, torch.dtype] = {}
-        if parts:
-            opt.param_groups[0]["params"] = [view for view, *_ in parts]
+        if views:
+            self._scalar_copies(scalars, opt)
+            befores = [dict(given) for *_, given in parts]
+            opt.param_groups[0]["params"] = views
             try:
                 step_with_factor(opt, kernel)
             finally:
-                states = [opt.state.pop(view, {}) for view, *_ in parts]
-                for view, *_ in parts:
+                states = [opt.state.pop(view, {}) for view in views]
+                for view in views:
                     view.grad = None
                 opt.param_groups[0]["params"] = []
                 opt.state.clear()
-            for (_, p, a, b, before), new in zip(parts, states):
-                scalars = {}
+            for (p, a, b, held, _), before, new in zip(parts, befores, states):
+                kept = {}
                 for k, v in new.items():
+                    if k in held and before[k] is v:
+                        continue  # per-element state, stepped in place in its slot buffer
                     if not is_streamed(v, b - a):
-                        scalars[k] = v
+                        kept[k] = v
                     elif before.get(k) is not v:  # new (a fresh piece), or replaced rather than updated in place
-                        slot.buf(k, v.dtype, n)[a - s:b - s].copy_(v)  # into the slot: downloads are ordered on it
+                        slot.buf(k, v.dtype, n)[a:b].copy_(v)  # into the slot: downloads are ordered on it
                         created.setdefault(id(p), {})[k] = v.dtype
                         new_keys[k] = v.dtype
-                last[id(p)] = scalars
+                last[id(p)] = (p, kept)
         if g.placement.offload_params:
             slot.buf("param", g.compute_dtype, n).copy_(master)
         else:
             g.param_shard[s:s + n].copy_(master)
         if self._zeroing:
-            g.grad_shard[s:s + n].zero_()
+            grad_shard.zero_()
         return new_keys
 
     def _optimizer_for(self, index: int, settings: dict) -> torch.optim.Optimizer:
         """The one-tensor optimizer of param group `index`, with this step's `settings` of that group."""
-        settings = dict(settings)
+        held = self._opts.get(index)
+        if held is not None and held[1] is settings:
+            return held[0]  # this step's settings were given for an earlier run of the group
+        given = dict(settings)
         cls = type(member_of_group(self.optimizer, index))  # several optimizers: the group's own
-        if self._cuda and settings.get("fused") and cls.__name__ not in _FUSED_ON_CUDA:
-            settings["fused"] = None  # a CPU-only fused kernel: the default implementation on the device
-        opt = self._opts.get(index)
-        if opt is None:
+        if self._cuda and given.get("fused") and cls.__name__ not in _FUSED_ON_CUDA:
+            given["fused"] = None  # a CPU-only fused kernel: the default implementation on the device
+        if held is None:
             placeholder = torch.zeros(1, device=self.device)
-            opt = cls([{**settings, "params": [placeholder]}], lr=settings.get("lr", 1e-3))
-            self._opts[index] = opt
-        opt.param_groups[0].update(settings)
+            opt = cls([{**given, "params": [placeholder]}], lr=given.get("lr", 1e-3))
+        else:
+            opt = held[0]
+        opt.param_groups[0].update(given)
+        self._opts[index] = (opt, settings)
         return opt
 
-    def _scalar_copy(self, value, opt: torch.optim.Optimizer):
-        """A chunk's own copy of a piece's scalar state, where the chunk's kernel wants it."""
+    def _scalar_copies(self, scalars: list[tuple[dict, str, object]], opt: torch.optim.Optimizer) -> None:
+        """Give each part of the chunk its own copy of its piece's scalar state (`given[key] = copy` for each
+        (given, key, value)). The 0-dim tensors under one key (Adam's `step`) are copied by one stack, then
+        split into views, one per part: one kernel for the chunk instead of one per piece, the same values."""
+        by_key: dict[str, list[tuple[dict, object]]] = {}
+        for given, k, v in scalars:
+            by_key.setdefault(k, []).append((given, v))
+        for k, items in by_key.items():
+            first = items[0][1]
+            if len(items) > 1 and isinstance(first, torch.Tensor) and all(
+                    isinstance(v, torch.Tensor) and v.ndim == 0 and v.dtype == first.dtype and v.device == first.device
+                    for _, v in items):
+                copies = self._scalar_copy(torch.stack([v for _, v in items]), opt, copied=True).unbind()
+            else:
+                copies = [self._scalar_copy(v, opt) for _, v in items]
+            for (given, _), c in zip(items, copies):
+                given[k] = c
+
+    def _scalar_copy(self, value, opt: torch.optim.Optimizer, *, copied: bool = False):
+        """A chunk's own copy of a piece's scalar state, where the chunk's kernel wants it (`copied`: `value` is
+        a copy already, only moved if need be)."""
         if not isinstance(value, torch.Tensor):
             return value
         group = opt.param_groups[0]
         if self._cuda and (group.get("fused") or group.get("capturable")) and value.device.type == "cpu":
             return value.to(self.device)  # once after a checkpoint load; the piece keeps the device copy
-        return value.clone()  # always a copy: `to` returns the tensor itself when it is there already
-
-    def _host_tensor(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        t = pinned_empty(numel, dtype) if self._cuda else torch.empty(numel, dtype=dtype)
-        self._pinned.add(t.data_ptr())
-        return t
+        return value if copied else value.clone()  # a copy: `to` returns the tensor itself when it is there already
 
     # --- streams ----------------------------------------------------------------------------------
     def _on(self, stream):
@@ -672,10 +636,6 @@ def _packed_home(master: torch.Tensor, lo: int, n: int) -> torch.Tensor:
 def _wide(home: torch.Tensor | Stored) -> torch.dtype:
     """The dtype the optimizer steps a home's state in: fp32 for stored state, else the home's own."""
     return torch.float32 if isinstance(home, Stored) else home.dtype
-
-
-def _device_empty(numel: int, dtype: torch.dtype, *, device: torch.device) -> torch.Tensor:
-    return torch.empty(numel, dtype=dtype, device=device)
 
 
 def _close(issuer: IssueThread, swapper: NvmeSwapper | None) -> None:

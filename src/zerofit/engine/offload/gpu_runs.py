@@ -23,6 +23,7 @@ alignment] in zerofit.engine.offload.gpu).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -120,6 +121,17 @@ class Run:
         lo, hi = span.start, span.start + span.length
         return [(p, max(lo, p.offset), min(hi, p.offset + p.length)) for p in self.pieces
                 if p.offset < hi and p.offset + p.length > lo]
+
+    def local_parts(self, span: ChunkSpan) -> tuple[tuple[int, Piece, int, int], ...]:
+        """(index of the piece in the run, piece, first, last + 1) of every piece in chunk `span`, in offsets
+        from the chunk's start: the same every step, so worked out once per chunk."""
+        return self._local_parts[span.start]
+
+    @cached_property
+    def _local_parts(self) -> dict[int, tuple[tuple[int, Piece, int, int], ...]]:
+        index = {id(p): i for i, p in enumerate(self.pieces)}
+        return {span.start: tuple((index[id(p)], p, a - span.start, b - span.start) for p, a, b in self.parts(span))
+                for span in self.chunks}
 
 
 def plan_runs(g: FlatGroup, optimizer: torch.optim.Optimizer, chunk: int) -> list[Run]:

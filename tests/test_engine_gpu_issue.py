@@ -1,0 +1,144 @@
+"""The GPU-stepped stream's fixed work per chunk on the issuing thread (issue #39), on the CPU standing in for the
+GPU: a steady step walks no piece's state to find the run's homes ([Note: verified homes] in
+zerofit.engine.offload.gpu_homes), copies the scalar state of a chunk's pieces with one kernel, and a checkpoint
+loaded into an engine that has stepped already is what its next step streams (the kept homes are re-checked)."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+from torch import nn
+
+from zerofit.config.schema import OffloadConfig, PrecisionConfig, ZeroConfig
+from zerofit.engine import ZeroEngine
+from zerofit.engine.offload.gpu_homes import RunHomes
+from zerofit.testing.distributed import run_distributed
+
+
+class _Block(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.l1 = nn.Linear(d, 2 * d)
+        self.l2 = nn.Linear(2 * d, d)
+        self.norm = nn.LayerNorm(d)
+
+    def forward(self, x):
+        return x + self.l2(torch.tanh(self.l1(self.norm(x))))
+
+
+class _Stack(nn.Module):
+    def __init__(self, blocks: int = 4, d: int = 8):
+        super().__init__()
+        self.blocks = nn.ModuleList(_Block(d) for _ in range(blocks))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def _engine(state: str) -> ZeroEngine:
+    """Every block a unit of two runs (weights with decay, biases and norms without: Trainer's groups)."""
+    torch.manual_seed(0)
+    model = _Stack()
+    decay = [p for p in model.parameters() if p.ndim > 1]
+    rest = [p for p in model.parameters() if p.ndim <= 1]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
+                            lr=1e-2, fused=True)
+    zero = ZeroConfig(stage=2, offload_optimizer=OffloadConfig(device="cpu", step_on="device"))
+    return ZeroEngine(model, opt, zero=zero, precision=PrecisionConfig(optimizer_state=state),
+                      device=torch.device("cpu"))
+
+
+def _train(engine: ZeroEngine, seed: int, steps: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        engine.backward(engine.model(torch.randn(4, 8, generator=g)).square().mean())
+        engine.step()
+
+
+def _ops_of_a_steady_step(state: str) -> tuple[int, dict[str, int]]:
+    """(chunks of one step, top-level aten ops of the issuing thread in that step after two steps)."""
+    engine = _engine(state)
+    _train(engine, 1, 2)
+    gpu = engine.offload.gpu
+    gpu.settle(state=True)
+    chunks = sum(len(run.chunks) for runs in gpu._runs.values() for run in runs)
+    engine.backward(engine.model(torch.randn(4, 8)).square().mean())
+    config = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)  # the issuing thread's ops too
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], experimental_config=config) as prof:
+        engine.step()
+        gpu.settle(state=True)
+
+    def top_level(event) -> bool:
+        parent = event.cpu_parent
+        while parent is not None:
+            if parent.name.startswith("aten::"):
+                return False
+            parent = parent.cpu_parent
+        return True
+
+    return chunks, dict(collections.Counter(e.name for e in prof.events()
+                                            if e.name.startswith("aten::") and top_level(e)))
+
+
+@pytest.mark.parametrize("state", ["fp32", "8bit"])
+def test_a_steady_step_walks_no_state_and_copies_each_chunks_scalars_once(state):
+    chunks, ops = _ops_of_a_steady_step(state)
+    # finding a run's homes views storage (`home_of`: `set_`) on every walk; a steady step walks none
+    assert ops.get("aten::set_", 0) == 0, ops
+    # the scalar state (Adam's `step`) of a chunk's pieces: one stack or one clone per chunk, not one per piece
+    assert ops.get("aten::stack", 0) + ops.get("aten::clone", 0) <= chunks, (chunks, ops)
+
+
+def _reload_rank(rank: int, world: int, directory: str, state: str):
+    """Train 2 steps, save, train 2 (a); load the checkpoint into that same engine, train the same 2 (b): the
+    masters and the pieces' state of (a) and (b)."""
+    from zerofit.checkpoint.sharded import load_state, save_state
+
+    def snapshot(engine):
+        masters = {k: v.clone() for k, v in engine.named_full_tensors("master").items()}
+        opt = engine.optimizer
+        return masters, [{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in opt.state[t].items()}
+                         for pg in opt.param_groups for t in pg["params"]]
+
+    engine = _engine(state)
+    _train(engine, 1, 2)
+    save_state(directory + "/ck", engine)
+    _train(engine, 2, 2)
+    first = snapshot(engine)
+    load_state(directory + "/ck", engine)  # new state entries for every piece: the kept homes no longer hold
+    _train(engine, 2, 2)
+    return first, snapshot(engine)
+
+
+@pytest.mark.parametrize("state", ["fp32", "8bit"])
+def test_a_checkpoint_loaded_into_a_stepped_engine_is_what_its_next_step_streams(tmp_path, state):
+    (masters_a, state_a), (masters_b, state_b) = run_distributed(_reload_rank, 1, str(tmp_path), state)[0]
+    assert masters_a.keys() == masters_b.keys()
+    assert all(torch.equal(masters_a[k], masters_b[k]) for k in masters_a)
+    assert len(state_a) == len(state_b)
+    for a, b in zip(state_a, state_b):
+        assert a.keys() == b.keys()
+        assert all(torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k] for k in a)
+
+
+def test_kept_homes_are_dropped_when_a_piece_gets_a_new_entry():
+    engine = _engine("fp32")
+    _train(engine, 1, 2)
+    gpu = engine.offload.gpu
+    gpu.settle(state=True)
+    homes: RunHomes = gpu._homes
+    g = next(g for g in gpu.groups)
+    run = gpu._runs[id(g)][0]
+    kept = homes.of(g, run)
+    assert homes.of(g, run) is kept  # nothing moved: the kept answer
+    piece = run.pieces[0]
+    engine.optimizer.state[piece.master] = {k: v.clone() for k, v in engine.optimizer.state[piece.master].items()}
+    again = homes.of(g, run)  # a pageable copy, as a checkpoint load leaves it: moved into the home again
+    assert again is not kept
+    home = again.homes["exp_avg"]
+    view = engine.optimizer.state[piece.master]["exp_avg"]
+    assert view.untyped_storage().data_ptr() == home.untyped_storage().data_ptr()
