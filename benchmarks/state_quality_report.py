@@ -120,7 +120,7 @@ def summary(rows: dict[str, dict]) -> str:
 
 def clipped_share(row: dict) -> str:
     """Steps after warm-up whose gradient norm exceeded the clip (the share a step speculating that clipping does
-    not bite would redo; see [Note: clipping and the overlapped step] in zerofit.engine.offload.gpu)."""
+    not bite would redo; see [Note: clipping and the overlapped step] in zerofit.engine.offload.early)."""
     norms = row.get("grad_norm", [])[row["config"]["warmup"]:]
     if not norms:
         return "-"

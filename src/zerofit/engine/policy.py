@@ -144,7 +144,7 @@ def step_on_for(step_on: str, *, cuda: bool, nvme: bool) -> str:
     (streamed through the accelerator). "auto": the device on a CUDA machine - the same fused kernel
     as without offload, no gradient download, no parameter upload, the CPU cores left free - else the
     host; NVMe-homed state is stepped on the host unless "device" is written (then it streams from its
-    files through the GPU: see [Note: GPU-stepped offload from NVMe] in zerofit.engine.offload.gpu).
+    files through the GPU: see [Note: GPU-stepped offload from NVMe] in zerofit.engine.offload.nvme).
     The engine and the planner both ask this."""
     if step_on == "auto":
         return "device" if cuda and not nvme else "host"

@@ -19,8 +19,21 @@ early once it has seen a whole step without them:
 Only units all of whose parameters got a gradient in that backward start early; the others step in
 step(), which knows which parameters no rank gave a gradient (see [Note: parameters without a
 gradient] in zerofit.engine.unused_params). With clipping, the factor needs every gradient, so no
-update can start before backward ends without being speculative (see [Note: clipping and the
-overlapped step] in zerofit.engine.offload.gpu).
+update can start before backward ends without being speculative (see below).
+
+[Note: clipping and the overlapped step]
+Without clipping the GPU-stepped groups stream during backward (above). With clipping the factor
+c = min(1, max_norm / norm) needs every gradient, and no exact part of the update can run before it: Adam's
+moments take c * g and c^2 * g^2. Uploads do not depend on c, but the link carries as many bytes down as up
+and downloads need the update, so uploading early would shorten only the stream's head, by one chunk. The
+way past it is speculation (DeepSpeed's SuperOffload): step with c = 1 during backward and keep the step only
+if the norm says clipping did not bite (c is then exactly 1.0 and torch's clip multiplies by 1.0: the same
+update), else step again from the old state. That needs the old state and master kept until the verdict: a
+second host home for every speculated group (the master's 2.125 and the 8-bit state's 2.5 bytes per element
+again; the master's home must become two packed buffers that swap, as the optimizer's parameters are views
+of the fp32 one), its old parameters on the device (2 bytes per element) and the scalar state held back; and
+it gains only on the steps where clipping does not bite (`benchmarks/state_quality_report.py` reports that
+share for a run). Not built yet.
 """
 
 from __future__ import annotations

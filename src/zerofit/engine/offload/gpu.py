@@ -44,33 +44,8 @@ stream widens them into the slot's fp32 buffers, steps, zeroes the padding betwe
 again before the download. Groups kept on the device join this stream too, with their homes in device memory
 (no copy: widened from and narrowed into the home itself), so one path steps narrow state wherever it lives.
 
-[Note: clipping and the overlapped step]
-Without clipping the groups stream during backward (see [Note: updates during backward] in
-zerofit.engine.offload.early). With clipping the factor c = min(1, max_norm / norm) needs every gradient,
-and no exact part of the update can run before it: Adam's moments take c * g and c^2 * g^2. Uploads do not
-depend on c, but the link carries as many bytes down as up and downloads need the update, so uploading
-early would shorten only the stream's head, by one chunk. The way past it is speculation (DeepSpeed's
-SuperOffload): step with c = 1 during backward, and keep the step only if the norm says clipping did not
-bite (c is then exactly 1.0, and torch's clip multiplies by 1.0: the same update), else step again from
-the old state. That needs the old state and master kept until the verdict - a second host home for
-every speculated group (the master's 2.125 and the state's 2.5 bytes per element again, 8-bit) and its
-old parameters on the device (2 bytes per element) - and gains only on steps where clipping does not
-bite; `benchmarks/state_quality_report.py` reports that share for a run. Not built yet.
-
-[Note: GPU-stepped offload from NVMe]
-With `offload_optimizer.device: nvme` a group's master and state live in its file (`NvmeSwapper`, see
-[Note: NVMe residency]), and host memory holds only the swapper's pool of pinned slots. Per group,
-on the issuing thread:
-  swap_in   block until the group's file is read into a slot; master, pieces and state are bound to it
-            (later groups' reads are already under way on the I/O threads)
-  issue     the chunks as above: uploads read the slot, downloads write it back
-  swap_out  hand the slot to an I/O thread, which waits for the group's last download event, then
-            writes the slot to the file and returns it to the pool
-so reads of the next groups, the device work of this one and the writes of earlier ones overlap. The
-pool cannot deadlock: a write waits only for the device, which never waits for the host, and the
-swapper reads at most one group fewer ahead than it has slots (its FIFO argument). A checkpoint's
-`settle(state=True)` waits for the writes and materialises every group in host memory; the next
-`step()` writes them back (`evict_materialized`) before any group is read.
+With NVMe the state's home is a file per group (see [Note: GPU-stepped offload from NVMe] in
+zerofit.engine.offload.nvme).
 """
 
 from __future__ import annotations
@@ -119,16 +94,6 @@ holds at most the largest run, so a model whose layers are smaller than 64 M ele
 layer."""
 STREAM_SLOTS = 3  # chunks in flight: one uploading, one stepping, one downloading
 _FUSED_ON_CUDA = ("Adam", "AdamW", "SGD")  # optimizer classes whose fused kernels exist on CUDA
-"""[Note: chunk alignment] torch's multi-tensor kernels take a vectorised path only for a tensor that
-starts on a 16-byte boundary and whose length is a multiple of 4 elements, else an element-by-element
-one, and the two may round differently (contracted multiply-adds: seen with fused SGD). On the device a
-piece is one tensor at its shard offset, a multiple of 16 elements. In a slot, a chunk of whole
-pieces starts each of them on a 16-element boundary too, and a piece longer than a chunk is cut into
-chunks of its own, multiples of 16 long, whose master and upcast gradient start on a boundary exactly
-when the piece would take the vectorised path, and off one otherwise (`ChunkSpan.shift`). So every
-element takes the path it takes on the device, and the result stays bit for bit the same."""
-
-
 def stream_pool_bytes(largest_piece: int, *, state_tensors: int, compact: bool,
                       offload_params: bool, compute_bytes: int, split: bool = False) -> int:
     """`largest_piece`: the largest run of a group (at most the group's shard)."""
@@ -151,9 +116,9 @@ class GpuStep(OffloadPart):
                  chunk: int | None = None, slots: int = STREAM_SLOTS, codec: Codec | None = None,
                  trainable: list[FlatGroup] | None = None, reductions: InFlight | None = None,
                  needs_norm: bool = True):
-        """`offload`, `aio`: with `offload.device` "nvme" the state's home is a file per group (see
-        [Note: GPU-stepped offload from NVMe]); `chunk`: elements per chunk (default `STREAM_CHUNK`,
-        read when the mode is built); `codec`: how the state is stored (see [Note: narrow state in the
+        """`offload`, `aio`: with `offload.device` "nvme" the state's home is a file per group (see [Note:
+        GPU-stepped offload from NVMe] in zerofit.engine.offload.nvme); `chunk`: elements per chunk (default
+        `STREAM_CHUNK`, read when the mode is built); `codec`: how the state is stored (see [Note: narrow state in the
         stream]); groups not offloaded keep it on the device. `trainable` (every trainable group, in unit order),
         `reductions` and `needs_norm` (the step depends on the global gradient norm): for updates started during
         backward (see [Note: updates during backward] in zerofit.engine.offload.early; never without them)."""
@@ -367,7 +332,7 @@ class GpuStep(OffloadPart):
                 master = slot.buf("master", torch.float32, n, span.shift)
                 packed, carries = slot.packed(n) if split or packed_home else (None, None)
                 if packed_home:  # the low halves and carries come up; the device holds the rest
-                    packed.copy_(_packed_home(run_master, lo, n), non_blocking=True)
+                    packed.copy_(master_split.packed_home(run_master, lo, n), non_blocking=True)
                 else:
                     master.copy_(master_home, non_blocking=True)
                 staged = {}
@@ -411,7 +376,7 @@ class GpuStep(OffloadPart):
                             wide[k] = slot.buf(k, dtype, n)
                             at_home[k] = homes[k][lo:lo + n]
                 if split:
-                    _packed_home(run_master, lo, n).copy_(packed, non_blocking=True)
+                    master_split.packed_home(run_master, lo, n).copy_(packed, non_blocking=True)
                 else:
                     master_home.copy_(master, non_blocking=True)
                 for k, home in at_home.items():  # every per-element state of the chunk is in its slot
@@ -614,23 +579,12 @@ class GpuStep(OffloadPart):
     def _join_packed(self) -> None:
         """Rebuild every packed host master as fp32 in place, for host readers (checkpoints, inspection);
         the next step uploads those whole and packs them again."""
-        carries = torch.empty(master_split.scratch_bytes(self._slots[0].capacity), dtype=torch.uint8)
+        scratch = torch.empty(master_split.scratch_bytes(self._slots[0].capacity), dtype=torch.uint8)
         for g in self.groups:
-            if id(g) not in self._packed:
-                continue
-            param = g.param_shard.to("cpu")  # the rounding the carries refer to
-            for run in self._runs[id(g)]:
-                run_master = g.master[run.start:run.end]
-                for span in run.chunks:
-                    lo, n = span.start - run.start, span.length
-                    packed = _packed_home(run_master, lo, n).clone()  # the master's own bytes are rewritten
-                    master_split.join(packed, param[span.start:span.start + n], run_master[lo:lo + n], carries)
+            if id(g) in self._packed:
+                chunks = [(span.start, span.length) for run in self._runs[id(g)] for span in run.chunks]
+                master_split.join_in_place(g.master, g.param_shard.to("cpu"), chunks, scratch)
         self._packed.clear()
-
-
-def _packed_home(master: torch.Tensor, lo: int, n: int) -> torch.Tensor:
-    """Where chunk [lo, lo + n) of a host master keeps its packed form: the front of its own bytes."""
-    return master[lo:lo + n].view(torch.uint8)[:master_split.packed_bytes(n)]
 
 
 def _wide(home: torch.Tensor | Stored) -> torch.dtype:

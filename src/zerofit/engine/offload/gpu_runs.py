@@ -34,6 +34,14 @@ ALIGN = 16
 """Chunk lengths are multiples of this (elements): see the module note."""
 VECTOR = 4
 """Elements of 16 bytes (fp32): the vectorised kernels' unit (see [Note: chunk alignment])."""
+"""[Note: chunk alignment] torch's multi-tensor kernels take a vectorised path only for a tensor that
+starts on a 16-byte boundary and whose length is a multiple of 4 elements, else an element-by-element
+one, and the two may round differently (contracted multiply-adds: seen with fused SGD). On the device a
+piece is one tensor at its shard offset, a multiple of 16 elements. In a slot, a chunk of whole
+pieces starts each of them on a 16-element boundary too, and a piece longer than a chunk is cut into
+chunks of its own, multiples of 16 long, whose master and upcast gradient start on a boundary exactly
+when the piece would take the vectorised path, and off one otherwise (`ChunkSpan.shift`). So every
+element takes the path it takes on the device, and the result stays bit for bit the same."""
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,8 @@ class Slot:
         """Event: the last download from this slot is done (None: never used, or CPU)."""
 
     def buf(self, name: str, dtype: torch.dtype, n: int, shift: int = 0) -> torch.Tensor:
-        """`n` elements of buffer `name`, starting `shift` elements in (see [Note: chunk alignment])."""
+        """`n` elements of buffer `name`, starting `shift` elements in (see [Note: chunk alignment] in
+        zerofit.engine.offload.gpu_runs)."""
         key = (name, dtype)
         if key not in self._buffers:
             self._buffers[key] = torch.empty(self.capacity + VECTOR, dtype=dtype, device=self.device)

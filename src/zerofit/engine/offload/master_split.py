@@ -84,5 +84,19 @@ def join(packed: torch.Tensor, param: torch.Tensor, master: torch.Tensor, scratc
     torch.sub(param.view(torch.int16), carry.view(-1)[:n], out=high)
 
 
+def packed_home(master: torch.Tensor, lo: int, n: int) -> torch.Tensor:
+    """Where chunk [lo, lo + n) of a host master keeps its packed form: the front of its own bytes."""
+    return master[lo:lo + n].view(torch.uint8)[:packed_bytes(n)]
+
+
+def join_in_place(master: torch.Tensor, param: torch.Tensor, chunks: list[tuple[int, int]],
+                  scratch: torch.Tensor) -> None:
+    """Rebuild the fp32 host `master` whose `chunks` ((start, length) each) hold their packed form in their own
+    front bytes (`packed_home`), from `param`, its rounding (host, same length); `scratch` as for `split`."""
+    for lo, n in chunks:
+        packed = packed_home(master, lo, n).clone()  # the master's own bytes are rewritten
+        join(packed, param[lo:lo + n], master[lo:lo + n], scratch)
+
+
 def _round_up(n: int) -> int:
     return (n + _BITS - 1) // _BITS * _BITS

@@ -56,6 +56,21 @@ releases the GIL and runs on the I/O threads, overlapped with the step: measured
 one core of an AMD EPYC (5.4-6.2 GiB/s, about what one NVMe drive reads), paid once per write and once
 per read. A plain sum over an int64 view is cheaper (32-64 ms per GiB on two threads) but misses blocks
 that moved, and zeroed blocks whose values summed to zero.
+
+[Note: GPU-stepped offload from NVMe]
+With `offload_optimizer.device: nvme` a group's master and state live in its file (`NvmeSwapper`, see
+[Note: NVMe residency]), and host memory holds only the swapper's pool of pinned slots. Per group,
+on the issuing thread:
+  swap_in   block until the group's file is read into a slot; master, pieces and state are bound to it
+            (later groups' reads are already under way on the I/O threads)
+  issue     the chunks as above: uploads read the slot, downloads write it back
+  swap_out  hand the slot to an I/O thread, which waits for the group's last download event, then
+            writes the slot to the file and returns it to the pool
+so reads of the next groups, the device work of this one and the writes of earlier ones overlap. The
+pool cannot deadlock: a write waits only for the device, which never waits for the host, and the
+swapper reads at most one group fewer ahead than it has slots (its FIFO argument). A checkpoint's
+`settle(state=True)` waits for the writes and materialises every group in host memory; the next
+`step()` writes them back (`evict_materialized`) before any group is read.
 """
 
 from __future__ import annotations
