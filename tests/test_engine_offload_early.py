@@ -139,9 +139,12 @@ def _backward_twice(rank, world):
         data = batches(Case(steps=2))
         _backward(model, engine, *data[0], rank, world)
         engine.step()
-        _backward(model, engine, *data[1], rank, world)
+        x, y = data[1]
+        micro = x.shape[0] // world
+        loss = loss_fn(model(x[rank * micro:(rank + 1) * micro]), y[rank * micro:(rank + 1) * micro])
+        engine.backward(loss, retain_graph=True)
         try:
-            _backward(model, engine, *data[1], rank, world)
+            engine.backward(loss * 0.5)  # no forward between: the graph is kept
             out[step_on] = "no error"
         except EngineError as e:
             out[step_on] = str(e)
@@ -152,3 +155,47 @@ def test_a_second_backward_after_an_early_start_raises():
     for step_on, msg in run_distributed(_backward_twice, 1)[0].items():
         assert "backward ran again after the backward that closed accumulation window 2" in msg, step_on
         assert "call backward once per optimizer step" in msg
+
+
+def _forward_between(rank, world, always):
+    """A no-grad forward between backward and step(): every step (`always`), else only in window 3. Per part:
+    (updates started early, the error if any, the masters at the end)."""
+    out = {}
+    for step_on in STEP_ON:
+        model, _, engine = _engine(step_on=step_on)
+        error = None
+        for i, (x, y) in enumerate(batches(Case(steps=3))):
+            _backward(model, engine, x, y, rank, world)
+            try:
+                if always or i == 2:
+                    with torch.no_grad():
+                        model(x)
+            except EngineError as e:
+                error = str(e)
+                break
+            engine.step()
+        out[step_on] = (_early(engine), error, None if error else engine.named_full_tensors("master"))
+    return out
+
+
+def _plain_steps(rank, world):
+    model, opt = make_model_and_optim(Case())
+    engine = ZeroEngine(model, opt, zero=ZeroConfig(stage=2), device=torch.device("cpu"))
+    for x, y in batches(Case(steps=3)):
+        _backward(model, engine, x, y, rank, world)
+        engine.step()
+    return engine.named_full_tensors("master")
+
+
+def test_a_forward_between_backward_and_step_keeps_updates_out_of_backward_and_stays_exact():
+    plain = run_distributed(_plain_steps, 1)[0]
+    for step_on, (early, error, masters) in run_distributed(_forward_between, 1, True)[0].items():
+        assert early == 0 and error is None, step_on
+        assert max_diff(masters, plain) == 0.0, step_on
+
+
+def test_a_forward_between_backward_and_step_after_an_early_start_raises():
+    for step_on, (early, error, _) in run_distributed(_forward_between, 1, False)[0].items():
+        assert early > 0, step_on
+        assert "run or read between backward and optimizer.step() in accumulation window 3" in error, step_on
+        assert "set gradient_clipping" in error

@@ -8,14 +8,17 @@ to its CPU worker (zerofit.engine.offload.host), the GPU-stepped part to its iss
 streams the group's state through the device while backward computes (zerofit.engine.offload.gpu).
 The update is the same, bit for bit: same gradients, same factor, same settings.
 
-Three things a script could still do would change the update after the fact, so a part only starts
-early once it has seen a whole step without them:
+Four things a script could still do would change the update, or what it sees of it, after the fact, so a
+part only starts early once it has seen a whole step without them:
 - calling clip_grad_norm_: from then on never early; a first call in a window that already started
   raises if clipping would bite (the update is applied), and returns the norm if it would not;
 - changing lr & co. between backward and step(): detected at step() (the early groups used the
   values of when backward ended), warned, and never early again;
 - running backward again after the backward that closed the window: never early again; in a window
-  that already started it raises (the update is applied without the second backward's gradients).
+  that already started it raises (the update is applied without the second backward's gradients);
+- running or reading the model between that backward and step() (a forward, a state_dict): never early
+  again; in a window that already started it raises, as the started units would show their new weights
+  where PyTorch shows the old ones.
 Only units all of whose parameters got a gradient in that backward start early; the others step in
 step(), which knows which parameters no rank gave a gradient (see [Note: parameters without a
 gradient] in zerofit.engine.unused_params). With clipping, the factor needs every gradient, so no
@@ -72,6 +75,7 @@ class EarlyStart:
         self._clip_seen = False
         self._window_closed = False
         """A backward closed this window and no step or zero_grad followed yet."""
+        self._in_backward = False
 
     def begin_backward(self, sync: bool) -> None:
         if self._window_closed:  # a second backward after the one that closed the window, before step()
@@ -84,7 +88,25 @@ class EarlyStart:
                     "or set gradient_clipping in the config (then no update starts during backward)")
             self.off = "backward runs more than once per optimizer step"  # quietly: same results
         self._window_closed = sync
+        self._in_backward = True
         self.now = sync and self.off is None and self.steps_taken > 0 and not self._clip_seen
+
+    def end_backward(self) -> None:
+        self._in_backward = False
+
+    def used(self) -> None:
+        """The model is about to be run or read (a unit's parameters are needed): between the backward that closed
+        the window and step(), never early again, and an error if this window started."""
+        if not self._window_closed or self._in_backward:
+            return
+        if self.started:
+            raise EngineError(
+                f"the model was run or read between backward and optimizer.step() in accumulation window "
+                f"{self.steps_taken + 1}, after zerofit had already applied part of that window's update during "
+                f"backward ({self.what}): that forward would see new weights where PyTorch shows the old ones. Run "
+                "it before backward or after step() from the first step on, or set gradient_clipping in the config "
+                "(then no update starts during backward)")
+        self.off = "the model runs between backward and step()"  # quietly: same results
 
     def offer(self, unit: Unit, pendings: list[Pending], groups: list[FlatGroup]) -> None:
         """`unit`'s reductions were launched: its `groups` (this part's) start once those are issued. Only a

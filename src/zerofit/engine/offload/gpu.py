@@ -200,6 +200,7 @@ class GpuStep(OffloadPart):
         self._submit_ready()
 
     def _end_backward(self) -> None:
+        self.early.end_backward()
         if self.early.now:
             self.reductions.drain()  # the last units' reductions: their groups start before step()
             self._submit_ready()

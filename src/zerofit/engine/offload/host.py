@@ -76,6 +76,7 @@ class HostStep(OffloadPart):
         self._submit_ready()
 
     def _end_backward(self) -> None:
+        self.early.end_backward()
         # Offloaded gradients: the staging buffers are reused by the next micro-step, so their
         # contents must reach the host gradient shards now (waits for the downloads in flight).
         self.reductions.drain()

@@ -31,6 +31,7 @@ from torch import nn
 from zerofit.config.schema import AioConfig, OffloadConfig
 from zerofit.engine.comm import Collectives, Pending
 from zerofit.engine.flat_group import FlatGroup
+from zerofit.engine.offload.early import EarlyStart
 from zerofit.engine.offload.nvme import NvmeSwapper
 from zerofit.engine.stage3 import opaque
 from zerofit.engine.state_codec import Codec
@@ -51,6 +52,9 @@ class OffloadPart(WrappingStep):
         self.units = units
         self.comm = comm
         self.times = times
+        self.early = EarlyStart("not supported by this part", "offloaded optimizer steps")
+        """When this part's updates may start during backward (the part sets its own; see [Note: updates during
+        backward] in zerofit.engine.offload.early)."""
         self.swapper: NvmeSwapper | None = None
         """The groups' NVMe files, when their state lives there (set by the part: see `_nvme_swapper`)."""
         self.close: Callable[[], None] = lambda: None
@@ -119,6 +123,7 @@ class OffloadPart(WrappingStep):
         """Before `unit` is used: wait for its groups' updates and publish their parameters - and those of
         every unit before it first, so every rank publishes in unit order whichever units its forward
         skips (see [Note: one collective order] in zerofit.engine.engine)."""
+        self.early.used()
         self._await_groups(self.groups[:self._upto[id(unit)]])
 
     def _await_all(self) -> None:
