@@ -103,9 +103,11 @@ class EarlyStart:
             raise EngineError(
                 f"the model was run or read between backward and optimizer.step() in accumulation window "
                 f"{self.steps_taken + 1}, after zerofit had already applied part of that window's update during "
-                f"backward ({self.what}): that forward would see new weights where PyTorch shows the old ones. Run "
-                "it before backward or after step() from the first step on, or set gradient_clipping in the config "
-                "(then no update starts during backward)")
+                f"backward ({self.what}): that forward would see new weights where PyTorch shows the old ones. "
+                "From the first step on, run it before backward or after step() (several losses: sum the losses "
+                "and call backward once, or run the earlier backward calls under accelerator.no_sync() / "
+                "accelerator.accumulate()), or set gradient_clipping in the config (then no update starts during "
+                "backward)")
         self.off = "the model runs between backward and step()"  # quietly: same results
 
     def offer(self, unit: Unit, pendings: list[Pending], groups: list[FlatGroup]) -> None:
