@@ -17,7 +17,7 @@ A chunk of whole pieces starts at a piece, so every piece in it starts on a 16-e
 slot buffer, as on the device (pieces start at multiples of 16 of the shard): each is one tensor of
 the same length at the same alignment there and here, and the vectorised kernels treat every element
 alike. A long piece's chunks are aligned, or not, as the old one-piece chunks were (see [Note: chunk
-alignment] in zerofit.engine.offload.gpu).
+alignment]).
 """
 
 from __future__ import annotations
@@ -53,8 +53,7 @@ class ChunkSpan:
     """Offset in the group's shard."""
     length: int
     shift: int = 0
-    """Elements past a 16-byte boundary the chunk starts at in its slot (see [Note: chunk alignment] in
-    zerofit.engine.offload.gpu)."""
+    """Elements past a 16-byte boundary the chunk starts at in its slot (see [Note: chunk alignment])."""
 
 
 def plan_chunks(runs: list[tuple[int, int]], chunk: int) -> list[list[ChunkSpan]]:
