@@ -32,45 +32,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zerofit.config.schema import OffloadConfig, PrecisionConfig, ZeroConfig
 from zerofit.engine import ZeroEngine
-
-
-class Block(nn.Module):
-    def __init__(self, d: int):
-        super().__init__()
-        self.l1 = nn.Linear(d, 2 * d)
-        self.l2 = nn.Linear(2 * d, d)
-        self.norm = nn.LayerNorm(d)
-
-    def forward(self, x):
-        return x + self.l2(torch.tanh(self.l1(self.norm(x))))
-
-
-class Stack(nn.Module):
-    """Repeated blocks under one ModuleList: the engine makes each block a unit (a group of its own)."""
-
-    def __init__(self, blocks: int, d: int):
-        super().__init__()
-        self.blocks = nn.ModuleList(Block(d) for _ in range(blocks))
-
-    def forward(self, x):
-        for b in self.blocks:
-            x = b(x)
-        return x
+from zerofit.testing.models import gpu_stepped_engine
 
 
 def build(blocks: int, dim: int, state: str) -> tuple[nn.Module, ZeroEngine]:
-    torch.manual_seed(0)
-    model = Stack(blocks, dim)
-    decay = [p for p in model.parameters() if p.ndim > 1]
-    no_decay = [p for p in model.parameters() if p.ndim <= 1]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=1e-3, fused=True)
-    zero = ZeroConfig(stage=2, offload_optimizer=OffloadConfig(device="cpu", step_on="device"))
-    engine = ZeroEngine(model, opt, zero=zero, precision=PrecisionConfig(optimizer_state=state),
-                        device=torch.device("cpu"))
-    return model, engine
+    engine = gpu_stepped_engine(blocks, dim, state, lr=1e-3)
+    return engine.model, engine
 
 
 def measure(blocks: int, dim: int, state: str, steps: int, warmup: int, profile: bool) -> dict:

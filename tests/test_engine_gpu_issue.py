@@ -9,47 +9,16 @@ import collections
 
 import pytest
 import torch
-from torch import nn
 
-from zerofit.config.schema import OffloadConfig, PrecisionConfig, ZeroConfig
 from zerofit.engine import ZeroEngine
 from zerofit.engine.offload.gpu_homes import RunHomes
 from zerofit.testing.distributed import run_distributed
-
-
-class _Block(nn.Module):
-    def __init__(self, d: int):
-        super().__init__()
-        self.l1 = nn.Linear(d, 2 * d)
-        self.l2 = nn.Linear(2 * d, d)
-        self.norm = nn.LayerNorm(d)
-
-    def forward(self, x):
-        return x + self.l2(torch.tanh(self.l1(self.norm(x))))
-
-
-class _Stack(nn.Module):
-    def __init__(self, blocks: int = 4, d: int = 8):
-        super().__init__()
-        self.blocks = nn.ModuleList(_Block(d) for _ in range(blocks))
-
-    def forward(self, x):
-        for b in self.blocks:
-            x = b(x)
-        return x
+from zerofit.testing.models import gpu_stepped_engine
 
 
 def _engine(state: str) -> ZeroEngine:
     """Every block a unit of two runs (weights with decay, biases and norms without: Trainer's groups)."""
-    torch.manual_seed(0)
-    model = _Stack()
-    decay = [p for p in model.parameters() if p.ndim > 1]
-    rest = [p for p in model.parameters() if p.ndim <= 1]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
-                            lr=1e-2, fused=True)
-    zero = ZeroConfig(stage=2, offload_optimizer=OffloadConfig(device="cpu", step_on="device"))
-    return ZeroEngine(model, opt, zero=zero, precision=PrecisionConfig(optimizer_state=state),
-                      device=torch.device("cpu"))
+    return gpu_stepped_engine(4, 8, state, lr=1e-2)
 
 
 def _train(engine: ZeroEngine, seed: int, steps: int) -> None:

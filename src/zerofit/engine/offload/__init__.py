@@ -31,7 +31,7 @@ A host-stepped group (`offload_optimizer.step_on: host`), one accumulation windo
      flat_group.py:FlatGroup.take_reduced_grad starts the download) -> host.py:HostStep._reduced
      (an early window hands the unit to host_thread.py:HostStepper.submit here)
   4. backward ends:      host.py:HostStep._end_backward (flat_group.py:FlatGroup.settle_host_grad)
-  5. step():             engine.py:ZeroEngine.step -> host.py:HostStep._begin_step
+  5. step():             engine.py:ZeroEngine.step -> part.py:OffloadPart._begin_step (early.py)
      -> engine.py:ZeroEngine._unscale_and_clip -> host.py:HostStep._prepare_grads
      -> part.py:OffloadPart.step -> host.py:HostStep._before_inner_step (an early window's rest)
      -> the inner mode's step (device groups) -> host.py:HostStep._step -> host_thread.py:HostStepper.submit
@@ -44,10 +44,12 @@ A GPU-stepped group (`step_on: device`, the default on CUDA):
      (gpu_issue.py:IssueThread.wait, then the main stream waits for the group's done event)
      -> step_mode.py:gather_params (stages 1-2)
   2. backward:           part.py:OffloadPart.begin_backward -> gpu.py:GpuStep._begin_backward;
-     gradients are reduced into the device gradient shard as without offload (unit.py:Unit.reduce)
+     gradients are reduced into the device gradient shard as without offload (unit.py:Unit.reduce); in an
+     early window (no clipping: early.py) gpu.py:GpuStep._reduced -> _submit_ready -> _launch hands each
+     reduced unit's groups to gpu_issue.py:IssueThread.submit now, and step() only hands over the rest
   3. step():             engine.py:ZeroEngine.step -> engine.py:ZeroEngine._unscale_and_clip
      -> part.py:OffloadPart.step -> the inner mode's step -> gpu.py:GpuStep._step (factor, settings,
-     the "gradients final" event) -> gpu_issue.py:IssueThread.submit
+     the "gradients final" event) -> gpu.py:GpuStep._launch -> gpu_issue.py:IssueThread.submit
   4. issuing thread:     gpu_issue.py:IssueThread._run_one -> gpu.py:GpuStep._issue
      (nvme.py:NvmeSwapper.swap_in) -> gpu.py:GpuStep._step_run per run (gpu_runs.py), per chunk:
      upload to a slot -> master_split.py:join -> gpu.py:GpuStep._step_chunk (the optimizer's kernel,

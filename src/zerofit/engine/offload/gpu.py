@@ -161,8 +161,6 @@ class GpuStep(OffloadPart):
         elif needs_norm:
             off = "the step depends on the global gradient norm (clipping, fp16 or skip_nonfinite_steps)"
         self.early = EarlyStart(off, "GPU-stepped optimizer steps")
-        self._early_step = False
-        """This step's window started during backward (`_begin_step` until `_step`)."""
         self._window_written = None
         """`_written` when this window's backward began (what its early uploads wait for)."""
         self._zeroing = True
@@ -218,10 +216,6 @@ class GpuStep(OffloadPart):
             return global_grad_sumsq(self.trainable, self.comm, self.device).sqrt()
         return self.early.clip_requested(max_norm, norm)
 
-    def _begin_step(self) -> bool:
-        self._early_step = self.early.begin_step()
-        return self._early_step
-
     def _before_inner_step(self, factors: StepFactors) -> None:
         if not self._early_step:
             return
@@ -234,9 +228,6 @@ class GpuStep(OffloadPart):
         rest = [g for g in self.groups if id(g) not in started]
         if rest:
             self._launch(rest, StepFactors(), settings, {id(g): g.unused for g in rest}, written=self._window_written)
-
-    def _update_started(self) -> bool:
-        return bool(self.early.started)
 
     def _discard(self) -> None:
         self.early.discard()

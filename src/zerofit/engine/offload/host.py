@@ -60,8 +60,6 @@ class HostStep(OffloadPart):
             off = "the step depends on the global gradient norm (clipping, fp16 or skip_nonfinite_steps)"
         self.early = EarlyStart(off, "host optimizer steps")
         """Host steps started during backward (see [Note: updates during backward])."""
-        self._early_step = False
-        """This step's window started during backward (`_begin_step` until `_step`)."""
 
     # --- backward -------------------------------------------------------------------------------
     def _begin_backward(self, sync: bool) -> None:
@@ -106,10 +104,6 @@ class HostStep(OffloadPart):
         for g in self.groups:
             g.grads_for_step()
 
-    def _begin_step(self) -> bool:
-        self._early_step = self.early.begin_step()
-        return self._early_step
-
     def _before_inner_step(self, factors: StepFactors) -> None:
         if not self._early_step:
             return
@@ -152,9 +146,6 @@ class HostStep(OffloadPart):
         self._await_all()
         if state and self.swapper is not None:
             self.swapper.materialize()
-
-    def _update_started(self) -> bool:
-        return bool(self.early.started)  # handed to the worker during backward: masters may be updated
 
     def _discard(self) -> None:
         for g in self.groups:

@@ -55,6 +55,8 @@ class OffloadPart(WrappingStep):
         self.early = EarlyStart("not supported by this part", "offloaded optimizer steps")
         """When this part's updates may start during backward (the part sets its own; see [Note: updates during
         backward] in zerofit.engine.offload.early)."""
+        self._early_step = False
+        """This step's window started during backward (`_begin_step` until the part's `_step`)."""
         self.swapper: NvmeSwapper | None = None
         """The groups' NVMe files, when their state lives there (set by the part: see `_nvme_swapper`)."""
         self.close: Callable[[], None] = lambda: None
@@ -98,6 +100,13 @@ class OffloadPart(WrappingStep):
         self.close = weakref.finalize(self, close, *args)
 
     # --- the part's own hooks that differ from `WrappingStep`'s defaults --------------------------------
+    def _begin_step(self) -> bool:
+        self._early_step = self.early.begin_step()
+        return self._early_step
+
+    def _update_started(self) -> bool:
+        return bool(self.early.started)  # handed over during backward: masters may be updated
+
     def _settle(self, *, state: bool) -> None:
         self._await_all()
 
