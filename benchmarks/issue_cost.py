@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zerofit.engine import ZeroEngine
-from zerofit.testing.models import gpu_stepped_engine
+from zerofit.testing.models import gpu_stepped_engine, top_level_aten_ops
 
 
 def build(blocks: int, dim: int, state: str) -> tuple[nn.Module, ZeroEngine]:
@@ -64,20 +64,10 @@ def measure(blocks: int, dim: int, state: str, steps: int, warmup: int, profile:
                                     experimental_config=config) as prof:
             engine.step()
             gpu.settle(state=True)
-        ops = sum(1 for e in prof.events() if e.name.startswith("aten::") and not _under_aten(e)) / chunks
+        ops = sum(top_level_aten_ops(prof.events()).values()) / chunks
     issue = statistics.median(per_step)
     return {"state": state, "chunks": chunks, "issue_ms_per_step": issue * 1e3, "us_per_chunk": issue / chunks * 1e6,
             "cpu_us_per_chunk": statistics.median(cpu_per_step) / chunks * 1e6, "aten_ops_per_chunk": ops}
-
-
-def _under_aten(event) -> bool:
-    """`event` runs inside another aten op (not a launch of its own)."""
-    parent = event.cpu_parent
-    while parent is not None:
-        if parent.name.startswith("aten::"):
-            return True
-        parent = parent.cpu_parent
-    return False
 
 
 def main(argv=None) -> None:

@@ -5,15 +5,13 @@ loaded into an engine that has stepped already is what its next step streams (th
 
 from __future__ import annotations
 
-import collections
-
 import pytest
 import torch
 
 from zerofit.engine import ZeroEngine
 from zerofit.engine.offload.gpu_homes import RunHomes
 from zerofit.testing.distributed import run_distributed
-from zerofit.testing.models import gpu_stepped_engine
+from zerofit.testing.models import gpu_stepped_engine, top_level_aten_ops
 
 
 def _engine(state: str) -> ZeroEngine:
@@ -41,16 +39,7 @@ def _ops_of_a_steady_step(state: str) -> tuple[int, dict[str, int]]:
         engine.step()
         gpu.settle(state=True)
 
-    def top_level(event) -> bool:
-        parent = event.cpu_parent
-        while parent is not None:
-            if parent.name.startswith("aten::"):
-                return False
-            parent = parent.cpu_parent
-        return True
-
-    return chunks, dict(collections.Counter(e.name for e in prof.events()
-                                            if e.name.startswith("aten::") and top_level(e)))
+    return chunks, dict(top_level_aten_ops(prof.events()))
 
 
 @pytest.mark.parametrize("state", ["fp32", "8bit"])

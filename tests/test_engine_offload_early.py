@@ -199,3 +199,29 @@ def test_a_forward_between_backward_and_step_after_an_early_start_raises():
         assert early > 0, step_on
         assert "run or read between backward and optimizer.step() in accumulation window 3" in error, step_on
         assert "set gradient_clipping" in error
+
+
+def _measured_norms(rank, world):
+    """clip_grad_norm_(inf) every step (Trainer's way of logging the norm without clipping): per part, (updates
+    started early, the norms, the masters)."""
+    out = {}
+    for step_on in STEP_ON + ("none",):
+        model, opt = make_model_and_optim(Case())
+        offload = OffloadConfig(device="cpu", step_on=step_on) if step_on != "none" else OffloadConfig()
+        engine = ZeroEngine(model, opt, zero=ZeroConfig(stage=2, offload_optimizer=offload), device=torch.device("cpu"))
+        norms = []
+        for x, y in batches(Case(steps=3)):
+            _backward(model, engine, x, y, rank, world)
+            norms.append(float(engine.clip_grad_norm_(float("inf"))))
+            engine.step()
+        out[step_on] = (_early(engine), norms, engine.named_full_tensors("master"))
+    return out
+
+
+def test_measuring_the_norm_with_an_infinite_max_norm_keeps_updates_in_backward_and_exact():
+    per_part = run_distributed(_measured_norms, 2)[0]
+    _, plain_norms, plain = per_part.pop("none")
+    for step_on, (early, norms, masters) in per_part.items():
+        assert early > 0, step_on
+        assert norms == plain_norms, step_on
+        assert max_diff(masters, plain) == 0.0, step_on

@@ -31,6 +31,7 @@ class Run:
     evaluate: bool = False  # evaluate() before train(), and every 2 steps during it (Trainer only)
     prompt: bool = False  # PEFT prompt tuning (Trainer only): its adapter is saved by a forward pass
     optim: str = "adamw_torch"  # TrainingArguments(optim=...)
+    max_grad_norm: float = 1.0  # 0: no clipping, so zerofit's offloaded updates start during backward
 
 
 def tiny_gpt2():
@@ -96,9 +97,9 @@ def run(run: Run, output_dir: str, *, zerofit: bool) -> dict:
     model = tiny_gpt2()
     common = dict(output_dir=output_dir, per_device_train_batch_size=run.per_device,
                   gradient_accumulation_steps=run.accumulation, max_steps=run.steps, logging_steps=1,
-                  save_steps=run.save_steps, report_to=[], use_cpu=True, learning_rate=1e-3, max_grad_norm=1.0,
-                  seed=0, disable_tqdm=True, lr_scheduler_type="linear", warmup_steps=1, bf16=False,
-                  optim=run.optim)
+                  save_steps=run.save_steps, report_to=[], use_cpu=True, learning_rate=1e-3,
+                  max_grad_norm=run.max_grad_norm, seed=0, disable_tqdm=True, lr_scheduler_type="linear",
+                  warmup_steps=1, bf16=False, optim=run.optim)
     if run.kind == "trainer":
         import transformers
 
@@ -145,7 +146,10 @@ def run(run: Run, output_dir: str, *, zerofit: bool) -> dict:
     trainer.save_model(final)
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
     evals = [before] + [e["eval_loss"] for e in trainer.state.log_history if "eval_loss" in e] if run.evaluate else []
-    return {"losses": losses, "evals": evals, "saved": final, "rank": int(os.environ.get("RANK", "0"))}
+    engines = trainer.accelerator._prepared.trained_engines() if zerofit else []
+    early = sum(e.times.host_steps_in_backward + e.times.gpu_steps_in_backward for e in engines)
+    return {"losses": losses, "evals": evals, "saved": final, "rank": int(os.environ.get("RANK", "0")),
+            "early": early}
 
 
 def saved_weights(directory: str) -> dict[str, torch.Tensor]:

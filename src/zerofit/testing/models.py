@@ -1,12 +1,15 @@
-"""Small models for tests and CPU benchmarks of the engine's per-unit machinery.
+"""Small models, and a probe, for tests and CPU benchmarks of the engine's per-unit machinery.
 
 `BlockStack` is a stack of small blocks (two Linear and a LayerNorm each) under one ModuleList, so the engine
 makes each block a unit; `gpu_stepped_engine` wraps it in ZeroEngine stage 2 with GPU-stepped optimizer offload
 on the CPU (the CPU standing in for the GPU) and the two param groups transformers' Trainer makes, so each unit
-holds two runs (weights with weight decay; biases and norms without).
+holds two runs (weights with weight decay; biases and norms without). `top_level_aten_ops` counts the aten ops a
+profiled stretch ran that no other aten op ran inside (what the issuing thread launches).
 """
 
 from __future__ import annotations
+
+import collections
 
 import torch
 from torch import nn
@@ -51,3 +54,17 @@ def gpu_stepped_engine(blocks: int, d: int, state: str, lr: float):
     zero = ZeroConfig(stage=2, offload_optimizer=OffloadConfig(device="cpu", step_on="device"))
     return ZeroEngine(model, opt, zero=zero, precision=PrecisionConfig(optimizer_state=state),
                       device=torch.device("cpu"))
+
+
+def top_level_aten_ops(events) -> collections.Counter:
+    """Per aten op name, how often it ran not inside another aten op, among torch.profiler `events` (all threads
+    when the profile was taken with `profile_all_threads`)."""
+    def top_level(event) -> bool:
+        parent = event.cpu_parent
+        while parent is not None:
+            if parent.name.startswith("aten::"):
+                return False
+            parent = parent.cpu_parent
+        return True
+
+    return collections.Counter(e.name for e in events if e.name.startswith("aten::") and top_level(e))

@@ -11,7 +11,8 @@ The update is the same, bit for bit: same gradients, same factor, same settings.
 Four things a script could still do would change the update, or what it sees of it, after the fact, so a
 part only starts early once it has seen a whole step without them:
 - calling clip_grad_norm_: from then on never early; a first call in a window that already started
-  raises if clipping would bite (the update is applied), and returns the norm if it would not;
+  raises if clipping would bite (the update is applied), and returns the norm if it would not (a call with
+  max_norm inf only measures the norm, as Trainer does without clipping: it changes nothing);
 - changing lr & co. between backward and step(): detected at step() (the early groups used the
   values of when backward ended), warned, and never early again;
 - running backward again after the backward that closed the window: never early again; in a window
@@ -130,7 +131,11 @@ class EarlyStart:
 
     def clip_requested(self, max_norm: float, norm: Callable[[], torch.Tensor]) -> torch.Tensor | None:
         """`clip_grad_norm_` was called: from now on never early. In a window that already started: the norm
-        (`norm()`, once the started updates are done) when clipping would not bite, else an error."""
+        (`norm()`, once the started updates are done) when clipping would not bite, else an error. A max_norm of
+        inf is a measurement, not a clip (transformers' Trainer logs the norm so when max_grad_norm is 0): it never
+        bites, so it leaves updates starting early."""
+        if max_norm == float("inf"):
+            return norm() if self.started else None
         self._clip_seen = True
         if not self.started:
             return None
