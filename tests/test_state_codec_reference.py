@@ -73,3 +73,26 @@ def test_encode_and_decode_match_the_reference_bit_for_bit(key):
             room = torch.full((n + 8,), 7.0)
             codec.decode(Stored(stored.codes, stored.scale), room[4:4 + n], key)
             assert torch.equal(room[4:4 + n], out) and (room[:4] == 7).all() and (room[4 + n:] == 7).all()
+
+
+@pytest.mark.parametrize("key", ["exp_avg", "exp_avg_sq"])
+def test_the_streams_scratch_path_stores_and_widens_the_same_and_leaves_the_indices_there(key):
+    """With a slot's int32 scratch and `overwrite` (the GPU-stepped stream's way: [Note: codec scratch]) the codes,
+    scales and widened values are the reference's; the scratch holds the indices, `src` its normalised values."""
+    codec = Codec("8bit")
+    g = torch.Generator().manual_seed(5)
+    scratch = torch.full((max(LENGTHS) + 5,), -1, dtype=torch.int32)
+    for n in LENGTHS:
+        for kind in ("random", "zero", "denormal", "mixed"):
+            x = _data(n, kind, g)
+            if key in UNSIGNED_KEYS:
+                x = x.abs()
+            codes, scale = _reference_encode(x, key)
+            stored = codec.empty(n, "cpu")
+            clobbered = x.clone()
+            codec.encode(clobbered, stored, key, scratch=scratch, overwrite=True)
+            assert torch.equal(stored.codes, codes) and torch.equal(stored.scale, scale), (n, kind)
+            assert torch.equal(scratch[:n], codes.int())
+            out = torch.full((n,), float("nan"))
+            codec.decode(Stored(stored.codes, stored.scale), out, key, scratch=scratch)
+            assert torch.equal(out, _reference_decode(codes, scale, key)), (n, kind)

@@ -23,6 +23,14 @@ setting, as the fp32 state is. (bitsandbytes and torchao use blocks of 256 count
 handed: a shard cut elsewhere changes every block of it.) Elements between two parameters (alignment
 padding) belong to no parameter; callers zero them before `encode` so they never raise a block's absmax.
 
+[Note: codec scratch]
+The GPU-stepped stream encodes and decodes 64 M-element chunks; each call's int32 indices and normalised
+values would be 256 MB temporaries from the caching allocator on the step stream - new allocations the first
+time a chunk size is seen (step 2 is the first to widen stored state) and, near a full GPU, allocator retries
+that wait for the device. So the stream hands the codec one int32 scratch of a chunk's length, allocated when the
+step mode is built (one serves every slot: only the step stream uses it, in order), and lets `encode` normalise
+the slot's fp32 buffer in place; other callers allocate as before. Same kernels, same values.
+
 Encoding is idempotent: `encode(decode(x)) == x` (the largest element of a block maps to exactly +-1), so
 state that travels without being stepped (a parameter with no gradient this window) comes back unchanged.
 """
@@ -121,8 +129,11 @@ class Codec:
         make = make or (lambda numel, dtype: torch.empty(numel, dtype=dtype, device=device))
         return Stored(make(n, self.code_dtype), make(blocks(n), torch.float32) if self.scaled else None)
 
-    def encode(self, src: torch.Tensor, dst: Stored, key: str) -> None:
-        """Store fp32 `src` (1-D, starting on a block boundary) into `dst` (same length)."""
+    def encode(self, src: torch.Tensor, dst: Stored, key: str, *, scratch: torch.Tensor | None = None,
+               overwrite: bool = False) -> None:
+        """Store fp32 `src` (1-D, starting on a block boundary) into `dst` (same length). `scratch`: int32, at least
+        `src`'s length, for the codes' indices; `overwrite`: `src` may be divided in place (its values are not
+        needed after). With both, nothing is allocated (the GPU-stepped stream: see [Note: codec scratch])."""
         if not self.scaled:
             dst.codes.copy_(src)  # bf16: round to nearest even; fp32: a copy
             return
@@ -134,19 +145,28 @@ class Codec:
         padded = src.view(nb, BLOCK) if whole else _padded(src, nb)
         torch.linalg.vector_norm(padded, _INF, 1, out=dst.scale)  # one pass, no |x| temporary
         # an all-zero block divides by the smallest normal float: its values stay 0 (code of 0)
-        normed = torch.div(padded, dst.scale.clamp_min(_TINY).unsqueeze(1)).view(-1)
+        divisor = dst.scale.clamp_min(_TINY).unsqueeze(1)
+        if overwrite or not whole:  # not whole: `padded` is a copy already
+            normed = padded.div_(divisor).view(-1)
+        else:
+            normed = torch.div(padded, divisor).view(-1)
         _, mids = _MAPS.get(key not in UNSIGNED_KEYS, src.device)
-        dst.codes.copy_(torch.bucketize(normed if whole else normed[:n], mids, out_int32=True))
+        normed = normed if whole else normed[:n]
+        if scratch is None:
+            dst.codes.copy_(torch.bucketize(normed, mids, out_int32=True))
+        else:
+            dst.codes.copy_(torch.bucketize(normed, mids, out_int32=True, out=scratch[:n]))
 
-    def decode(self, src: Stored, dst: torch.Tensor, key: str) -> None:
-        """Widen `src` into fp32 `dst` (1-D, same length)."""
+    def decode(self, src: Stored, dst: torch.Tensor, key: str, *, scratch: torch.Tensor | None = None) -> None:
+        """Widen `src` into fp32 `dst` (1-D, same length); `scratch` as for `encode` (nothing is allocated then)."""
         if not self.scaled:
             dst.copy_(src.codes)
             return
-        # the map's values straight into `dst`, then scaled there in place: 3 kernels, no temporary
+        # the map's values straight into `dst`, then scaled there in place: 3 kernels
         n = dst.numel()
         values, _ = _MAPS.get(key not in UNSIGNED_KEYS, dst.device)
-        torch.index_select(values, 0, src.codes.int(), out=dst)
+        index = src.codes.int() if scratch is None else scratch[:n].copy_(src.codes)
+        torch.index_select(values, 0, index, out=dst)
         scale = src.scale if src.scale.device == dst.device else src.scale.to(dst.device)
         whole = n // BLOCK
         if whole * BLOCK == n:

@@ -329,6 +329,8 @@ def estimate(counts: ModelCounts, setting: Setting, work: Workload, trace: Activ
         gpu["buffers"] += stream_pool_bytes(largest_streamed, state_tensors=k, compact=streamed_compact,
                                             offload_params=setting.offload_param != "none", compute_bytes=c,
                                             split=master_travels_split(setting, work))
+        if work.optimizer_state == "8bit":  # the codec's int32 scratch, one chunk's ([Note: codec scratch])
+            gpu["buffers"] += min(STREAM_CHUNK, largest_streamed) * 4
         if narrow and largest_staged:  # each slot also stages a host home's state chunks in their stored form
             gpu["buffers"] += STREAM_SLOTS * state_nbytes(k * min(STREAM_CHUNK, largest_staged),
                                                           work.optimizer_state)

@@ -138,6 +138,9 @@ class GpuStep(OffloadPart):
         """Per group: its runs of pieces, each with its chunks (see [Note: runs] in zerofit.engine.offload.gpu_runs)."""
         largest = max((r.end - r.start for runs in self._runs.values() for r in runs), default=1)
         self._slots = [Slot(min(chunk, largest), self.device) for _ in range(max(1, slots))]
+        self._index = (torch.empty(min(chunk, largest), dtype=torch.int32, device=self.device)
+                       if self.codec.scaled else None)
+        """The 8-bit codec's scratch: one for every slot, as only the step stream uses it ([Note: codec scratch])."""
         self._next_slot = 0
         self._opts: dict[int, tuple[torch.optim.Optimizer, dict]] = {}
         """An optimizer of the script's class per param group, re-pointed at each chunk's pieces, and the
@@ -317,6 +320,7 @@ class GpuStep(OffloadPart):
             wide = {k: slot.buf(k, _wide(home), n) for k, home in homes.items()}
             """Per state key: the slot's buffer the optimizer steps the chunk's state in."""
             at_home = now.chunk(lo, n)  # per state key: the chunk's elements in its home
+            index = self._index[:n] if self._index is not None else None  # [Note: codec scratch]
             master_home = run_master[lo:lo + n]
             with self._on(self._up):
                 if slot.free is not None:
@@ -340,7 +344,7 @@ class GpuStep(OffloadPart):
                 if packed_home:
                     master_split.join(packed, g.param_shard[span.start:span.start + n], master, carries)
                 for k, stored in staged.items():  # widened: the optimizer steps fp32 state
-                    self.codec.decode(stored, wide[k], k)
+                    self.codec.decode(stored, wide[k], k, scratch=index)
                 new_keys = self._step_chunk(g, run, opt, span, master, slot, wide, now.pieces, unused, scale, kernel,
                                             created, last)
                 if split:  # after the parameter is published: its rounding is what the carries refer to
@@ -356,7 +360,7 @@ class GpuStep(OffloadPart):
                     for k, stored in staged.items():  # narrowed again, padding zeroed first
                         if gaps is not None:
                             wide[k].index_fill_(0, gaps, 0.0)
-                        self.codec.encode(wide[k], stored, k)
+                        self.codec.encode(wide[k], stored, k, scratch=index, overwrite=True)
                 stepped = self._record(self._work)
             with self._on(self._down):
                 if stepped is not None:
