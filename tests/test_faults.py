@@ -174,7 +174,10 @@ def test_a_rank_with_more_batches_raises_a_clear_error_instead_of_hanging(runs):
     # gradient reduction stalls, it finds rank 1 waiting at the barrier ([Note: a rank that went on training]
     # in zerofit.distributed.arrival), and both stop within seconds, long before the 30 s timeout, each saying why.
     assert "RanksApartError: rank 1 is in accelerator.wait_for_everyone(), while rank 0 went on" in proc.stderr
-    assert "CollectiveError: rank 0: collective reduce_scatter:<root> failed: rank 0 went on" in proc.stderr
+    # rank 0 says so too in its collective error - unless rank 1's exit ended the launch first, which then stops
+    # rank 0 (seen once under load); the launcher's summary names it either way
+    assert ("CollectiveError: rank 0: collective reduce_scatter:<root> failed: rank 0 went on" in proc.stderr
+            or "then rank 0 (exit code -15): stopped by SIGTERM" in proc.stderr), proc.stderr[-2000:]
     assert "a DataLoader not passed to prepare()" in proc.stderr
     assert "did not complete within" not in proc.stderr  # the timeout did not end it
     assert not (out / "losses.json").exists()
