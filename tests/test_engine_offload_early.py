@@ -225,3 +225,28 @@ def test_measuring_the_norm_with_an_infinite_max_norm_keeps_updates_in_backward_
         assert early > 0, step_on
         assert norms == plain_norms, step_on
         assert max_diff(masters, plain) == 0.0, step_on
+
+
+def _plain_backward_then_forward(rank, world):
+    """The plain-PyTorch habit, `loss.backward()`, with a forward between backward and step() in window 4."""
+    out = {}
+    for step_on in STEP_ON:
+        model, _, engine = _engine(step_on=step_on)
+        error = None
+        for i, (x, y) in enumerate(batches(Case(steps=4))):
+            loss_fn(model(x), y).backward()
+            if i == 3:
+                try:
+                    with torch.no_grad():
+                        model(x)
+                except EngineError as e:
+                    error = str(e)
+            engine.step()
+        out[step_on] = (_early(engine), error)
+    return out
+
+
+def test_a_plain_loss_backward_starts_early_and_a_forward_after_it_raises():
+    for step_on, (early, error) in run_distributed(_plain_backward_then_forward, 1)[0].items():
+        assert early > 0, step_on
+        assert error is not None and "between backward and optimizer.step() in accumulation window 4" in error
