@@ -179,6 +179,15 @@ class EarlyStart:
         self.now = False
 
 
+def offload_off(*, nvme: bool, needs_norm: bool) -> str | None:
+    """Why an offload part's updates may never start during backward (None: they may)."""
+    if nvme:
+        return "NVMe offload"
+    if needs_norm:
+        return "the step depends on the global gradient norm (clipping, fp16 or skip_nonfinite_steps)"
+    return None
+
+
 def same_settings(a: list[dict], b: list[dict] | None) -> bool:
     """Param-group settings equal value for value (lr may be a tensor)."""
     def same(x, y):

@@ -60,7 +60,7 @@ from zerofit.config.schema import AioConfig, OffloadConfig
 from zerofit.engine.comm import Collectives, InFlight, Pending
 from zerofit.engine.flat_group import FlatGroup
 from zerofit.engine.offload import master_split
-from zerofit.engine.offload.early import EarlyStart, current_settings
+from zerofit.engine.offload.early import EarlyStart, current_settings, offload_off
 from zerofit.engine.offload.gpu_homes import PieceState, RunHomes
 from zerofit.engine.offload.gpu_issue import IssueThread
 from zerofit.engine.offload.gpu_runs import (  # noqa: F401 - ChunkSpan and plan_chunks: public here too
@@ -156,13 +156,9 @@ class GpuStep(OffloadPart):
         self._backward_ran = False
         self.swapper = self._nvme_swapper(offload, aio, self.codec)  # after the pieces were matched (`plan_runs`)
         self.trainable, self.reductions = trainable or [], reductions
-        off = None
+        off = offload_off(nvme=self.swapper is not None, needs_norm=needs_norm)
         if trainable is None or reductions is None:
             off = "built without the engine's gradient reductions"
-        elif self.swapper is not None:
-            off = "NVMe offload"
-        elif needs_norm:
-            off = "the step depends on the global gradient norm (clipping, fp16 or skip_nonfinite_steps)"
         self.early = EarlyStart(off, "GPU-stepped optimizer steps")
         self._window_written = None
         """`_written` when this window's backward began (what its early uploads wait for)."""

@@ -19,7 +19,7 @@ from torch import nn
 from zerofit.config.schema import AioConfig, OffloadConfig
 from zerofit.engine.comm import Collectives, InFlight, Pending
 from zerofit.engine.flat_group import FlatGroup
-from zerofit.engine.offload.early import EarlyStart, current_settings
+from zerofit.engine.offload.early import EarlyStart, current_settings, offload_off
 from zerofit.engine.offload.host_thread import HostStepper
 from zerofit.engine.offload.part import OffloadPart
 from zerofit.engine.optim import global_grad_sumsq
@@ -53,12 +53,8 @@ class HostStep(OffloadPart):
             self._settle_before_read(self.stepper.settle_state)  # the stepper's: the worker must not keep us alive
         # The worker thread holds the stepper forever: stop it (and remove NVMe files) with this mode.
         self._close_with_self(self.stepper.close)
-        off = None
-        if self.swapper is not None:
-            off = "NVMe offload"
-        elif needs_norm:
-            off = "the step depends on the global gradient norm (clipping, fp16 or skip_nonfinite_steps)"
-        self.early = EarlyStart(off, "host optimizer steps")
+        self.early = EarlyStart(offload_off(nvme=self.swapper is not None, needs_norm=needs_norm),
+                                "host optimizer steps")
         """Host steps started during backward (see [Note: updates during backward])."""
 
     # --- backward -------------------------------------------------------------------------------

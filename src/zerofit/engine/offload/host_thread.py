@@ -31,6 +31,7 @@ import threading
 import torch
 
 from zerofit.engine.flat_group import FlatGroup
+from zerofit.engine.offload.early import current_settings
 from zerofit.engine.offload.host_narrow import NarrowHostState
 from zerofit.engine.offload.threads import serve
 from zerofit.engine.optim import (
@@ -70,10 +71,6 @@ class HostStepper:
         self._thread = threading.Thread(target=self._run, name="zerofit-host-step", daemon=True)
         self._thread.start()
 
-    def hyperparams(self) -> list[dict]:
-        """The script optimizer's current settings (lr & co.) of every param group."""
-        return [{k: v for k, v in pg.items() if k != "params"} for pg in self.optimizer.param_groups]
-
     def submit(self, groups: list[FlatGroup], factor=None, *, hyper: list[dict] | None = None,
                settle_grads: bool = False, early: bool = False) -> None:
         """Queue these groups' steps (in this order), gradients times `factor`; forward waits for them.
@@ -90,7 +87,7 @@ class HostStepper:
             self.swap.schedule(groups)  # start reading the first groups before the worker needs them
         # The settings of this step, taken now: the script's scheduler changes lr on the main thread
         # right after step() returns, while the worker is still stepping later groups.
-        hyper = hyper if hyper is not None else self.hyperparams()
+        hyper = hyper if hyper is not None else current_settings(self.optimizer)
         for g in groups:
             self._done[id(g)].clear()
             self._queue.put((g, factor, hyper, settle_grads, frozenset() if early else g.unused))
