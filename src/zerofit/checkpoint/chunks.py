@@ -1,4 +1,4 @@
-"""Chunks of flat 1-D tensors, written and read through `torch.distributed.checkpoint` (DCP).
+"""Chunks of flat 1-D tensors, read through `torch.distributed.checkpoint` (DCP) in the files it writes.
 
 Every saved tensor is a flattened parameter (or optimizer state, or buffer) of `numel` elements, and
 each rank writes only the contiguous run of it that it owns: a `Chunk`. Loading asks for the runs
@@ -12,9 +12,10 @@ loading an untrusted checkpoint could run code. Both releases also ship DCP's Hu
 (`HuggingFaceStorageWriter(save_distributed=True)` / `HuggingFaceStorageReader`, torch >= 2.9): each
 rank writes one `.safetensors` file, the chunk offsets go as JSON into the safetensors header, and
 the reader rebuilds the index from those headers. Nothing on that path unpickles, and safetensors
-reads only the byte ranges a request needs. zerofit uses that storage with its own planners
-(`_ChunkSavePlanner`, `_ChunkLoadPlanner`, built on DCP's public planner interfaces), so DCP still
-plans the writes, coordinates the ranks and does the resharding reads; it just never sees pickle.
+reads only the byte ranges a request needs. zerofit reads that storage with its own planner
+(`_ChunkLoadPlanner`, on DCP's public planner interface), so DCP still plans the reads, coordinates the
+ranks and reshards; it never sees pickle. Each rank writes its file itself, in the same format, without
+staging it in memory (see [Note: streaming shard writer] in zerofit.checkpoint.shard_file).
 Non-tensor state goes to JSON files beside it (`zerofit.checkpoint.tree`). DCP keeps no checksums
 and leaves no commit marker on this path: `zerofit.checkpoint.manifest` and `.commit` add both.
 """
@@ -29,23 +30,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter  # noqa: F401
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    TensorProperties,
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import (
     LoadPlan,
     LoadPlanner,
     ReadItem,
-    SavePlan,
-    SavePlanner,
-    TensorWriteData,
-    WriteItem,
-    WriteItemType,
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
@@ -63,49 +56,6 @@ class Chunk:
 
     def meta(self) -> ChunkStorageMetadata:
         return ChunkStorageMetadata(offsets=torch.Size([self.start]), sizes=torch.Size([self.tensor.numel()]))
-
-
-class _ChunkSavePlanner(SavePlanner):
-    """One write item per chunk; the global plan checks the chunks tile every tensor exactly."""
-
-    def set_up_planner(self, state_dict, storage_meta=None, is_coordinator: bool = False) -> None:
-        self.chunks: dict[str, Chunk] = state_dict
-        self.is_coordinator = is_coordinator
-
-    def create_local_plan(self) -> SavePlan:
-        items = [WriteItem(index=MetadataIndex(fqn, [c.start]), type=WriteItemType.SHARD,
-                           tensor_data=TensorWriteData(chunk=c.meta(),
-                                                       properties=TensorProperties(dtype=c.tensor.dtype),
-                                                       size=torch.Size([c.numel])))
-                 for fqn, c in self.chunks.items()]
-        return SavePlan(items)
-
-    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
-        found: dict[str, TensorStorageMetadata] = {}
-        for plan in all_plans:
-            for item in plan.items:
-                td = item.tensor_data
-                md = found.setdefault(item.index.fqn, TensorStorageMetadata(
-                    properties=td.properties, size=td.size, chunks=[]))
-                md.chunks.append(td.chunk)
-        for fqn, md in found.items():
-            end = 0
-            for c in sorted(md.chunks, key=lambda c: c.offsets[0]):
-                if c.offsets[0] != end:
-                    raise CheckpointError(f"{fqn}: the ranks' chunks leave a gap or overlap at element {end} "
-                                          "(an engine bug: please report it)")
-                end += c.sizes[0]
-            if end != md.size[0]:
-                raise CheckpointError(f"{fqn}: the ranks' chunks cover {end} of {md.size[0]} elements "
-                                      "(an engine bug: please report it)")
-        return all_plans, Metadata(state_dict_metadata=found)
-
-    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
-        return new_plan
-
-    def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
-        # A private CPU copy: safetensors refuses tensors that share storage, and views do.
-        return self.chunks[write_item.index.fqn].tensor.detach().to("cpu", copy=True)
 
 
 class _ChunkLoadPlanner(LoadPlanner):
@@ -139,7 +89,7 @@ class _ChunkLoadPlanner(LoadPlanner):
         pass  # `resolve_tensor` handed out views of the destination: the data is already in place
 
 
-def _require_hf_storage() -> None:
+def require_hf_storage() -> None:
     if "save_distributed" not in inspect.signature(HuggingFaceStorageWriter.__init__).parameters:
         raise CheckpointError(f"sharded checkpoints need torch >= 2.9 (HuggingFaceStorageWriter with "
                               f"save_distributed); this is torch {torch.__version__}: upgrade torch")
@@ -153,22 +103,9 @@ def _failure_text(e: BaseException) -> str:
     return repr(e)
 
 
-def write_chunks(directory: Path, chunks: dict[str, Chunk], group: dist.ProcessGroup | None) -> None:
-    """Collective: every rank writes its chunks as one safetensors file under `directory`."""
-    _require_hf_storage()
-    writer = HuggingFaceStorageWriter(str(directory), save_distributed=True)
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-            dcp.save(chunks, storage_writer=writer, planner=_ChunkSavePlanner(), process_group=group,
-                     no_dist=not (dist.is_available() and dist.is_initialized()))
-    except (Exception, dcp.CheckpointException) as e:
-        raise CheckpointError(f"{directory}: writing the sharded tensors failed: {_failure_text(e)}") from None
-
-
 def read_index(directory: Path) -> dict[str, TensorStorageMetadata]:
     """fqn -> shape, dtype and saved chunks, from the safetensors headers under `directory` (local)."""
-    _require_hf_storage()
+    require_hf_storage()
     try:
         return dict(HuggingFaceStorageReader(str(directory)).read_metadata().state_dict_metadata)
     except Exception as e:  # noqa: BLE001 - a damaged header can raise many kinds
@@ -198,7 +135,7 @@ def missing_ranges(index: dict[str, TensorStorageMetadata], chunks: dict[str, Ch
 def read_chunks(directory: Path, chunks: dict[str, Chunk], group: dist.ProcessGroup | None, *,
                 no_dist: bool | None = None) -> None:
     """Fill every chunk's tensor from the checkpoint under `directory` (collective unless `no_dist`)."""
-    _require_hf_storage()
+    require_hf_storage()
     if no_dist is None:
         no_dist = not (dist.is_available() and dist.is_initialized())
     try:

@@ -47,7 +47,7 @@ import torch
 
 from zerofit.checkpoint import commit as files
 from zerofit.checkpoint import visibility
-from zerofit.checkpoint.chunks import Chunk, missing_ranges, read_chunks, read_index, write_chunks
+from zerofit.checkpoint.chunks import Chunk, missing_ranges, read_chunks, read_index, require_hf_storage
 from zerofit.checkpoint.export import save_hf_configs
 from zerofit.checkpoint.inventory import Entry, aliases, buffer_entries, param_entries, persistent_buffers
 from zerofit.checkpoint.manifest import (
@@ -60,6 +60,7 @@ from zerofit.checkpoint.manifest import (
     write_manifest,
 )
 from zerofit.checkpoint.ranks import Ranks
+from zerofit.checkpoint.shard_file import layout, shard_name, tiling_problem, write_shard
 from zerofit.checkpoint.state_forms import StateLoad, loading_codec, merge_forms, narrow_forms
 from zerofit.checkpoint.tree import encode, read_tree, write_encoded, write_tree
 from zerofit.checkpoint.whole_state import chunks_to_load, chunks_to_save
@@ -101,6 +102,7 @@ def save_state(directory: str | os.PathLike[str], engine, *, extra_state: dict |
     checkpoint without the frozen weights]). `run`: the writing run's id, kept in the manifest
     (`zerofit.checkpoint.ownership`). Returns the checkpoint's path.
     """
+    require_hf_storage()  # what loads it back
     ranks = Ranks(engine.comm.group)
     final = Path(directory).absolute()
     if not engine.at_boundary:
@@ -142,12 +144,16 @@ def save_state(directory: str | os.PathLike[str], engine, *, extra_state: dict |
             for name, buf in persistent_buffers(engine.model):
                 if buf.numel():
                     chunks[f"buffer/{name}"] = Chunk(buf.reshape(-1), 0, buf.numel())
-        write_chunks(tmp / STATE_DIR, chunks, ranks.group)
+        ranks.agree(tiling_problem(ranks.all_gather(layout(chunks))))
         error = None
         try:
+            (tmp / STATE_DIR).mkdir(parents=True, exist_ok=True)  # on each rank: a folder not every machine sees
+            write_shard(tmp / STATE_DIR / shard_name(ranks.rank), chunks)
             write_encoded(tmp, rank_stem(ranks.rank), extra_data, extra_tensors)
             if ranks.is_main:
                 _write_common(tmp, engine, ranks, optim_parts, config, exclude_frozen)
+        except CheckpointError as e:
+            error = f"rank {ranks.rank}: {e}"
         except Exception as e:  # any failure must reach the agreement, or the peers would wait forever
             error = f"rank {ranks.rank}: writing {tmp} failed: {e}"
         ranks.agree(error)
