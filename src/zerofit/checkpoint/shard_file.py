@@ -45,9 +45,10 @@ for _name, _code in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2"), (
         _CODES[getattr(torch, _name)] = _code
 
 
-def shard_name(rank: int) -> str:
-    """The file rank `rank` writes (DCP's Hugging Face storage names it so; any `.safetensors` name reads)."""
-    return f"shard-{rank:05d}-model-00001-of-00001.safetensors"
+def shard_name(rank: int, part: int = 1, parts: int = 1) -> str:
+    """File `part` of the `parts` rank `rank` writes (DCP's Hugging Face storage names one so; the reader reads
+    every `.safetensors` file of the folder)."""
+    return f"shard-{rank:05d}-model-{part:05d}-of-{parts:05d}.safetensors"
 
 
 def header(chunks: dict[str, Chunk]) -> bytes:

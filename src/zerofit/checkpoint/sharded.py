@@ -35,6 +35,7 @@ before anything is loaded. `zerofit merge` refuses such a checkpoint: it holds n
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import shutil
@@ -76,7 +77,7 @@ from zerofit.engine.state import (
     writer_fragments,
 )
 from zerofit.engine.whole_step import is_stand_in
-from zerofit.errors import CheckpointError
+from zerofit.errors import CheckpointError, EngineError
 
 FORMAT = "zerofit-checkpoint/1"
 STATE_DIR = "state"
@@ -116,13 +117,6 @@ def save_state(directory: str | os.PathLike[str], engine, *, extra_state: dict |
     except CheckpointError as e:
         error = f"rank {ranks.rank}: {e}"
     ranks.agree(error)
-    opt = engine.optimizer
-    engine.settle()  # an overlapped host step may still be writing the offloaded masters
-    frags = writer_fragments(engine.groups, opt, ranks.rank, ranks.world)
-    state_keys = sorted({k for f in frags for k in f.tensors if not is_scale_key(k)} - {"master", "param"})
-    whole_chunks, whole_records = chunks_to_save(engine)
-    optim_parts = ranks.all_gather((optimizer_scalars(opt), state_keys, fragment_scalars(frags),
-                                    base_probe(frags) if exclude_frozen else {}, narrow_forms(frags), whole_records))
     token = ranks.broadcast(uuid.uuid4().hex[:12])
     tmp = files.temp_dir(final, token)
     error = None
@@ -137,18 +131,20 @@ def save_state(directory: str | os.PathLike[str], engine, *, extra_state: dict |
             error = f"{tmp}: cannot create the checkpoint directory ({e}): check the path and free space"
     ranks.agree(error)
     try:
-        chunks = {f"{key}/{f.name}": Chunk(t, *f.span(key)) for f in frags for key, t in f.tensors.items()
-                  if not (exclude_frozen and key == "param") and t.numel()}  # a cut may hold no block scale
-        chunks.update(whole_chunks)
-        if ranks.is_main:
-            for name, buf in persistent_buffers(engine.model):
-                if buf.numel():
-                    chunks[f"buffer/{name}"] = Chunk(buf.reshape(-1), 0, buf.numel())
-        ranks.agree(tiling_problem(ranks.all_gather(layout(chunks))))
-        error = None
+        error, optim_part, written = None, None, []
         try:
             (tmp / STATE_DIR).mkdir(parents=True, exist_ok=True)  # on each rank: a folder not every machine sees
-            write_shard(tmp / STATE_DIR / shard_name(ranks.rank), chunks)
+            optim_part, written = _write_tensors(tmp / STATE_DIR, engine, ranks, exclude_frozen)
+        except (CheckpointError, EngineError) as e:  # their text names the cause and the fix (a bad swap file)
+            error = f"rank {ranks.rank}: {e}"
+        except Exception as e:  # any failure must reach the agreement, or the peers would wait forever
+            error = f"rank {ranks.rank}: writing {tmp / STATE_DIR} failed: {e}"
+        gathered = ranks.all_gather((error, optim_part, written))
+        ranks.raise_any([e for e, _, _ in gathered])
+        ranks.agree(tiling_problem([w for _, _, w in gathered]))
+        optim_parts = [part for _, part, _ in gathered]
+        error = None
+        try:
             write_encoded(tmp, rank_stem(ranks.rank), extra_data, extra_tensors)
             if ranks.is_main:
                 _write_common(tmp, engine, ranks, optim_parts, config, exclude_frozen)
@@ -166,6 +162,44 @@ def save_state(directory: str | os.PathLike[str], engine, *, extra_state: dict |
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     return str(final)
+
+
+def _write_tensors(folder: Path, engine, ranks: Ranks, exclude_frozen: bool) -> tuple[tuple, list]:
+    """Write this rank's tensors into `folder`, reading the groups as `ZeroEngine.state_by_group` allows: those
+    readable in memory into one file, each NVMe-offloaded group into a file of its own while only it is in host
+    memory ([Note: saving from NVMe]). Returns what `_write_common` needs of this rank and the chunks' `layout`."""
+    opt = engine.optimizer
+    keys: set[str] = set()
+    scalars: dict = {}
+    probes: list[dict] = []
+    forms: list[dict] = []
+    written: list = []
+    whole_chunks, whole_records = chunks_to_save(engine)
+    with engine.state_by_group() as scope:  # an overlapped step may still be writing the offloaded masters
+        alone = [g for g in engine.groups if scope(g) is not None]
+        batches = [(None, [g for g in engine.groups if scope(g) is None]), *((g, [g]) for g in alone)]
+        for part, (one, groups) in enumerate(batches, 1):
+            with scope(one) if one is not None else contextlib.nullcontext():
+                frags = writer_fragments(groups, opt, ranks.rank, ranks.world, among=engine.groups)
+                keys.update(k for f in frags for k in f.tensors if not is_scale_key(k))
+                scalars.update(fragment_scalars(frags))
+                probes.append(base_probe(frags) if exclude_frozen else {})
+                forms.append(narrow_forms(frags))
+                chunks = {f"{key}/{f.name}": Chunk(t, *f.span(key)) for f in frags for key, t in f.tensors.items()
+                          if not (exclude_frozen and key == "param") and t.numel()}  # a cut may hold no block scale
+                if part == 1:
+                    chunks.update(whole_chunks)
+                    if ranks.is_main:
+                        for name, buf in persistent_buffers(engine.model):
+                            if buf.numel():
+                                chunks[f"buffer/{name}"] = Chunk(buf.reshape(-1), 0, buf.numel())
+                if chunks:
+                    write_shard(folder / shard_name(ranks.rank, part, len(batches)), chunks)
+                written += layout(chunks)
+                del frags, chunks  # views of a group's buffer: it is freed when its scope closes
+    state_keys = sorted(keys - {"master", "param"})
+    return (optimizer_scalars(opt), state_keys, scalars, merge_probes(probes),
+            merge_forms(forms, "save_state"), whole_records), written
 
 
 def _write_common(tmp: Path, engine, ranks: Ranks, optim_parts: list, config: RunConfig | None,

@@ -17,6 +17,7 @@ zerofit.engine.step_mode).
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Callable
 from functools import partial
@@ -192,6 +193,19 @@ class ZeroEngine:
         """Finish overlapped host steps and make every offloaded state tensor readable (with NVMe:
         materialised in host memory until the next step; see [Note: NVMe residency])."""
         self.mode.settle(state=True)
+
+    @contextlib.contextmanager
+    def state_by_group(self):
+        """`settle()` for a reader of every group's state that takes one group at a time (a checkpoint's save):
+        NVMe-offloaded groups stay on file, and `scope(g)`, yielded, is None for a group readable now, else the
+        context inside which `g`'s master and state are readable host tensors (one NVMe group in memory at a time:
+        [Note: saving from NVMe])."""
+        swappers = [p.swapper for p in (self.offload.host, self.offload.gpu) if p is not None and p.swapper]
+        with contextlib.ExitStack() as stack:
+            for s in swappers:
+                stack.enter_context(s.one_at_a_time())
+            self.settle()
+            yield lambda g: next((s.readable(g) for s in swappers if s.holds(g)), None)
 
     # --- construction ---------------------------------------------------------------------------
     def _move_buffers(self) -> None:

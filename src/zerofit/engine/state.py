@@ -124,23 +124,34 @@ def local_fragments(groups: list[FlatGroup], optimizer: torch.optim.Optimizer | 
 
 
 def writer_fragments(groups: list[FlatGroup], optimizer: torch.optim.Optimizer | None, rank: int,
-                     world: int) -> list[Fragment]:
+                     world: int, *, among: list[FlatGroup] | None = None) -> list[Fragment]:
     """The runs rank `rank` of `world` writes into a checkpoint: its own of the sharded groups, and its 1/world
     of the replicated groups' elements (in group order, cut where the share ends, so a large parameter may be
     written by two ranks). Every rank holds the replicated ones; rank 0 writing them alone made it the whole
     checkpoint's wait at stages 0-2 (a frozen base, or every weight at stage 0). Every element is still
-    written by exactly one rank."""
+    written by exactly one rank. `among`: every group of the checkpoint, of which `groups` are the ones read now
+    (a save that reads a few groups at a time; the shares are cut over `among`)."""
     out = local_fragments([g for g in groups if g.placement.shard_world > 1], optimizer, rank)
-    replicated = local_fragments([g for g in groups if g.placement.shard_world == 1], optimizer, 0)
-    total = sum(f.length for f in replicated)
+    replicated = [g for g in (groups if among is None else among) if g.placement.shard_world == 1]
+    total = sum(_held(g) for g in replicated)
     lo, hi = total * rank // world, total * (rank + 1) // world
+    reading = {id(g) for g in groups}
     at = 0
-    for f in replicated:
-        a, b = max(lo, at) - at, min(hi, at + f.length) - at
-        if a < b:
-            out.append(f.cut(a, b))
-        at += f.length
+    for g in replicated:
+        if id(g) not in reading or not (lo < at + _held(g) and at < hi):
+            at += _held(g)
+            continue
+        for f in local_fragments([g], optimizer, 0):
+            a, b = max(lo, at) - at, min(hi, at + f.length) - at
+            if a < b:
+                out.append(f.cut(a, b))
+            at += f.length
     return out
+
+
+def _held(g: FlatGroup) -> int:
+    """Elements of parameters the shard of `g` holds (what `local_fragments` gives for it)."""
+    return sum(o.length for o in g.layout.overlaps(g.placement.rank))
 
 
 def optimizer_scalars(optimizer: torch.optim.Optimizer | None) -> list[dict]:

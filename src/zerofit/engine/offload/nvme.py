@@ -71,6 +71,15 @@ pool cannot deadlock: a write waits only for the device, which never waits for t
 swapper reads at most one group fewer ahead than it has slots (its FIFO argument). A checkpoint's
 `settle(state=True)` waits for the writes and materialises every group in host memory; the next
 `step()` writes them back (`evict_materialized`) before any group is read.
+
+[Note: saving from NVMe]
+Materialising every group at once needs a rank's whole master and state in host memory (12 bytes a
+parameter with fp32 Adam state, 6.5 with 8-bit): the memory NVMe was chosen to avoid, so a model sized for
+NVMe could train but not be checkpointed. A checkpoint's save reads the groups one at a time instead
+(`one_at_a_time`, `readable`; `ZeroEngine.state_by_group`): each group's file is read into a buffer of its
+size, its tensors written into the checkpoint (each group its own file of the rank's, see
+zerofit.checkpoint.sharded), and the group goes back on file without a write - the save only read it. The
+host memory a save needs is then the largest group's, as a step's.
 """
 
 from __future__ import annotations
@@ -353,6 +362,8 @@ class NvmeSwapper:
         self._lock = threading.Lock()
         self._order: list[_Swapped] = []  # this step's groups, in stepping order
         self._fetched = 0  # how many of them have their read submitted
+        self._one_at_a_time = False
+        """`materialize` leaves the groups on file; readers take one at a time (`readable`: a checkpoint's save)."""
         if pin and hasattr(torch._C, "_host_emptyCache"):
             torch._C._host_emptyCache()  # the construction-time pinned masters: give them back now
 
@@ -488,22 +499,56 @@ class NvmeSwapper:
 
     # --- inspection and checkpoints (main thread, stepper idle) --------------------------------
     def materialize(self) -> None:
-        """Bind every group to a temporary buffer holding its file's values (idempotent)."""
+        """Bind every group to a temporary buffer holding its file's values (idempotent); inside
+        `one_at_a_time`, only wait for the writes."""
         self.flush()
+        if self._one_at_a_time:
+            return
         for info in self._infos:
-            if info.temp is None and info.slot is None:
-                info.temp = torch.empty(info.numel, dtype=torch.float32)
-                try:
-                    self._read_checked(info, info.temp)
-                except EngineError:
-                    info.temp = None  # still on file: nothing was bound to the bad values
-                    raise
-                self._bind(info, info.temp)
-            for _, t in info.pieces:  # state a checkpoint load created while the group was on file
-                for k, v in self.optimizer.state.get(t, {}).items():
-                    if isinstance(v, torch.Tensor) and v.ndim == 1 and v.numel() == 0:
-                        want = blocks(t.numel()) if is_scale_key(k) else t.numel()
-                        v.set_(torch.zeros(want, dtype=v.dtype).untyped_storage())
+            self._materialize(info)
+
+    def _materialize(self, info: _Swapped) -> None:
+        if info.temp is None and info.slot is None:
+            info.temp = torch.empty(info.numel, dtype=torch.float32)
+            try:
+                self._read_checked(info, info.temp)
+            except EngineError:
+                info.temp = None  # still on file: nothing was bound to the bad values
+                raise
+            self._bind(info, info.temp)
+        for _, t in info.pieces:  # state a checkpoint load created while the group was on file
+            for k, v in self.optimizer.state.get(t, {}).items():
+                if isinstance(v, torch.Tensor) and v.ndim == 1 and v.numel() == 0:
+                    want = blocks(t.numel()) if is_scale_key(k) else t.numel()
+                    v.set_(torch.zeros(want, dtype=v.dtype).untyped_storage())
+
+    @contextlib.contextmanager
+    def one_at_a_time(self):
+        """While open, `materialize` (a reader's settle) leaves every group on file and `readable` brings one
+        group into host memory at a time (see [Note: saving from NVMe])."""
+        self._one_at_a_time = True
+        try:
+            yield
+        finally:
+            self._one_at_a_time = False
+
+    def holds(self, g: FlatGroup) -> bool:
+        return id(g) in self._info
+
+    @contextlib.contextmanager
+    def readable(self, g: FlatGroup):
+        """`g`'s master and state in host memory for reading only, then back on file without a write (the
+        file still holds these values). A group already materialised stays so."""
+        info = self._info[id(g)]
+        if info.temp is not None or info.slot is not None:
+            yield
+            return
+        self._materialize(info)
+        try:
+            yield
+        finally:
+            self._bind(info, None)
+            info.temp = None
 
     def evict_materialized(self) -> None:
         """Write materialised groups back to their files and drop their buffers (before a step)."""
