@@ -238,6 +238,23 @@ def test_a_save_reads_one_group_at_a_time_and_leaves_them_on_file(tmp_path, monk
     got = assemble([owned_state(plain, 0)])
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
     assert train(plain, model, case, 0, 1, range(2, 3))[0] == next_loss
+    # a load into an NVMe run reads the groups in one at a time too, and writes each back to its file
+    (tmp_path / "swap2").mkdir()
+    case, model, _, again = _nvme_engine(1, str(tmp_path / "swap2"), step_on=step_on, perturb=0.5)
+    swapper, seen = again.offload.swapper, []
+
+    def read(*args, **kw):
+        seen.append(swapper.resident())
+        return read_chunks(*args, **kw)
+
+    read_chunks = sharded.read_chunks
+    monkeypatch.setattr(sharded, "read_chunks", read)
+    load_state(str(tmp_path / "ckpt"), again)
+    assert seen == [0] + [1] * groups and swapper.resident() == 0, seen
+    assert train(again, model, case, 0, 1, range(2, 3))[0] == next_loss
+    got = assemble([owned_state(again, 0)])
+    after = assemble([owned_state(engine, 0)])
+    assert all(torch.equal(got[k], after[k]) for k in after)
 
 
 def test_a_failed_write_fails_every_later_slot_request_instead_of_hanging():

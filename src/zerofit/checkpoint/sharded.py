@@ -310,47 +310,9 @@ def load_state(directory: str | os.PathLike[str], engine) -> dict:
     """Collective: load a `save_state` checkpoint into `engine` (any world size, stage, offload);
     returns this rank's `extra_state`. A directory holding a `latest` file loads the one it names."""
     ranks = Ranks(engine.comm.group)
-    engine.settle()  # nothing of the engine's may still be in flight while the checkpoint is read in
-    error, path = None, Path(directory)
-    try:
-        path = files.resolve(directory)
-    except CheckpointError as e:
-        error = str(e)
-    ranks.agree(error)
-    verify(path, ranks)
-    common: dict = {}
-    try:
-        common = read_common(path)
-        error = _check_model(path, common, engine) or _check_base(path, common, engine)
-    except CheckpointError as e:
-        error = str(e)
-    except (KeyError, TypeError, ValueError) as e:  # valid JSON of the wrong shape
-        error = f"{path / (COMMON + '.json')}: malformed ({type(e).__name__}: {e}): load an earlier checkpoint"
-    ranks.agree(error)
-    codec = loading_codec(engine)
-    _prepare_optimizer(path, common, engine.optimizer, codec)
-    _restore_param_scalars(engine, common)
-    saved_optimizer = (common.get("optimizer") or {}) if engine.optimizer is not None else {}
-    state_load = StateLoad(saved_optimizer.get("state_forms") or {}, codec, saved_optimizer.get("state_keys", []))
-    chunks, copies = _load_chunks(engine, common, state_load)
-    if engine.optimizer is not None:  # [Note: whole-parameter steps]: their state, by parameter
-        chunks.update(chunks_to_load(engine, (common.get("optimizer") or {}).get("whole_state") or {}))
-    error = None
-    try:
-        problems = missing_ranges(read_index(path / STATE_DIR), chunks)
-        if problems:
-            error = f"{path / STATE_DIR}: " + "; ".join(problems[:5]) + \
-                (f" (+{len(problems) - 5} more)" if len(problems) > 5 else "") + \
-                ": the checkpoint does not match this model; load one saved from it"
-    except CheckpointError as e:
-        error = str(e)
-    ranks.agree(error)
-    read_chunks(path / STATE_DIR, chunks, ranks.group)
-    state_load.finish(path, ranks.is_main)
-    with torch.no_grad():
-        for dst, src in copies:
-            dst.copy_(src.view_as(dst))
-    engine.refresh_params()
+    with engine.state_by_group(write=True) as scope:  # nothing of the engine's may still be in flight
+        path, common = _load_tensors(directory, engine, ranks, scope)
+        engine.refresh_params(published=True)
     engine.scaler.load_state_dict(common["scaler"])
     engine.window.micro_step = int(common["micro_step"])
     saved_world = int(common["world_size"])
@@ -477,12 +439,70 @@ def _restore_param_scalars(engine, common: dict) -> None:
         restore_param_scalars(local_fragments(engine.groups, engine.optimizer, 0), saved)
 
 
-def _load_chunks(engine, common: dict, state_load: StateLoad) -> tuple[dict[str, Chunk], list]:
-    """The chunks this rank reads, and (destination, buffer) copies for non-contiguous buffers."""
+def _load_tensors(directory, engine, ranks: Ranks, scope) -> tuple[Path, dict]:
+    """Check the checkpoint at `directory` against `engine` and read its tensors in, the groups as `scope`
+    (`ZeroEngine.state_by_group`) allows: those in memory at once, then each NVMe-offloaded group alone, written
+    back to its file once read ([Note: saving from NVMe]). Returns the checkpoint's path and common record."""
+    error, path = None, Path(directory)
+    try:
+        path = files.resolve(directory)
+    except CheckpointError as e:
+        error = str(e)
+    ranks.agree(error)
+    verify(path, ranks)
+    common: dict = {}
+    try:
+        common = read_common(path)
+        error = _check_model(path, common, engine) or _check_base(path, common, engine)
+    except CheckpointError as e:
+        error = str(e)
+    except (KeyError, TypeError, ValueError) as e:  # valid JSON of the wrong shape
+        error = f"{path / (COMMON + '.json')}: malformed ({type(e).__name__}: {e}): load an earlier checkpoint"
+    ranks.agree(error)
+    codec = loading_codec(engine)
+    _prepare_optimizer(path, common, engine.optimizer, codec)
+    _restore_param_scalars(engine, common)
+    saved_optimizer = (common.get("optimizer") or {}) if engine.optimizer is not None else {}
+    state_load = StateLoad(saved_optimizer.get("state_forms") or {}, codec, saved_optimizer.get("state_keys", []))
+    index, error = {}, None
+    try:
+        index = read_index(path / STATE_DIR)
+    except CheckpointError as e:
+        error = str(e)
+    ranks.agree(error)
+    alone = [g for g in engine.groups if scope(g) is not None]
+    batches = [(None, [g for g in engine.groups if scope(g) is None]), *((g, [g]) for g in alone)]
+    reads = max(ranks.all_gather(len(batches)))  # each read is collective: a rank with fewer reads an empty one
+    batches += [(None, [])] * (reads - len(batches))
+    for part, (one, groups) in enumerate(batches, 1):
+        with scope(one) if one is not None else contextlib.nullcontext():
+            chunks, copies = _load_chunks(engine, common, state_load, groups, buffers=part == 1)
+            if engine.optimizer is not None and part == 1:  # [Note: whole-parameter steps]: by parameter
+                chunks.update(chunks_to_load(engine, (common.get("optimizer") or {}).get("whole_state") or {}))
+            problems = missing_ranges(index, chunks)
+            ranks.agree(f"{path / STATE_DIR}: " + "; ".join(problems[:5]) +
+                        (f" (+{len(problems) - 5} more)" if len(problems) > 5 else "") +
+                        ": the checkpoint does not match this model; load one saved from it" if problems else None)
+            read_chunks(path / STATE_DIR, chunks, ranks.group)
+            state_load.convert()
+            with torch.no_grad():
+                for dst, src in copies:
+                    dst.copy_(src.view_as(dst))
+                for g in groups:  # while its master is in memory (`refresh_params` gathers them after)
+                    if g.trainable:
+                        g.publish_master()
+    state_load.finish(path, ranks.is_main)
+    return path, common
+
+
+def _load_chunks(engine, common: dict, state_load: StateLoad, groups: list, *,
+                 buffers: bool) -> tuple[dict[str, Chunk], list]:
+    """The chunks this rank reads for `groups` (and the model's buffers with `buffers`), and (destination,
+    buffer) copies for non-contiguous buffers."""
     saved_kind = {d["name"]: d["kind"] for d in common["params"]}
     kept = "param" if common.get("frozen_excluded") else None  # [Note: a checkpoint without the frozen weights]
     chunks: dict[str, Chunk] = {}
-    for f in local_fragments(engine.groups, engine.optimizer, 0):  # 0: replicated groups too, on every rank
+    for f in local_fragments(groups, engine.optimizer, 0):  # 0: replicated groups too, on every rank
         stored = saved_kind[f.name]  # frozen <-> trainable changes read the values that were saved
         for key, t in f.tensors.items():
             if key in ("master", "param") and stored != kept:
@@ -490,7 +510,7 @@ def _load_chunks(engine, common: dict, state_load: StateLoad) -> tuple[dict[str,
         if stored == "master":
             chunks.update(state_load.chunks(f))
     copies = []
-    for name, buf in persistent_buffers(engine.model):
+    for name, buf in persistent_buffers(engine.model) if buffers else ():
         if not buf.numel():
             continue
         flat = buf.view(-1) if buf.is_contiguous() else torch.empty(buf.numel(), dtype=buf.dtype, device=buf.device)

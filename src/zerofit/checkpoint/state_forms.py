@@ -98,7 +98,17 @@ class StateLoad:
         return out
 
     def finish(self, path, is_main: bool) -> None:
-        """Widen and narrow what was read in another form (after the chunks are read)."""
+        """Widen and narrow what is still pending, and say once what was converted (after every read)."""
+        self.convert()
+        converted = self.converted()
+        if converted and is_main:
+            said = ", ".join(f"{k} ({form})" for k, form in sorted(converted.items()))
+            warnings.warn(f"{path}: optimizer state stored as {'/'.join(sorted(set(converted.values())))} in the "
+                          f"checkpoint, as {self.codec.kind} in this run (precision.optimizer_state): {said} "
+                          f"widened to fp32 and stored as {self.codec.kind} once at load", stacklevel=3)
+
+    def convert(self) -> None:
+        """Widen and narrow what was read in another form (after its chunks are read)."""
         with torch.no_grad():
             for f, key, buf in self._pending:
                 dst = f.tensors[key]
@@ -112,9 +122,3 @@ class StateLoad:
                     assert scale is not None and scale.numel() == blocks(f.length), (f.name, key)
                 self.codec.encode(wide, Stored(dst, scale if self.codec.scaled else None), key)
         self._pending.clear()
-        converted = self.converted()
-        if converted and is_main:
-            said = ", ".join(f"{k} ({form})" for k, form in sorted(converted.items()))
-            warnings.warn(f"{path}: optimizer state stored as {'/'.join(sorted(set(converted.values())))} in the "
-                          f"checkpoint, as {self.codec.kind} in this run (precision.optimizer_state): {said} "
-                          f"widened to fp32 and stored as {self.codec.kind} once at load", stacklevel=3)

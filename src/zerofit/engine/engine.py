@@ -195,17 +195,17 @@ class ZeroEngine:
         self.mode.settle(state=True)
 
     @contextlib.contextmanager
-    def state_by_group(self):
+    def state_by_group(self, *, write: bool = False):
         """`settle()` for a reader of every group's state that takes one group at a time (a checkpoint's save):
         NVMe-offloaded groups stay on file, and `scope(g)`, yielded, is None for a group readable now, else the
         context inside which `g`'s master and state are readable host tensors (one NVMe group in memory at a time:
-        [Note: saving from NVMe])."""
+        [Note: saving from NVMe]). `write`: the reader changes the values (a load): each group is written back."""
         swappers = [p.swapper for p in (self.offload.host, self.offload.gpu) if p is not None and p.swapper]
         with contextlib.ExitStack() as stack:
             for s in swappers:
                 stack.enter_context(s.one_at_a_time())
             self.settle()
-            yield lambda g: next((s.readable(g) for s in swappers if s.holds(g)), None)
+            yield lambda g: next((s.readable(g, write=write) for s in swappers if s.holds(g)), None)
 
     # --- construction ---------------------------------------------------------------------------
     def _move_buffers(self) -> None:
@@ -504,14 +504,16 @@ class ZeroEngine:
                           "so the weights are likely NaN now: find the bad batch or loss; set "
                           "precision.skip_nonfinite_steps: true to skip such steps on every rank", stacklevel=3)
 
-    def refresh_params(self) -> None:
-        """Rebuild the compute-dtype parameters from the fp32 masters (after a checkpoint wrote into them)."""
+    def refresh_params(self, *, published: bool = False) -> None:
+        """Rebuild the compute-dtype parameters from the fp32 masters (after a checkpoint wrote into them).
+        `published`: each group's shard was published from its master already (a load that read the groups one at
+        a time, `state_by_group`); only gather them."""
         self.settle()
         self.reductions.drain()
         self.stage3.kept.release()
         for unit in self.units:  # a gathered stage-3 unit would keep stale values until its next release
             unit.release()
-        publish(self.trainable_groups, self.comm)
+        publish(self.trainable_groups, self.comm, masters=not published)
 
     def zero_grad(self) -> None:
         """Zero the window's gradients; the next backward opens a new window (micro-step count 0)."""

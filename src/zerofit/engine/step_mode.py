@@ -333,11 +333,13 @@ def gather_params(g: FlatGroup, comm: Collectives) -> Pending | None:
     return None
 
 
-def publish(groups: list[FlatGroup], comm: Collectives) -> None:
-    """Masters -> compute-dtype parameters of `groups`, all-gathered where replicated (in group order)."""
+def publish(groups: list[FlatGroup], comm: Collectives, *, masters: bool = True) -> None:
+    """Masters -> compute-dtype parameters of `groups`, all-gathered where replicated (in group order);
+    `masters` False: the shards were published from the masters already, only gather them."""
     gathers = []
     for g in groups:
-        g.publish_master()
+        if masters:
+            g.publish_master()
         pending = gather_params(g, comm)
         if pending is not None:
             gathers.append(pending)

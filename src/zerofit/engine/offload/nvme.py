@@ -78,8 +78,9 @@ parameter with fp32 Adam state, 6.5 with 8-bit): the memory NVMe was chosen to a
 NVMe could train but not be checkpointed. A checkpoint's save reads the groups one at a time instead
 (`one_at_a_time`, `readable`; `ZeroEngine.state_by_group`): each group's file is read into a buffer of its
 size, its tensors written into the checkpoint (each group its own file of the rank's, see
-zerofit.checkpoint.sharded), and the group goes back on file without a write - the save only read it. The
-host memory a save needs is then the largest group's, as a step's.
+zerofit.checkpoint.sharded), and the group goes back on file without a write - the save only read it. A
+load does the same, group by group, and writes each group's file once its values are read in. The host
+memory a save or a load needs is then the largest group's, as a step's.
 """
 
 from __future__ import annotations
@@ -536,9 +537,10 @@ class NvmeSwapper:
         return id(g) in self._info
 
     @contextlib.contextmanager
-    def readable(self, g: FlatGroup):
-        """`g`'s master and state in host memory for reading only, then back on file without a write (the
-        file still holds these values). A group already materialised stays so."""
+    def readable(self, g: FlatGroup, *, write: bool = False):
+        """`g`'s master and state in host memory, then back on file: written there with `write` (a checkpoint's
+        load changed them), else without a write (the file still holds these values). A group already
+        materialised stays so."""
         info = self._info[id(g)]
         if info.temp is not None or info.slot is not None:
             yield
@@ -547,22 +549,27 @@ class NvmeSwapper:
         try:
             yield
         finally:
-            self._bind(info, None)
-            info.temp = None
+            if write:
+                self._evict(info)
+            else:
+                self._bind(info, None)
+                info.temp = None
 
     def evict_materialized(self) -> None:
         """Write materialised groups back to their files and drop their buffers (before a step)."""
         for info in self._infos:
-            if info.temp is None:
-                continue
-            slot = self.pool.acquire()
-            try:
-                self._collect(info, slot)
-                info.crc = _io(os.pwritev, info.fd, slot[:info.numel], 0, self._chunk)
-            finally:
-                self.pool.release(slot)
-            self._bind(info, None)
-            info.temp = None
+            if info.temp is not None:
+                self._evict(info)
+
+    def _evict(self, info: _Swapped) -> None:
+        slot = self.pool.acquire()
+        try:
+            self._collect(info, slot)
+            info.crc = _io(os.pwritev, info.fd, slot[:info.numel], 0, self._chunk)
+        finally:
+            self.pool.release(slot)
+        self._bind(info, None)
+        info.temp = None
 
     def resident(self) -> int:
         """How many groups have their master in host memory right now (in a slot or materialised)."""
