@@ -225,6 +225,12 @@ def test_a_save_reads_one_group_at_a_time_and_leaves_them_on_file(tmp_path, monk
 
     write_shard = sharded.write_shard
     monkeypatch.setattr(sharded, "write_shard", write)
+    _writes_done(engine)
+    first = engine.optimizer.param_groups[0]["params"][0]
+    engine.optimizer.state[first]["step"].fill_(7.0)  # a piece whose step count differs from its group's
+    scalars = _scalars(engine)
+    assert sorted({v["step"] for v in scalars.values()}) == [2.0, 7.0]
+    swapper.evict_materialized()  # back on file, as training leaves them
     save_state(str(tmp_path / "ckpt"), engine)
     # every group is on NVMe here (nothing else to write first): one file each, written while it alone is in memory
     assert len(seen) == groups
@@ -251,10 +257,17 @@ def test_a_save_reads_one_group_at_a_time_and_leaves_them_on_file(tmp_path, monk
     monkeypatch.setattr(sharded, "read_chunks", read)
     load_state(str(tmp_path / "ckpt"), again)
     assert seen == [0] + [1] * groups and swapper.resident() == 0, seen
+    assert _scalars(again) == scalars  # each parameter's own step count, found while its group is in memory
     assert train(again, model, case, 0, 1, range(2, 3))[0] == next_loss
     got = assemble([owned_state(again, 0)])
     after = assemble([owned_state(engine, 0)])
     assert all(torch.equal(got[k], after[k]) for k in after)
+
+
+def _scalars(engine) -> dict:
+    from zerofit.engine.state import fragment_scalars, local_fragments
+    engine.settle()
+    return fragment_scalars(local_fragments(engine.groups, engine.optimizer, 0))
 
 
 def test_a_failed_write_fails_every_later_slot_request_instead_of_hanging():

@@ -432,11 +432,12 @@ def _prepare_optimizer(path: Path, common: dict, opt, codec) -> None:
     allocate_optimizer_state(opt, list(saved["state_keys"]), [g for g in saved["groups"]], codec)
 
 
-def _restore_param_scalars(engine, common: dict) -> None:
-    """Parameters whose step count differs from their group's get their own back (see `fragment_scalars`)."""
+def _restore_param_scalars(engine, common: dict, groups: list) -> None:
+    """Parameters of `groups` whose step count differs from their group's get their own back (see
+    `fragment_scalars`). Their masters must be in memory: fragments find their pieces by address."""
     saved = (common.get("optimizer") or {}).get("param_scalars") or {}
     if saved and engine.optimizer is not None:
-        restore_param_scalars(local_fragments(engine.groups, engine.optimizer, 0), saved)
+        restore_param_scalars(local_fragments(groups, engine.optimizer, 0), saved)
 
 
 def _load_tensors(directory, engine, ranks: Ranks, scope) -> tuple[Path, dict]:
@@ -461,7 +462,6 @@ def _load_tensors(directory, engine, ranks: Ranks, scope) -> tuple[Path, dict]:
     ranks.agree(error)
     codec = loading_codec(engine)
     _prepare_optimizer(path, common, engine.optimizer, codec)
-    _restore_param_scalars(engine, common)
     saved_optimizer = (common.get("optimizer") or {}) if engine.optimizer is not None else {}
     state_load = StateLoad(saved_optimizer.get("state_forms") or {}, codec, saved_optimizer.get("state_keys", []))
     index, error = {}, None
@@ -476,6 +476,7 @@ def _load_tensors(directory, engine, ranks: Ranks, scope) -> tuple[Path, dict]:
     batches += [(None, [])] * (reads - len(batches))
     for part, (one, groups) in enumerate(batches, 1):
         with scope(one) if one is not None else contextlib.nullcontext():
+            _restore_param_scalars(engine, common, groups)
             chunks, copies = _load_chunks(engine, common, state_load, groups, buffers=part == 1)
             if engine.optimizer is not None and part == 1:  # [Note: whole-parameter steps]: by parameter
                 chunks.update(chunks_to_load(engine, (common.get("optimizer") or {}).get("whole_state") or {}))
