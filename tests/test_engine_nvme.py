@@ -262,6 +262,22 @@ def test_a_save_reads_one_group_at_a_time_and_leaves_them_on_file(tmp_path, monk
     got = assemble([owned_state(again, 0)])
     after = assemble([owned_state(engine, 0)])
     assert all(torch.equal(got[k], after[k]) for k in after)
+    # an export of the weights too (`full_state_dict`, `save_consolidated`): one group in memory at a time
+    swapper.evict_materialized()
+    from zerofit.checkpoint import consolidate, full_state_dict
+    whole, during = consolidate._whole_group, []
+
+    def gather(*args, **kw):
+        during.append(swapper.resident())
+        return whole(*args, **kw)
+
+    monkeypatch.setattr(consolidate, "_whole_group", gather)
+    exported = full_state_dict(again)
+    assert during == [1] * groups and swapper.resident() == 0, during
+    monkeypatch.setattr(consolidate, "_whole_group", whole)
+    want_weights = full_state_dict(engine)
+    assert exported.keys() == want_weights.keys()
+    assert all(torch.equal(exported[k], want_weights[k]) for k in exported)
 
 
 def _scalars(engine) -> dict:

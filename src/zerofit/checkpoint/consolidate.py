@@ -28,6 +28,7 @@ follows from the group's layout and the world size alone), so the ranks issue th
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Collection, Iterator
 from pathlib import Path
@@ -116,15 +117,20 @@ def iter_full_tensors(engine, model: nn.Module | None = None, *, everywhere: boo
     rank): a group holding none of them is neither gathered nor copied."""
     model = model if model is not None else engine.model
     ranks = Ranks(engine.comm.group)
-    engine.settle()  # offloaded masters readable: host steps finished, NVMe groups materialised
-    for g in _groups_holding(engine, names):
-        full = _whole_group(g, ranks, engine.device, everywhere=everywhere or (trainable_everywhere and g.trainable))
-        if full is None:
-            continue
-        for name, off, n, shape, dtype in zip(g.names, g.layout.offsets, g.layout.numels, g.shapes, g.arrived):
-            if names is None or name in names:
-                yield name, full[off:off + n].view(shape).to("cpu", dtype=dtype, copy=True)
-        del full
+    # offloaded masters readable: host steps finished; an NVMe group read in while its tensors are copied out, one
+    # at a time ([Note: saving from NVMe] in zerofit.engine.offload.nvme)
+    with engine.state_by_group() as scope:
+        for g in _groups_holding(engine, names):
+            with scope(g) or contextlib.nullcontext():
+                full = _whole_group(g, ranks, engine.device,
+                                    everywhere=everywhere or (trainable_everywhere and g.trainable))
+                if full is None:
+                    continue
+                for name, off, n, shape, dtype in zip(g.names, g.layout.offsets, g.layout.numels, g.shapes,
+                                                      g.arrived):
+                    if names is None or name in names:
+                        yield name, full[off:off + n].view(shape).to("cpu", dtype=dtype, copy=True)
+                del full
     if everywhere or ranks.is_main:
         for name, buf in persistent_buffers(model):
             if names is None or name in names:
