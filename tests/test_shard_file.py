@@ -58,6 +58,21 @@ def test_every_dtype_reads_back_through_safetensors_and_dcp(tmp_path):
         assert int.from_bytes(f.read(8), "little") % 8 == 0  # the header is padded to 8 bytes, as safetensors does
 
 
+def test_every_tensor_starts_aligned_to_its_element_size(tmp_path):
+    """Widest elements first, as safetensors' own writer orders them: a reader that maps the file sees aligned
+    tensors (an odd number of bf16 elements before an fp32 tensor would leave it off by two bytes)."""
+    values = {"a/odd": torch.ones(3, dtype=torch.bfloat16), "b/bytes": torch.ones(5, dtype=torch.uint8),
+              "c/wide": torch.arange(4, dtype=torch.float64), "d/f32": torch.ones(7)}
+    chunks = {k: Chunk(v, 0, v.numel()) for k, v in values.items()}
+    write_shard(tmp_path / "x.safetensors", chunks)
+    with open(tmp_path / "x.safetensors", "rb") as f:
+        entries = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    sizes = {"F64": 8, "F32": 4, "BF16": 2, "U8": 1}
+    assert all(e["data_offsets"][0] % sizes[e["dtype"]] == 0 for k, e in entries.items() if k != "__metadata__")
+    with safe_open(str(tmp_path / "x.safetensors"), framework="pt") as f:
+        assert all(torch.equal(f.get_tensor(k), c.tensor) for k, c in chunks.items())
+
+
 def test_an_unstorable_dtype_names_the_tensor_and_the_fix(tmp_path):
     with pytest.raises(CheckpointError, match=r"master/c: a tensor of dtype torch.complex64 cannot be stored"):
         write_shard(tmp_path / "x.safetensors", {"master/c": Chunk(torch.zeros(3, dtype=torch.complex64), 0, 3)})

@@ -51,49 +51,49 @@ def shard_name(rank: int, part: int = 1, parts: int = 1) -> str:
     return f"shard-{rank:05d}-model-{part:05d}-of-{parts:05d}.safetensors"
 
 
-def header(chunks: dict[str, Chunk]) -> bytes:
-    """The length-prefixed safetensors header of `chunks`, written in this order."""
+def header(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
+    """The length-prefixed safetensors header of `tensors`, whose bytes follow in this order."""
     entries: dict[str, object] = {}
-    offsets: dict[str, dict] = {}
     end = 0
-    for fqn, c in chunks.items():
-        code = _CODES.get(c.tensor.dtype)
+    for name, t in tensors.items():
+        code = _CODES.get(t.dtype)
         if code is None:
-            raise CheckpointError(f"{fqn}: a tensor of dtype {c.tensor.dtype} cannot be stored in a safetensors "
-                                  f"checkpoint (supported: {', '.join(str(d) for d in _CODES)}); keep that state "
-                                  "in one of those dtypes")
-        size = c.tensor.numel() * c.tensor.element_size()
-        entries[fqn] = {"dtype": code, "shape": [c.tensor.numel()], "data_offsets": [end, end + size]}
-        offsets[fqn] = {"saved_offsets": [c.start]}
+            raise CheckpointError(f"{name}: a tensor of dtype {t.dtype} cannot be stored in a safetensors file "
+                                  f"(supported: {', '.join(str(d) for d in _CODES)}); keep it in one of those dtypes")
+        size = t.numel() * t.element_size()
+        entries[name] = {"dtype": code, "shape": list(t.shape), "data_offsets": [end, end + size]}
         end += size
-    entries["__metadata__"] = {"DCP_SHARDING_INFO": json.dumps(offsets), "DCP_VERSION": "1.0", "format": "pt"}
+    entries["__metadata__"] = metadata
     text = json.dumps(entries, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
     return struct.pack("<Q", len(text)) + text
 
 
-def write_shard(path: Path, chunks: dict[str, Chunk]) -> None:
-    """Write `chunks` (1-D tensors, any device) as the safetensors file `path` and flush it to disk. Raises
-    CheckpointError naming the file on any failure (the caller removes the unfinished checkpoint)."""
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str], *,
+                      what: str = "the sharded tensors") -> None:
+    """Write `tensors` (any device, any layout) as the safetensors file `path`, each from where it lies (a device
+    tensor through one bounce buffer of `PIECE` bytes), widest elements first so every tensor's bytes start
+    aligned to its element size, and flush it to disk. Raises CheckpointError naming the file and `what` on
+    any failure (the caller removes what is unfinished)."""
     if sys.byteorder != "little":  # pragma: no cover - safetensors stores little-endian; no big-endian host here
-        raise CheckpointError("writing a checkpoint needs a little-endian host")
+        raise CheckpointError("writing a safetensors file needs a little-endian host")
+    order = sorted(tensors, key=lambda name: -tensors[name].element_size())  # stable: names keep their order
+    tensors = {name: tensors[name] for name in order}
     try:
         with open(path, "wb") as f:
-            f.write(header(chunks))
+            f.write(header(tensors, metadata))
             bounce: torch.Tensor | None = None
-            for c in chunks.values():
-                data = c.tensor.detach()
+            for t in tensors.values():
+                data = t.detach()
                 if not data.is_contiguous():
                     data = data.contiguous()
-                raw = data.view(-1).view(torch.uint8)
+                raw = data.reshape(-1).view(torch.uint8)
                 if raw.device.type == "cpu":
                     _write_bytes(f, raw)
                     continue
-                if bounce is None:
+                if bounce is None or bounce.numel() < min(PIECE, raw.numel()):
                     bounce = torch.empty(min(PIECE, raw.numel()), dtype=torch.uint8,
                                          pin_memory=raw.device.type == "cuda")
-                elif bounce.numel() < min(PIECE, raw.numel()):
-                    bounce = torch.empty(min(PIECE, raw.numel()), dtype=torch.uint8, pin_memory=bounce.is_pinned())
                 for lo in range(0, raw.numel(), PIECE):
                     piece = raw[lo:lo + PIECE]
                     out = bounce[:piece.numel()]
@@ -104,8 +104,16 @@ def write_shard(path: Path, chunks: dict[str, Chunk]) -> None:
     except CheckpointError:
         raise
     except Exception as e:  # noqa: BLE001 - a full disk, a lost mount, a device error: all name the file
-        raise CheckpointError(f"{path}: writing the sharded tensors failed ({type(e).__name__}: {e}): check the "
-                              "free space and the path") from None
+        raise CheckpointError(f"{path}: writing {what} failed ({type(e).__name__}: {e}): check the free space "
+                              "and the path") from None
+
+
+def write_shard(path: Path, chunks: dict[str, Chunk]) -> None:
+    """Write a rank's `chunks` (1-D tensors) as the safetensors file `path` that DCP's reader reshards from (each
+    chunk's first element in the header's `DCP_SHARDING_INFO`; see the module note)."""
+    offsets = {fqn: {"saved_offsets": [c.start]} for fqn, c in chunks.items()}
+    write_safetensors(path, {fqn: c.tensor for fqn, c in chunks.items()},
+                      {"DCP_SHARDING_INFO": json.dumps(offsets), "DCP_VERSION": "1.0", "format": "pt"})
 
 
 def layout(chunks: dict[str, Chunk]) -> list[tuple[str, int, int, int]]:
