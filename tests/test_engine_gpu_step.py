@@ -11,8 +11,10 @@ same elements: bit for bit.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import json
+import sys
 
 import pytest
 import torch
@@ -199,9 +201,10 @@ def test_state_written_by_a_checkpoint_load_is_what_the_next_step_streams(tmp_pa
 
 
 def test_a_bf16_master_travels_split_and_every_host_reader_gets_it_whole():
-    """Between steps the host master of a bf16 group holds its packed form (low halves and carries); a
-    host reader (`settle(state=True)`: checkpoints, inspection) gets the fp32 master rebuilt, bit for bit
-    what GPU-resident state gives, and the next step uploads it whole and packs it again."""
+    """Between steps a bf16 group's host master is kept packed in a home of its own (low halves and carries) and
+    the fp32 master holds no memory ([Note: packed master at rest]: read as zeros, its pages given back); a host
+    reader (`settle(state=True)`: inspection) gets the fp32 master rebuilt, bit for bit what state on the device
+    gives, and the next step uploads it whole and packs it again."""
     def train(engine, steps):
         g = torch.Generator().manual_seed(3)
         for _ in range(steps):
@@ -209,29 +212,83 @@ def test_a_bf16_master_travels_split_and_every_host_reader_gets_it_whole():
             engine.backward(engine.model(x).float().pow(2).mean())
             engine.step()
 
-    streamed, resident = _engine("device", precision="bf16"), _engine("device", precision="bf16")
-    resident_masters = None
-    for engine in (streamed, resident):
-        if engine is resident:  # the same run with the split off: the master crosses whole
-            engine.mode._splits.clear()
+    streamed = _engine("device", precision="bf16")
+    model, opt = make_model_and_optim(Case(stage=2))
+    on_device = ZeroEngine(model, opt, zero=ZeroConfig(stage=2), device=torch.device("cpu"),
+                           precision=PrecisionConfig(mixed_precision="bf16"))
+    trainable = [g for g in streamed.groups if g.trainable]
+    mode = streamed.mode
+    assert {id(g) for g in trainable} == mode.packed.packed  # packed when the engine built them
+    assert all(g.packed_master.numel() == -(-g.master.numel() * 17 // 8) for g in trainable)
+    for engine in (streamed, on_device):
         train(engine, 2)
-        mode = engine.mode
-        mode.issuer.wait_all()  # the groups are issued on the issuing thread
-        if engine is streamed:
-            assert mode._packed == {id(g) for g in engine.groups if g.trainable}
-            g = next(g for g in engine.groups if g.trainable)
-            packed_view = g.master.clone()
-        masters = engine.named_full_tensors("master")  # settles: joined in place
-        if engine is streamed:
-            assert not mode._packed and not torch.equal(packed_view, g.master)
-            train(engine, 1)  # uploaded whole, packed again
-            mode.issuer.wait_all()
-            assert mode._packed
-        else:
-            resident_masters = masters
-            train(engine, 1)
-    assert max_diff(streamed.named_full_tensors("master"), resident.named_full_tensors("master")) == 0.0
-    assert resident_masters is not None
+    mode.issuer.wait_all()  # the groups are issued on the issuing thread
+    assert {id(g) for g in trainable} == mode.packed.packed
+    masters = streamed.named_full_tensors("master")  # settles: every group joined
+    assert not mode.packed.packed
+    assert max_diff(masters, on_device.named_full_tensors("master")) == 0.0
+    for engine in (streamed, on_device):
+        train(engine, 1)  # uploaded whole, packed again
+    mode.issuer.wait_all()
+    assert {id(g) for g in trainable} == mode.packed.packed
+    assert max_diff(streamed.named_full_tensors("master"), on_device.named_full_tensors("master")) == 0.0
+
+
+def _resident_pages(t: torch.Tensor) -> tuple[int, int]:
+    """(pages in memory, whole pages) under host tensor `t` (Linux mincore)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    page = 4096
+    begin = -(-t.data_ptr() // page) * page
+    end = (t.data_ptr() + t.numel() * t.element_size()) // page * page
+    vec = (ctypes.c_ubyte * ((end - begin) // page))()
+    assert libc.mincore(ctypes.c_void_p(begin), ctypes.c_size_t(end - begin), vec) == 0
+    return sum(v & 1 for v in vec), len(vec)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts pages with Linux's mincore")
+def test_a_packed_master_holds_no_host_memory_between_steps(tmp_path):
+    """[Note: packed master at rest]: a GPU-stepped bf16 group keeps 2.125 bytes per element of host memory
+    between steps (its packed home), not 4 more for the fp32 master: none of the master's pages is in memory
+    after the engine is built, after steps, and after a checkpoint save, which reads one group at a time."""
+    from zerofit.checkpoint import load_state, save_state
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(3)])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    zero = ZeroConfig(stage=2, unit_size_threshold=100_000,
+                      offload_optimizer=OffloadConfig(device="cpu", step_on="device"))
+    engine = ZeroEngine(model, opt, zero=zero, device=torch.device("cpu"),
+                        precision=PrecisionConfig(mixed_precision="bf16"))
+    trainable = [g for g in engine.groups if g.trainable]
+    assert len(trainable) == 3 and all(g.master.numel() > 100_000 for g in trainable)
+
+    def in_memory() -> list[int]:
+        return [_resident_pages(g.master)[0] for g in trainable]
+
+    assert in_memory() == [0, 0, 0]  # packed when built: the fp32 master never held at once
+    for _ in range(2):
+        engine.backward(model(torch.randn(4, 512).bfloat16()).float().square().mean())
+        engine.step()
+    engine.mode.issuer.wait_all()
+    assert in_memory() == [0, 0, 0]
+    seen = []
+    from zerofit.checkpoint import sharded
+    write = sharded.write_shard
+    sharded.write_shard = lambda path, chunks: (seen.append(in_memory()), write(path, chunks))[1]
+    try:
+        save_state(str(tmp_path / "ckpt"), engine)
+    finally:
+        sharded.write_shard = write
+    whole = [_resident_pages(g.master)[1] for g in trainable]
+    assert seen == [[w if i == j else 0 for j, w in enumerate(whole)] for i in range(3)], seen  # one at a time
+    assert in_memory() == [0, 0, 0]
+    want = engine.named_full_tensors("master")  # every group joined: inspection reads them all
+    assert min(in_memory()) > 0
+    model2 = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(3)])
+    again = ZeroEngine(model2, torch.optim.AdamW(model2.parameters(), lr=1e-3), zero=zero,
+                       device=torch.device("cpu"), precision=PrecisionConfig(mixed_precision="bf16"))
+    load_state(str(tmp_path / "ckpt"), again)  # written back packed, one group at a time
+    assert [_resident_pages(g.master)[0] for g in again.groups if g.trainable] == [0, 0, 0]
+    assert max_diff(again.named_full_tensors("master"), want) == 0.0
 
 
 def _checkpoint_rank(rank, world, directory, device="cpu", nvme_path=None, precision="no"):

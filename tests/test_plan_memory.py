@@ -268,7 +268,11 @@ def test_gpu_stepped_nvme_keeps_the_gradient_and_pool_on_the_gpu_and_the_state_i
     assert host.buffers - nvme.buffers == pool[True] - pool[False] > 0
     assert nvme.grads == (48 + 3 * 128) * 2 and nvme.optimizer == 0  # bf16 ("compact"): one rank, no accumulation
     # master + 2 Adam states in files; in host memory only the swapper's slots of the largest group
-    assert nvme.nvme == host.host_optimizer == (48 + 3 * 128) * 3 * 4
+    assert nvme.nvme == (48 + 3 * 128) * 3 * 4
+    # from host memory the master is kept packed between steps (2 bytes + a bit per element), and one group's
+    # fp32 master at a time while it is packed or read ([Note: packed master at rest])
+    assert host.host_optimizer == sum(2 * n + n // 8 for n in (48, 128, 128, 128)) + (48 + 3 * 128) * 2 * 4
+    assert host.host_buffers == 128 * 4
     assert nvme.host_optimizer == 4 * 128 * 3 * 4 and nvme.host_grads == 0  # buffer_count 4: a slot per unit here
     two = estimate(counts(), Setting(stage=3, offload_optimizer="nvme", step_on="device"),
                    dataclasses.replace(work, nvme_buffer_count=2), None)
@@ -302,7 +306,8 @@ def test_narrow_optimizer_state_counts_its_stored_bytes_in_every_home():
         assert nvme.nvme == 432 * 4 + 2 * 432 * b
         assert nvme.host_optimizer == 4 * (128 * 4 + 2 * 128 * b)  # the swapper's slots, the largest group each
         streamed = estimate(counts(), Setting(stage=2, offload_optimizer="cpu", step_on="device"), work, None)
-        assert streamed.host_optimizer == 432 * 4 + 2 * 432 * b
+        packed = sum(2 * n + n // 8 for n in (48, 128, 128, 128))  # the master kept packed between steps
+        assert streamed.host_optimizer == packed + 2 * 432 * b
         pool = stream_pool_bytes(128, state_tensors=2, compact=False, offload_params=False, compute_bytes=2,
                                  split=True)
         staged = 0 if state == "fp32" else 3 * 2 * 128 * b  # 3 slots: each state chunk in its stored form too

@@ -102,7 +102,8 @@ def _engine_state_bytes(rank: int, world: int, ratio: float, step_on: str = "hos
         state_side = "host" if g.placement.offloaded else "device"
         pieces = master_pieces(g)
         states = [t for q in pieces for t in state_of[q.data_ptr()].values() if t.dim() > 0]
-        out[state_side] += g.master.nbytes + sum(t.nbytes for t in states)
+        master = g.packed_master if g.packed_master is not None else g.master  # [Note: packed master at rest]
+        out[state_side] += master.nbytes + sum(t.nbytes for t in states)
         out["host" if g.placement.host_stepped else "device"] += g.grad_shard.nbytes
         out["padding"] += 2 * 4 * (g.layout.shard_numel - sum(q.numel() for q in pieces))
     e = estimate(counts, Setting(stage=2, offload_optimizer="cpu", offload_ratio=ratio, step_on=step_on),

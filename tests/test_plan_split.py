@@ -73,7 +73,9 @@ def test_the_memory_model_counts_the_host_stepped_part_on_the_host():
     streamed, split = (estimate(counts, Setting(stage=2, offload_optimizer="cpu", step_on="device", host_share=h),
                                 work, None) for h in (0.0, 0.5))
     assert split.host_grads > 0 == streamed.host_grads  # host-stepped gradients live on the host
-    assert split.grads < streamed.grads and split.host_optimizer == streamed.host_optimizer
+    assert split.grads < streamed.grads
+    # the host-stepped part's masters are fp32 in host memory; GPU-stepped ones are kept packed between steps
+    assert split.host_optimizer > streamed.host_optimizer
     assert "(GPU-stepped, 50% on the CPU)" in split.setting.label
     with pytest.raises(ValueError, match="host_share must be in"):
         Setting(stage=2, offload_optimizer="cpu", step_on="host", host_share=0.5)

@@ -54,6 +54,7 @@ from zerofit.engine.policy import (
     communication_dtype,
     host_share_for,
     keeps_compact_grads,
+    packs_master,
     state_homes,
     step_on_for,
 )
@@ -197,15 +198,16 @@ class ZeroEngine:
     @contextlib.contextmanager
     def state_by_group(self, *, write: bool = False):
         """`settle()` for a reader of every group's state that takes one group at a time (a checkpoint's save):
-        NVMe-offloaded groups stay on file, and `scope(g)`, yielded, is None for a group readable now, else the
-        context inside which `g`'s master and state are readable host tensors (one NVMe group in memory at a time:
-        [Note: saving from NVMe]). `write`: the reader changes the values (a load): each group is written back."""
-        swappers = [p.swapper for p in (self.offload.host, self.offload.gpu) if p is not None and p.swapper]
+        NVMe-offloaded groups stay on file (packed GPU-stepped masters packed), and `scope(g)`, yielded, is None
+        for a group readable now, else the context inside which `g`'s master and state are readable host tensors
+        (one such group in memory at a time: [Note: saving from NVMe], [Note: packed master at rest]). `write`:
+        the reader changes the values (a load): each group is written back."""
+        readers = [r for p in (self.offload.host, self.offload.gpu) if p is not None and (r := p.reader())]
         with contextlib.ExitStack() as stack:
-            for s in swappers:
-                stack.enter_context(s.one_at_a_time())
+            for r in readers:
+                stack.enter_context(r.one_at_a_time())
             self.settle()
-            yield lambda g: next((s.readable(g, write=write) for s in swappers if s.holds(g)), None)
+            yield lambda g: next((r.readable(g, write=write) for r in readers if r.holds(g)), None)
 
     # --- construction ---------------------------------------------------------------------------
     def _move_buffers(self) -> None:
@@ -260,7 +262,9 @@ class ZeroEngine:
                     spec.name, [n for n, _ in members], [p for _, p in members],
                     [group_of[id(p)] if trainable else 0 for _, p in members], trainable=trainable,
                     placement=placement, compute_dtype=self.compute_dtype, device=self.device, align=SHARD_ALIGN,
-                    whole=is_whole,
+                    whole=is_whole, packed_master=trainable and not is_whole and packs_master(
+                        placement, bf16=self.compute_dtype == torch.bfloat16,
+                        nvme=self.zero.offload_optimizer.device == "nvme"),
                     compact_grads=trainable and not is_whole and self.optimizer is not None and keeps_compact_grads(
                         placement, world=self.comm.world, gradient_accumulation_steps=self.gradient_accumulation_steps,
                         low_precision=self.compute_dtype != torch.float32)))

@@ -37,9 +37,12 @@ class FlatGroup:
 
     def __init__(self, unit_name: str, names: list[str], params: list[nn.Parameter], groups: list[int],
                  *, trainable: bool, placement: GroupPlacement, compute_dtype: torch.dtype,
-                 device: torch.device, align: int, compact_grads: bool = False, whole: bool = False):
+                 device: torch.device, align: int, compact_grads: bool = False, whole: bool = False,
+                 packed_master: bool = False):
         """`compact_grads`: keep the gradient in the compute dtype (the engine decides when that is exact:
-        `zerofit.engine.policy.keeps_compact_grads`)."""
+        `zerofit.engine.policy.keeps_compact_grads`); `packed_master`: a GPU-stepped group whose host master is
+        kept packed between steps, packed here already (see [Note: packed master at rest] in
+        zerofit.engine.offload.packed_master)."""
         self.unit_name = unit_name
         self.names = names
         self.params = params
@@ -94,9 +97,16 @@ class FlatGroup:
         self.before_read: Callable[[], None] | None = None
         """Set by the engine when `master` and optimizer state are not in memory between steps (NVMe):
         call it before reading them outside a step (see [Note: NVMe residency] in zerofit.engine.offload.nvme)."""
+        self.packed_master: torch.Tensor | None = None
+        """The packed form of a host master kept packed between steps, its `master` then without pages."""
         if trainable:
             if master_src is None:
                 self.master = self.param_shard
+            elif packed_master and b.master.host:  # one group's fp32 master at a time, never all of them
+                from zerofit.engine.offload.packed_master import pack, release_pages
+                self.master = master_src
+                self.packed_master = pack(master_src, self.param_shard, pin=pin)
+                release_pages(self.master)
             else:
                 self.master = _on(master_src, host, pin) if b.master.host else master_src
             grad = b.grad_shard

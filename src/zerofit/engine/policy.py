@@ -169,6 +169,13 @@ def keeps_compact_grads(placement: GroupPlacement, *, world: int, gradient_accum
     return world == 1 and gradient_accumulation_steps == 1 and low_precision and not placement.host_stepped
 
 
+def packs_master(placement: GroupPlacement, *, bf16: bool, nvme: bool) -> bool:
+    """True when a trainable group's host master is kept packed between steps: GPU-stepped from host memory with
+    bf16 parameters on the device, where the master travels split ([Note: packed master at rest] in
+    zerofit.engine.offload.packed_master). The engine and the planner both ask this."""
+    return bf16 and not nvme and placement.gpu_stepped and placement.offloaded and not placement.offload_params
+
+
 def offloaded_units(unit_numels: Sequence[int], ratio: float) -> frozenset[int]:
     """Indices of the units whose optimizer state goes to the host under `offload_optimizer.ratio`.
 

@@ -13,8 +13,10 @@ Each term's bytes, and where they live:
 - gathered parameters: N*c of the root unit (if sharded) + each sharded unit's N*c while gathered: on the
   activation timeline (see `zerofit.plan.activations`), else the 2 largest (current + prefetched). Where:
   GPU, stage 3 only.
-- fp32 master: S*4, none when compute is fp32 and the state is on the GPU (it is the parameter itself).
-  Where: with the optimizer state.
+- fp32 master: S*4, none when compute is fp32 and the state is on the GPU (it is the parameter itself);
+  S*2.125 when GPU-stepped with the master split (bf16 parameters on the GPU, host memory): kept packed
+  between steps, + S*4 of the largest such group while it is packed or read ([Note: packed master at rest]
+  in zerofit.engine.offload.packed_master). Where: with the optimizer state.
 - gradients: S*4 shard (S*c on one rank without accumulation or offload: "compact"); + N*4 full buffer when
   it persists (stage 1 on several ranks). Where: with the optimizer state.
 - optimizer states: k*S*b, b the stored bytes per element of `precision.optimizer_state` (4 fp32, 2 bf16,
@@ -80,11 +82,13 @@ from zerofit.engine.engine import SHARD_ALIGN
 from zerofit.engine.find_units import UnitSpec, plan_units
 from zerofit.engine.layout import plan_layout
 from zerofit.engine.offload.gpu import STREAM_CHUNK, STREAM_SLOTS, stream_pool_bytes
+from zerofit.engine.offload.master_split import packed_bytes
 from zerofit.engine.policy import (
     COMPUTE_DTYPES,
     StagePolicy,
     StateHome,
     keeps_compact_grads,
+    packs_master,
     state_homes,
 )
 from zerofit.engine.state_codec import Codec
@@ -268,6 +272,8 @@ def estimate(counts: ModelCounts, setting: Setting, work: Workload, trace: Activ
     step_transient = 0
     largest_streamed, largest_staged, streamed_compact = 0, 0, False
     largest_host_stepped = 0
+    largest_packed = 0
+    split = master_travels_split(setting, work)
     narrow = work.optimizer_state != "fp32"
     for u, (_, true_trainable, true_frozen) in enumerate(counts.units):
         unit_numel = true_trainable + true_frozen
@@ -313,6 +319,10 @@ def estimate(counts: ModelCounts, setting: Setting, work: Workload, trace: Activ
             if pl.host_stepped and not is_whole:
                 largest_host_stepped = max(largest_host_stepped, lay.shard_numel)
             master = b.master.nbytes if b.master is not None else 0
+            if b.master is not None and packs_master(pl, bf16=work.mixed_precision == "bf16",
+                                                     nvme=setting.offload_optimizer == "nvme"):
+                master = packed_bytes(lay.shard_numel)  # kept packed between steps
+                largest_packed = max(largest_packed, lay.shard_numel)
             states = state_nbytes(k * lay.shard_numel, "fp32" if is_whole else work.optimizer_state)
             if setting.offload_optimizer == "nvme" and pl.offloaded:  # in files
                 nvme += master + states
@@ -328,12 +338,13 @@ def estimate(counts: ModelCounts, setting: Setting, work: Workload, trace: Activ
     if largest_streamed:  # the device buffers GPU-stepped offload streams the state through
         gpu["buffers"] += stream_pool_bytes(largest_streamed, state_tensors=k, compact=streamed_compact,
                                             offload_params=setting.offload_param != "none", compute_bytes=c,
-                                            split=master_travels_split(setting, work))
+                                            split=split)
         if work.optimizer_state == "8bit":  # the codec's int32 scratch, one chunk's ([Note: codec scratch])
             gpu["buffers"] += min(STREAM_CHUNK, largest_streamed) * 4
         if narrow and largest_staged:  # each slot also stages a host home's state chunks in their stored form
             gpu["buffers"] += STREAM_SLOTS * state_nbytes(k * min(STREAM_CHUNK, largest_staged),
                                                           work.optimizer_state)
+    host["buffers"] += largest_packed * 4  # one packed group's fp32 master while it is built, read or written
     if narrow:  # the host stepper widens one group's narrow state at a time into fp32 scratch
         host["buffers"] += k * largest_host_stepped * 4
     if setting.offload_optimizer == "nvme":  # the swapper's pool: one slot per buffer, at most one per group

@@ -29,8 +29,9 @@ the downloads in flight; gradients are zeroed by the step itself (`FlatGroup.ste
 
 With bf16 parameters on the device the master does not cross whole: the host keeps its low halves and
 carries and the device rebuilds it from the parameter it holds (see [Note: split master] in
-zerofit.engine.offload.master_split), 2.125 bytes instead of 4 each way; `settle(state=True)` rebuilds the fp32
-masters in host memory for host readers, and the next step uploads those whole.
+zerofit.engine.offload.master_split), 2.125 bytes instead of 4 each way and at rest ([Note: packed master at
+rest] in zerofit.engine.offload.packed_master); `settle(state=True)` rebuilds the fp32 masters in host memory
+for host readers (checkpoints one group at a time), and the next step uploads those whole.
 
 The main thread only decides the step (factor, this step's settings, the "gradients final" event) and
 hands the groups to `IssueThread`, which queues their chunks (see [Note: issuing off the main thread]
@@ -75,6 +76,9 @@ from zerofit.engine.offload.gpu_runs import (  # noqa: F401 - ChunkSpan and plan
 )
 from zerofit.engine.offload.gpu_slot import Slot
 from zerofit.engine.offload.nvme import NvmeSwapper
+from zerofit.engine.offload.packed_master import PackedMasters
+from zerofit.engine.offload.packed_master import carries as packed_carries
+from zerofit.engine.offload.packed_master import low as packed_low
 from zerofit.engine.offload.part import OffloadPart
 from zerofit.engine.offload.stored_homes import bind_stored, gap_index
 from zerofit.engine.optim import folds_grad_scale, global_grad_sumsq, member_of_group, step_with_factor
@@ -151,8 +155,6 @@ class GpuStep(OffloadPart):
         """Event: every download of the last step is done (host master and state hold its values)."""
         self._keep: list = []
         """Tensors the side streams still read (the step's factor), held until the next step."""
-        self._packed: set[int] = set()
-        """Groups whose host master holds the packed form, chunk by chunk (issuing thread; `settle` joins)."""
         self._backward_ran = False
         self.swapper = self._nvme_swapper(offload, aio, self.codec)  # after the pieces were matched (`plan_runs`)
         self.trainable, self.reductions = trainable or [], reductions
@@ -167,12 +169,16 @@ class GpuStep(OffloadPart):
         self._unzeroed: set[int] = set()
         """Groups stepped during backward whose gradients are zeroed when next awaited (after step())."""
         self._splits = {id(g) for g in groups if self._can_split(g)}
+        """Groups whose master travels split (see [Note: split master] in zerofit.engine.offload.master_split),
+        kept packed in host memory between steps ([Note: packed master at rest])."""
+        if any(g.packed_master is not None and id(g) not in self._splits for g in groups):
+            raise AssertionError("a group packed for a split master does not travel split (an engine bug)")
+        self.packed = PackedMasters([g for g in groups if id(g) in self._splits], pin=self._cuda)
         self._homes = RunHomes(optimizer, self.codec, self.device, resident=resident, swapped=self.swapper is not None)
         """Where each run's state lives (see [Note: verified homes] in zerofit.engine.offload.gpu_homes)."""
         if self.swapper is None:  # now, not inside the first steps (see [Note: homes at prepare])
             for g in groups:
                 self._homes.allocate(g, self._runs[id(g)])
-        """Groups whose master travels split (see [Note: split master] in zerofit.engine.offload.master_split)."""
         self.issuer = IssueThread(groups, self.device)
         # The thread never holds this mode while idle; stop it (and remove the NVMe files) with the mode,
         # or at the latest when the process exits.
@@ -290,7 +296,7 @@ class GpuStep(OffloadPart):
             self._done[id(g)] = self._record(self._down if g.placement.offload_params else self._work)
             downloaded = self._record(self._down)
             if id(g) in self._splits:
-                self._packed.add(id(g))
+                self.packed.stepped(g, self._record(self._up))
             self._written = downloaded  # the download stream is in order: the last group's covers all
         if self.swapper is not None:
             self.swapper.swap_out(g, ready=downloaded)  # written once the downloads into the slot are done
@@ -302,7 +308,9 @@ class GpuStep(OffloadPart):
         homes = now.homes
         opt = self._optimizer_for(run.group, settings[run.group])
         split = id(g) in self._splits
-        packed_home = id(g) in self._packed  # the host master holds the packed form (the last step split it)
+        packed_home = id(g) in self.packed.packed  # the host holds the packed form (the last step split it)
+        at_rest = self.packed.home(g) if split else None  # its packed form's home
+        shard = g.master.numel()
         narrow = self.codec.narrow
         run_master = g.master[run.start:run.end]
         created: dict[int, dict[str, torch.dtype]] = {}
@@ -324,7 +332,8 @@ class GpuStep(OffloadPart):
                 master = slot.buf("master", torch.float32, n, span.shift)
                 packed, carries = slot.packed(n) if split or packed_home else (None, None)
                 if packed_home:  # the low halves and carries come up; the device holds the rest
-                    packed.copy_(master_split.packed_home(run_master, lo, n), non_blocking=True)
+                    packed[:2 * n].copy_(packed_low(at_rest, shard, span.start, n), non_blocking=True)
+                    packed[2 * n:].copy_(packed_carries(at_rest, shard, span.start, n), non_blocking=True)
                 else:
                     master.copy_(master_home, non_blocking=True)
                 staged = {}
@@ -368,7 +377,8 @@ class GpuStep(OffloadPart):
                             wide[k] = slot.buf(k, dtype, n)
                             at_home[k] = homes[k][lo:lo + n]
                 if split:
-                    master_split.packed_home(run_master, lo, n).copy_(packed, non_blocking=True)
+                    packed_low(at_rest, shard, span.start, n).copy_(packed[:2 * n], non_blocking=True)
+                    packed_carries(at_rest, shard, span.start, n).copy_(packed[2 * n:], non_blocking=True)
                 else:
                     master_home.copy_(master, non_blocking=True)
                 for k, home in at_home.items():  # every per-element state of the chunk is in its slot
@@ -556,7 +566,10 @@ class GpuStep(OffloadPart):
                 self._written.synchronize()  # host masters and state hold the last step's values
             if self.swapper is not None:
                 self.swapper.materialize()  # after the writes: in host memory until the next step
-            self._join_packed()
+            self.packed.join_all()
+
+    def reader(self):
+        return self.swapper if self.swapper is not None else (self.packed if self.packed.groups else None)
 
     def _settle_state(self) -> None:
         self.settle(state=True)
@@ -567,16 +580,6 @@ class GpuStep(OffloadPart):
         master in host memory."""
         return (self.swapper is None and not g.placement.offload_params and g.placement.offloaded
                 and master_split.eligible(g.compute_dtype, g.master, g.param_shard))
-
-    def _join_packed(self) -> None:
-        """Rebuild every packed host master as fp32 in place, for host readers (checkpoints, inspection);
-        the next step uploads those whole and packs them again."""
-        scratch = torch.empty(master_split.scratch_bytes(self._slots[0].capacity), dtype=torch.uint8)
-        for g in self.groups:
-            if id(g) in self._packed:
-                chunks = [(span.start, span.length) for run in self._runs[id(g)] for span in run.chunks]
-                master_split.join_in_place(g.master, g.param_shard.to("cpu"), chunks, scratch)
-        self._packed.clear()
 
 
 def _wide(home: torch.Tensor | Stored) -> torch.dtype:

@@ -16,10 +16,9 @@ read off `low16`: at an exact tie (`low16 == 0x8000`) rounding to even carried f
 not for an even one, and both give an even parameter, so one bit per element is kept for it.
 
 Per chunk of n elements the packed form is `packed_bytes(n)` bytes: the n low halves (int16), then the n
-carries, eight to a byte, lowest element in the lowest bit. It fits in the chunk's own 4n bytes of the
-host master, which is where `zerofit.engine.offload.gpu` keeps it between steps (see its note): the
-host master is then not a readable fp32 tensor until `join` rebuilds it, which `settle(state=True)`
-does for every reader, as it already waited for copies in flight.
+carries, eight to a byte, lowest element in the lowest bit. Between steps the host keeps it in a home of its
+own and the fp32 host master holds no memory (see [Note: packed master at rest] in
+zerofit.engine.offload.packed_master).
 """
 
 from __future__ import annotations
@@ -59,43 +58,41 @@ def split(master: torch.Tensor, param: torch.Tensor, out: torch.Tensor, scratch:
     """Write the packed form of `master` (fp32, n) whose rounding is `param` (bf16, n) into `out` (uint8,
     `packed_bytes(n)`); `scratch`: uint8, at least `scratch_bytes(n)` (same device)."""
     n = master.numel()
+    split_parts(master, param, out[:2 * n], out[2 * n:], scratch)
+
+
+def split_parts(master: torch.Tensor, param: torch.Tensor, low_out: torch.Tensor, carries_out: torch.Tensor,
+                scratch: torch.Tensor) -> None:
+    """`split` into two places: the low halves (uint8, 2n) and the carries (uint8, ceil(n / 8))."""
+    n = master.numel()
     low, high = _halves(master)
-    out[:2 * n].view(torch.int16).copy_(low)
+    low_out.view(torch.int16).copy_(low)
     carry = scratch[:_round_up(n)]
     torch.ne(high, param.view(torch.int16), out=carry[:n].view(torch.bool))
     carry[n:].zero_()
     bits = carry.view(-1, _BITS)
-    packed = out[2 * n:]
-    packed.copy_(bits[:, 0])
+    carries_out.copy_(bits[:, 0])
     for j in range(1, _BITS):
-        packed.bitwise_or_(bits[:, j].bitwise_left_shift(j))
+        carries_out.bitwise_or_(bits[:, j].bitwise_left_shift(j))
 
 
 def join(packed: torch.Tensor, param: torch.Tensor, master: torch.Tensor, scratch: torch.Tensor) -> None:
     """Rebuild `master` (fp32, n) from its packed form `packed` (uint8, `packed_bytes(n)`) and its rounding
     `param` (bf16, n); `scratch` as for `split`. `master` must not overlap `packed`."""
     n = master.numel()
+    join_parts(packed[:2 * n], packed[2 * n:], param, master, scratch)
+
+
+def join_parts(low_in: torch.Tensor, carries_in: torch.Tensor, param: torch.Tensor, master: torch.Tensor,
+               scratch: torch.Tensor) -> None:
+    """`join` from two places: the low halves (uint8, 2n) and the carries (uint8, ceil(n / 8))."""
+    n = master.numel()
     low, high = _halves(master)
-    low.copy_(packed[:2 * n].view(torch.int16))
+    low.copy_(low_in.view(torch.int16))
     carry = scratch[:_round_up(n)].view(-1, _BITS)
-    bytes_ = packed[2 * n:]
     for j in range(_BITS):
-        torch.bitwise_and(bytes_.bitwise_right_shift(j), 1, out=carry[:, j])
+        torch.bitwise_and(carries_in.bitwise_right_shift(j), 1, out=carry[:, j])
     torch.sub(param.view(torch.int16), carry.view(-1)[:n], out=high)
-
-
-def packed_home(master: torch.Tensor, lo: int, n: int) -> torch.Tensor:
-    """Where chunk [lo, lo + n) of a host master keeps its packed form: the front of its own bytes."""
-    return master[lo:lo + n].view(torch.uint8)[:packed_bytes(n)]
-
-
-def join_in_place(master: torch.Tensor, param: torch.Tensor, chunks: list[tuple[int, int]],
-                  scratch: torch.Tensor) -> None:
-    """Rebuild the fp32 host `master` whose `chunks` ((start, length) each) hold their packed form in their own
-    front bytes (`packed_home`), from `param`, its rounding (host, same length); `scratch` as for `split`."""
-    for lo, n in chunks:
-        packed = packed_home(master, lo, n).clone()  # the master's own bytes are rewritten
-        join(packed, param[lo:lo + n], master[lo:lo + n], scratch)
 
 
 def _round_up(n: int) -> int:

@@ -88,6 +88,11 @@ class OffloadPart(WrappingStep):
         return NvmeSwapper(self.groups, self.optimizer, offload, aio or AioConfig(), self.comm, self.comm.device,
                            codec)
 
+    def reader(self):
+        """What lets host readers take the groups one at a time (`one_at_a_time`, `holds`, `readable`; see
+        `ZeroEngine.state_by_group`): the NVMe swapper, or None when every group is readable as it is."""
+        return self.swapper
+
     def _settle_before_read(self, settle: Callable[[], None]) -> None:
         """Host readers of the groups' state call `settle` first. One object for every group:
         `local_fragments` calls each distinct hook once."""
