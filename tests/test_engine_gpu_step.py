@@ -246,7 +246,8 @@ def _resident_pages(t: torch.Tensor) -> tuple[int, int]:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts pages with Linux's mincore")
-def test_a_packed_master_holds_no_host_memory_between_steps(tmp_path):
+@pytest.mark.parametrize("stage", [2, 3])  # 3: with parameter offload, the host's bf16 parameter is the high half
+def test_a_packed_master_holds_no_host_memory_between_steps(tmp_path, stage):
     """[Note: packed master at rest]: a GPU-stepped bf16 group keeps 2.125 bytes per element of host memory
     between steps (its packed home), not 4 more for the fp32 master: none of the master's pages is in memory
     after the engine is built, after steps, and after a checkpoint save, which reads one group at a time."""
@@ -254,12 +255,14 @@ def test_a_packed_master_holds_no_host_memory_between_steps(tmp_path):
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(3)])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    zero = ZeroConfig(stage=2, unit_size_threshold=100_000,
-                      offload_optimizer=OffloadConfig(device="cpu", step_on="device"))
+    zero = ZeroConfig(stage=stage, unit_size_threshold=100_000, param_persistence_threshold=0,
+                      offload_optimizer=OffloadConfig(device="cpu", step_on="device"),
+                      offload_param=OffloadConfig(device="cpu" if stage == 3 else "none"))
     engine = ZeroEngine(model, opt, zero=zero, device=torch.device("cpu"),
                         precision=PrecisionConfig(mixed_precision="bf16"))
     trainable = [g for g in engine.groups if g.trainable]
     assert len(trainable) == 3 and all(g.master.numel() > 100_000 for g in trainable)
+    assert all(g.placement.offload_params == (stage == 3) for g in trainable)
 
     def in_memory() -> list[int]:
         return [_resident_pages(g.master)[0] for g in trainable]

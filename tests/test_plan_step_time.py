@@ -29,8 +29,10 @@ def test_each_part_is_priced_on_the_rates():
     assert added_seconds(H200, COUNTS, host, WORK) == pytest.approx(bandwidth.host_seconds(H200, 2_100_000))
     uploads = 2 * 2 * 2_100_000 / (H200.h2d_gbs * 1e9)  # bf16 shard up for the forward and the backward
     full = Setting(stage=3, offload_optimizer="cpu", offload_param="cpu", step_on="device")
-    assert added_seconds(H200, COUNTS, full, WORK) == pytest.approx(bandwidth.streamed_seconds(H200, 2_100_000)
-                                                                  + uploads)
+    # with parameter offload the master travels split too, the host's bf16 parameter going up beside it
+    split_up = bandwidth.SPLIT_MASTER_BYTES + 2
+    assert added_seconds(H200, COUNTS, full, WORK) == pytest.approx(
+        bandwidth.streamed_seconds(H200, 2_100_000, master_bytes=split_up) + uploads)
     recompute = 2 * 2_000_000 * 8 * 512 / (H200.gpu_tflops * 1e12 * RECOMPUTE_EFFICIENCY)  # the layers, not the root
     assert added_seconds(H200, COUNTS, Setting(stage=0, checkpointing=True), WORK) == pytest.approx(recompute)
 
@@ -39,7 +41,7 @@ def test_micro_steps_repeat_what_each_forward_pays_and_ranks_share_the_state():
     full_ck = Setting(stage=3, offload_optimizer="cpu", offload_param="cpu", step_on="device", checkpointing=True)
     one = added_seconds(H200, COUNTS, full_ck, WORK)
     four = added_seconds(H200, COUNTS, full_ck, dataclasses.replace(WORK, gradient_accumulation_steps=4))
-    offload = bandwidth.streamed_seconds(H200, 2_100_000)
+    offload = bandwidth.streamed_seconds(H200, 2_100_000, master_bytes=bandwidth.SPLIT_MASTER_BYTES + 2)
     assert four - offload == pytest.approx(4 * (one - offload))  # the update once, uploads and recompute 4 times
     two_ranks = dataclasses.replace(WORK, world=2)
     streamed = Setting(stage=2, offload_optimizer="cpu", step_on="device")

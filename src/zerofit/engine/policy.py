@@ -171,9 +171,9 @@ def keeps_compact_grads(placement: GroupPlacement, *, world: int, gradient_accum
 
 def packs_master(placement: GroupPlacement, *, bf16: bool, nvme: bool) -> bool:
     """True when a trainable group's host master is kept packed between steps: GPU-stepped from host memory with
-    bf16 parameters on the device, where the master travels split ([Note: packed master at rest] in
+    bf16 parameters, where the master travels split ([Note: packed master at rest] in
     zerofit.engine.offload.packed_master). The engine and the planner both ask this."""
-    return bf16 and not nvme and placement.gpu_stepped and placement.offloaded and not placement.offload_params
+    return bf16 and not nvme and placement.gpu_stepped and placement.offloaded
 
 
 def offloaded_units(unit_numels: Sequence[int], ratio: float) -> frozenset[int]:

@@ -381,10 +381,9 @@ def state_nbytes(numel: int, kind: str) -> int:
 
 
 def master_travels_split(setting: Setting, work: Workload) -> bool:
-    """GPU-stepped state's master crosses the link split (bf16 parameters on the GPU, state not in NVMe
-    files): what the engine's `GpuStep` decides per group (zerofit.engine.offload.master_split)."""
-    return (work.mixed_precision == "bf16" and setting.offload_param == "none"
-            and setting.offload_optimizer == "cpu" and setting.step_on == "device")
+    """GPU-stepped state's master crosses the link split (bf16 parameters, on the GPU or offloaded; state not
+    in NVMe files): what the engine's `GpuStep` decides per group (zerofit.engine.offload.master_split)."""
+    return (work.mixed_precision == "bf16" and setting.offload_optimizer == "cpu" and setting.step_on == "device")
 
 
 def unit_state_homes(counts: ModelCounts, setting: Setting) -> list[StateHome]:

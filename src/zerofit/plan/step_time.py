@@ -62,9 +62,11 @@ def added_seconds(rates: bandwidth.Rates, counts: ModelCounts, setting: Setting,
             seconds += bandwidth.host_seconds(rates, hosted, param_bytes=param_bytes)
         else:
             split = master_travels_split(setting, work)
+            # split under parameter offload: the host's bf16 parameter goes up beside the packed master
+            master = bandwidth.SPLIT_MASTER_BYTES + (param_bytes if setting.offload_param == "cpu" else 0)
             seconds += bandwidth.offload_seconds(rates, streamed, hosted, param_bytes=param_bytes,
                                                  state_tensors=work.optimizer_states,
-                                                 master_bytes=bandwidth.SPLIT_MASTER_BYTES if split else 4,
+                                                 master_bytes=master if split else 4,
                                                  state_bytes=Codec(work.optimizer_state).bytes_per_element())
     elif setting.offload_optimizer == "nvme":
         return None  # bound by the disk, which the probe does not measure

@@ -331,9 +331,15 @@ class GpuStep(OffloadPart):
                     self._up.wait_event(slot.free)
                 master = slot.buf("master", torch.float32, n, span.shift)
                 packed, carries = slot.packed(n) if split or packed_home else (None, None)
+                # the parameter the master is split against: on the device, or (offloaded) its slot buffer, filled
+                # now where a packed master is rebuilt from it (the step casts the new one into it)
+                rounded = (slot.buf("param", g.compute_dtype, n) if g.placement.offload_params
+                           else g.param_shard[span.start:span.start + n])
                 if packed_home:  # the low halves and carries come up; the device holds the rest
                     packed[:2 * n].copy_(packed_low(at_rest, shard, span.start, n), non_blocking=True)
                     packed[2 * n:].copy_(packed_carries(at_rest, shard, span.start, n), non_blocking=True)
+                    if g.placement.offload_params:
+                        rounded.copy_(g.param_shard[span.start:span.start + n], non_blocking=True)
                 else:
                     master.copy_(master_home, non_blocking=True)
                 staged = {}
@@ -347,13 +353,13 @@ class GpuStep(OffloadPart):
                 if loaded is not None:
                     self._work.wait_event(loaded)
                 if packed_home:
-                    master_split.join(packed, g.param_shard[span.start:span.start + n], master, carries)
+                    master_split.join(packed, rounded, master, carries)
                 for k, stored in staged.items():  # widened: the optimizer steps fp32 state
                     self.codec.decode(stored, wide[k], k, scratch=index)
                 new_keys = self._step_chunk(g, run, opt, span, master, slot, wide, now.pieces, unused, scale, kernel,
                                             created, last)
                 if split:  # after the parameter is published: its rounding is what the carries refer to
-                    master_split.split(master, g.param_shard[span.start:span.start + n], packed, carries)
+                    master_split.split(master, rounded, packed, carries)
                 if narrow:
                     for k in new_keys:  # state a fresh piece created under a key not seen before
                         if k not in homes:
@@ -576,9 +582,9 @@ class GpuStep(OffloadPart):
 
     # --- the split master (see [Note: split master]) ----------------------------------------------
     def _can_split(self, g: FlatGroup) -> bool:
-        """`g`'s master may travel split: bf16 parameters on the device (not offloaded), no NVMe file, the
-        master in host memory."""
-        return (self.swapper is None and not g.placement.offload_params and g.placement.offloaded
+        """`g`'s master may travel split: bf16 parameters (on the device, or offloaded: then uploaded beside it),
+        no NVMe file, the master in host memory."""
+        return (self.swapper is None and g.placement.offloaded
                 and master_split.eligible(g.compute_dtype, g.master, g.param_shard))
 
 
