@@ -88,14 +88,7 @@ from zerofit.engine.timing import StepTimes
 from zerofit.engine.unit import Unit
 
 # Public: the memory model (zerofit.plan) counts the pool from these.
-STREAM_CHUNK = 1 << 26  # elements per chunk (64 M): see [Note: chunk size]
-"""[Note: chunk size]
-Copies reach the link's full bandwidth from a few M elements on, but every chunk costs the issuing thread a
-fixed round of Python and kernel launches (~60 aten ops with 8-bit state, ~30 with fp32: benchmarks/issue_cost.py),
-and that thread, not the link, was what the next forward waited for: GPT-2 XL's ZeRO-2 offload step with 8-bit
-state took 0.527 s in 16 M chunks and 0.261 s in 64 M ones (one H100, same call, before issue #39's cuts). A slot
-holds at most the largest run, so a model whose layers are smaller than 64 M elements pays only for its largest
-layer."""
+STREAM_CHUNK = 1 << 26  # elements per chunk (64 M): see [Note: chunk size] in zerofit.engine.offload.gpu_runs
 STREAM_SLOTS = 3  # chunks in flight: one uploading, one stepping, one downloading
 _FUSED_ON_CUDA = ("Adam", "AdamW", "SGD")  # optimizer classes whose fused kernels exist on CUDA
 def stream_pool_bytes(largest_piece: int, *, state_tensors: int, compact: bool,

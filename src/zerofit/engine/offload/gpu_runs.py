@@ -18,6 +18,14 @@ slot buffer, as on the device (pieces start at multiples of 16 of the shard): ea
 the same length at the same alignment there and here, and the vectorised kernels treat every element
 alike. A long piece's chunks are aligned, or not, as the old one-piece chunks were (see [Note: chunk
 alignment]).
+
+[Note: chunk size]
+Copies reach the link's full bandwidth from a few M elements on, but every chunk costs the issuing thread a
+fixed round of Python and kernel launches (~60 aten ops with 8-bit state, ~30 with fp32: benchmarks/issue_cost.py),
+and that thread, not the link, was what the next forward waited for: GPT-2 XL's ZeRO-2 offload step with 8-bit
+state took 0.527 s in 16 M chunks and 0.261 s in 64 M ones (one H100, same call, before issue #39's cuts). A slot
+holds at most the largest run, so a model whose layers are smaller than 64 M elements pays only for its largest
+layer (`STREAM_CHUNK` in zerofit.engine.offload.gpu).
 """
 
 from __future__ import annotations
