@@ -31,15 +31,11 @@ import contextlib
 import ctypes
 import ctypes.util
 import sys
-from typing import TYPE_CHECKING
 
 import torch
 
 from zerofit.engine.offload import master_split
 from zerofit.engine.pinned import pinned_empty
-
-if TYPE_CHECKING:
-    from zerofit.engine.flat_group import FlatGroup
 
 PIECE = 1 << 24
 """Elements packed or joined at a time on the host (bounds the scratch and the parameter's host copy)."""
@@ -118,9 +114,10 @@ def release_pages(t: torch.Tensor) -> None:
 
 
 class PackedMasters:
-    """The packed homes of a GPU-stepped part's split groups, and which form each group is in (module note)."""
+    """The packed homes of a GPU-stepped part's split groups (`FlatGroup`s: not imported here, the group module
+    packs through this one), and which form each group is in (module note)."""
 
-    def __init__(self, groups: list[FlatGroup], *, pin: bool):
+    def __init__(self, groups: list, *, pin: bool):
         self.groups = {id(g): g for g in groups}
         self.homes: dict[int, torch.Tensor] = {}
         self.packed: set[int] = set()
@@ -133,13 +130,13 @@ class PackedMasters:
             self.homes[id(g)] = g.packed_master
             self.packed.add(id(g))
 
-    def holds(self, g: FlatGroup) -> bool:
+    def holds(self, g) -> bool:
         return id(g) in self.groups
 
-    def home(self, g: FlatGroup) -> torch.Tensor:
+    def home(self, g) -> torch.Tensor:
         return self.homes[id(g)]
 
-    def stepped(self, g: FlatGroup, uploaded) -> None:
+    def stepped(self, g, uploaded) -> None:
         """A step downloaded `g`'s packed form into its home (issuing thread). Had it uploaded the fp32 master
         (`g` was not packed), its pages go back once `uploaded` (the event after its uploads; None: done)."""
         if id(g) in self.packed:
@@ -149,7 +146,7 @@ class PackedMasters:
         release_pages(g.master)
         self.packed.add(id(g))
 
-    def join(self, g: FlatGroup) -> None:
+    def join(self, g) -> None:
         """`g.master` holds the fp32 master from here on (main thread, the group's downloads done)."""
         if id(g) in self.packed:
             unpack(self.homes[id(g)], g.param_shard, g.master)
@@ -171,7 +168,7 @@ class PackedMasters:
             self._one_at_a_time = False
 
     @contextlib.contextmanager
-    def readable(self, g: FlatGroup, *, write: bool = False):
+    def readable(self, g, *, write: bool = False):
         """`g.master` in fp32 while open, then packed again (`write`: from the values written, whose rounding the
         reader published into the parameter, as a load does). A group already in fp32 stays so."""
         if id(g) not in self.packed:
