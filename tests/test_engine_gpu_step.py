@@ -292,6 +292,17 @@ def test_a_packed_master_holds_no_host_memory_between_steps(tmp_path, stage):
     load_state(str(tmp_path / "ckpt"), again)  # written back packed, one group at a time
     assert [_resident_pages(g.master)[0] for g in again.groups if g.trainable] == [0, 0, 0]
     assert max_diff(again.named_full_tensors("master"), want) == 0.0
+    # `load_state_dict` of full values on the prepared model: the same, and the masters hold the values given
+    again.backward(model2(torch.randn(4, 512).bfloat16()).float().square().mean())
+    again.step()  # packed again after the inspection above joined every group
+    again.mode.issuer.wait_all()
+    assert [_resident_pages(g.master)[0] for g in again.groups if g.trainable] == [0, 0, 0]
+    given = {k: torch.randn(v.shape) for k, v in model2.state_dict().items()}
+    model2.load_state_dict(given)
+    assert [_resident_pages(g.master)[0] for g in again.groups if g.trainable] == [0, 0, 0]
+    masters = again.named_full_tensors("master")
+    assert masters.keys() == given.keys() and all(torch.equal(masters[k], given[k]) for k in given)
+    assert all(torch.equal(p, given[k].bfloat16()) for k, p in model2.state_dict().items())
 
 
 def _checkpoint_rank(rank, world, directory, device="cpu", nvme_path=None, precision="no"):

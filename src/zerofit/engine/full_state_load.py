@@ -21,6 +21,7 @@ acts: children's hooks see an open walk whose prefix theirs extends and leave it
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -54,7 +55,10 @@ class FullStateLoad:
             return
         taken, self._open = set(self._open[2]), None
         incompatible.missing_keys[:] = [k for k in incompatible.missing_keys if k not in taken]
-        self.engine.refresh_params()
+        # every group written was published from its master by `_take` (the others' shards are their masters'
+        # rounding already): gather only, and join no group kept packed or on file
+        with self.engine.state_by_group():
+            self.engine.refresh_params(published=True)
 
     def _take(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, error_msgs: list[str]) -> list[str]:
         """Write this rank's part of every engine parameter `state_dict` holds; return the keys taken out."""
@@ -82,13 +86,19 @@ class FullStateLoad:
                     taken.append(k)
         if not source:
             return taken
-        engine.settle()  # offloaded state readable and nothing in flight before it is written
-        with torch.no_grad():
-            for f in local_fragments(engine.groups, engine.optimizer, rank=0):  # rank 0: replicas included
-                value = source.get(f.name)
-                if value is None:
+        # nothing in flight before it is written; a group kept packed or on file is brought in alone, written, and
+        # its parameters published from it before it goes back (one such group in host memory at a time)
+        with engine.state_by_group(write=True) as scope, torch.no_grad():
+            for g in engine.groups:
+                if not any(name in source for name in g.names):
                     continue
-                part = value.detach().reshape(-1)[f.start:f.start + f.length]
-                target = f.tensors["master"] if f.trainable else f.tensors["param"]
-                target.copy_(part.to(device=target.device, dtype=target.dtype))
+                with scope(g) or contextlib.nullcontext():
+                    for f in local_fragments([g], engine.optimizer, rank=0):  # rank 0: replicas included
+                        value = source.get(f.name)
+                        if value is None:
+                            continue
+                        part = value.detach().reshape(-1)[f.start:f.start + f.length]
+                        target = f.tensors["master"] if f.trainable else f.tensors["param"]
+                        target.copy_(part.to(device=target.device, dtype=target.dtype))
+                    g.publish_master()  # `_after` gathers them
         return taken
