@@ -176,8 +176,7 @@ def _write_tensors(folder: Path, engine, ranks: Ranks, exclude_frozen: bool) -> 
     written: list = []
     whole_chunks, whole_records = chunks_to_save(engine)
     with engine.state_by_group() as scope:  # an overlapped step may still be writing the offloaded masters
-        alone = [g for g in engine.groups if scope(g) is not None]
-        batches = [(None, [g for g in engine.groups if scope(g) is None]), *((g, [g]) for g in alone)]
+        batches = _batches(engine.groups, scope)
         for part, (one, groups) in enumerate(batches, 1):
             with scope(one) if one is not None else contextlib.nullcontext():
                 frags = writer_fragments(groups, opt, ranks.rank, ranks.world, among=engine.groups)
@@ -200,6 +199,12 @@ def _write_tensors(folder: Path, engine, ranks: Ranks, exclude_frozen: bool) -> 
     state_keys = sorted(keys - {"master", "param"})
     return (optimizer_scalars(opt), state_keys, scalars, merge_probes(probes),
             merge_forms(forms, "save_state"), whole_records), written
+
+
+def _batches(groups: list, scope) -> list[tuple]:
+    """How a save or a load takes `groups` (`scope`: `ZeroEngine.state_by_group`'s): (None, the groups readable in
+    memory now), then (g, [g]) for each group brought into memory alone ([Note: saving from NVMe])."""
+    return [(None, [g for g in groups if scope(g) is None]), *((g, [g]) for g in groups if scope(g) is not None)]
 
 
 def _write_common(tmp: Path, engine, ranks: Ranks, optim_parts: list, config: RunConfig | None,
@@ -470,8 +475,7 @@ def _load_tensors(directory, engine, ranks: Ranks, scope) -> tuple[Path, dict]:
     except CheckpointError as e:
         error = str(e)
     ranks.agree(error)
-    alone = [g for g in engine.groups if scope(g) is not None]
-    batches = [(None, [g for g in engine.groups if scope(g) is None]), *((g, [g]) for g in alone)]
+    batches = _batches(engine.groups, scope)
     reads = max(ranks.all_gather(len(batches)))  # each read is collective: a rank with fewer reads an empty one
     batches += [(None, [])] * (reads - len(batches))
     for part, (one, groups) in enumerate(batches, 1):

@@ -511,7 +511,7 @@ class ZeroEngine:
     def refresh_params(self, *, published: bool = False) -> None:
         """Rebuild the compute-dtype parameters from the fp32 masters (after a checkpoint wrote into them).
         `published`: each group's shard was published from its master already (a load that read the groups one at
-        a time, `state_by_group`); only gather them."""
+        a time, `state_by_group`, inside which masters kept packed or on file hold no values: never False there)."""
         self.settle()
         self.reductions.drain()
         self.stage3.kept.release()
