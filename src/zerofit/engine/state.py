@@ -133,15 +133,17 @@ def writer_fragments(groups: list[FlatGroup], optimizer: torch.optim.Optimizer |
     (a save that reads a few groups at a time; the shares are cut over `among`)."""
     out = local_fragments([g for g in groups if g.placement.shard_world > 1], optimizer, rank)
     replicated = [g for g in (groups if among is None else among) if g.placement.shard_world == 1]
-    total = sum(_held(g) for g in replicated)
+    starts, total = {}, 0
+    for g in replicated:  # where each group's elements begin in the replicated groups' order
+        starts[id(g)], total = total, total + _held(g)
     lo, hi = total * rank // world, total * (rank + 1) // world
     reading = {id(g) for g in groups}
-    at = 0
-    for g in replicated:
-        if id(g) not in reading or not (lo < at + _held(g) and at < hi):
-            at += _held(g)
-            continue
-        for f in local_fragments([g], optimizer, 0):
+    mine = [g for g in replicated if id(g) in reading and lo < starts[id(g)] + _held(g) and starts[id(g)] < hi]
+    frags = iter(local_fragments(mine, optimizer, 0))  # in group order, each group's summing to `_held`
+    for g in mine:
+        at, end = starts[id(g)], starts[id(g)] + _held(g)
+        while at < end:
+            f = next(frags)
             a, b = max(lo, at) - at, min(hi, at + f.length) - at
             if a < b:
                 out.append(f.cut(a, b))

@@ -164,9 +164,10 @@ class GpuStep(OffloadPart):
         self._splits = {id(g) for g in groups if self._can_split(g)}
         """Groups whose master travels split (see [Note: split master] in zerofit.engine.offload.master_split),
         kept packed in host memory between steps ([Note: packed master at rest])."""
-        if any(g.packed_master is not None and id(g) not in self._splits for g in groups):
-            raise AssertionError("a group packed for a split master does not travel split (an engine bug)")
-        self.packed = PackedMasters([g for g in groups if id(g) in self._splits], pin=self._cuda)
+        if any((g.packed_master is not None) != (id(g) in self._splits) for g in groups):
+            raise AssertionError("the groups packed when built are not those whose master travels split (an engine "
+                                 "bug: `policy.packs_master` and `GpuStep._can_split` disagree)")
+        self.packed = PackedMasters([g for g in groups if id(g) in self._splits])
         self._homes = RunHomes(optimizer, self.codec, self.device, resident=resident, swapped=self.swapper is not None)
         """Where each run's state lives (see [Note: verified homes] in zerofit.engine.offload.gpu_homes)."""
         if self.swapper is None:  # now, not inside the first steps (see [Note: homes at prepare])
@@ -288,7 +289,7 @@ class GpuStep(OffloadPart):
                 self._step_run(g, run, scale, kernel, settings, unused[id(g)])
             self._done[id(g)] = self._record(self._down if g.placement.offload_params else self._work)
             downloaded = self._record(self._down)
-            if id(g) in self._splits:
+            if id(g) in self._splits and id(g) not in self.packed.packed:  # it uploaded the fp32 master
                 self.packed.stepped(g, self._record(self._up))
             self._written = downloaded  # the download stream is in order: the last group's covers all
         if self.swapper is not None:
@@ -302,7 +303,7 @@ class GpuStep(OffloadPart):
         opt = self._optimizer_for(run.group, settings[run.group])
         split = id(g) in self._splits
         packed_home = id(g) in self.packed.packed  # the host holds the packed form (the last step split it)
-        at_rest = self.packed.home(g) if split else None  # its packed form's home
+        at_rest = g.packed_master  # its packed form's home (split groups)
         shard = g.master.numel()
         narrow = self.codec.narrow
         run_master = g.master[run.start:run.end]

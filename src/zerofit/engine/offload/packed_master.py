@@ -117,30 +117,19 @@ class PackedMasters:
     """The packed homes of a GPU-stepped part's split groups (`FlatGroup`s: not imported here, the group module
     packs through this one), and which form each group is in (module note)."""
 
-    def __init__(self, groups: list, *, pin: bool):
+    def __init__(self, groups: list):
+        """`groups`: packed when the engine built them (`FlatGroup(packed_master=True)`)."""
         self.groups = {id(g): g for g in groups}
-        self.homes: dict[int, torch.Tensor] = {}
-        self.packed: set[int] = set()
+        self.packed: set[int] = set(self.groups)
         """Groups whose home holds the master (their `g.master` has no pages)."""
         self._one_at_a_time = False
-        for g in groups:
-            if g.packed_master is None:  # the engine did not pack it when it built the group
-                g.packed_master = pack(g.master, g.param_shard, pin=pin)
-                release_pages(g.master)
-            self.homes[id(g)] = g.packed_master
-            self.packed.add(id(g))
 
     def holds(self, g) -> bool:
         return id(g) in self.groups
 
-    def home(self, g) -> torch.Tensor:
-        return self.homes[id(g)]
-
     def stepped(self, g, uploaded) -> None:
-        """A step downloaded `g`'s packed form into its home (issuing thread). Had it uploaded the fp32 master
-        (`g` was not packed), its pages go back once `uploaded` (the event after its uploads; None: done)."""
-        if id(g) in self.packed:
-            return
+        """A step that uploaded `g`'s fp32 master (`g` was not packed) downloaded its packed form into its home
+        (issuing thread): the master's pages go back once `uploaded` (the event after its uploads; None: done)."""
         if uploaded is not None:
             uploaded.synchronize()  # once per read of the group, not per step
         release_pages(g.master)
@@ -149,7 +138,7 @@ class PackedMasters:
     def join(self, g) -> None:
         """`g.master` holds the fp32 master from here on (main thread, the group's downloads done)."""
         if id(g) in self.packed:
-            unpack(self.homes[id(g)], g.param_shard, g.master)
+            unpack(g.packed_master, g.param_shard, g.master)
             self.packed.discard(id(g))
 
     def join_all(self) -> None:
@@ -179,6 +168,6 @@ class PackedMasters:
             yield
         finally:
             if write:
-                pack_into(self.homes[id(g)], g.master, g.param_shard)
+                pack_into(g.packed_master, g.master, g.param_shard)
             release_pages(g.master)
             self.packed.add(id(g))
