@@ -242,10 +242,34 @@ def measure(method: str, step, args) -> dict:
         row["planned"] = _planned_zero.label
     if phases:
         row["breakdown_s"] = {k: statistics.median(p[k] for p in phases) for k in phases[0]}
+        row["phases_every_step"] = phases  # a step that differs from its neighbours shows here, not in the median
         row["breakdown_s"].update(_copy_times(step))
     if args.profile_cpu:
         row["cpu_profile"] = _cpu_profile(step)
+    if args.trace:
+        _trace(step, f"{args.trace}.{method}.json.gz")
     return row
+
+
+def _trace(step, path: str, steps: int = 3) -> None:
+    """A Chrome trace (host threads and GPU streams) of a few more steps, gzipped: where each step's copies,
+    kernels and waits fall against one another (chrome://tracing or Perfetto reads it)."""
+    import gzip
+    import shutil
+    import tempfile
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            with torch.profiler.record_function("## step"):
+                float(step())  # reads the loss, as the timed loop does
+        torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
+        prof.export_chrome_trace(tmp.name)
+        with open(tmp.name, "rb") as src, gzip.open(path, "wb") as dst:
+            shutil.copyfileobj(src, dst)
 
 
 def _cpu_profile(step, steps: int = 2) -> list[str]:
@@ -328,6 +352,7 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=240, help="seconds per method")
     p.add_argument("--stream-chunk", type=int, default=0, help="zerofit rows: elements per GPU-stepped chunk")
     p.add_argument("--profile-cpu", action="store_true", help="record the host ops of two more steps")
+    p.add_argument("--trace", default=None, help="PREFIX: write PREFIX.<method>.json.gz, a trace of 3 more steps")
     p.add_argument("--switch-interval", type=float, default=0.0, help="sys.setswitchinterval (s) in each row")
     p.add_argument("--optimizer-state", default="fp32", choices=["fp32", "bf16", "8bit"],
                    help="zerofit rows: precision.optimizer_state")

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Issue #39's GPU checks in one device call. Log: $OUT/log.
-#   bash tools/gpu/issue39.sh OUT [tests|xl|early|prof|bigprof|big]...   (default: tests xl)
+#   bash tools/gpu/issue39.sh OUT [tests|xl|early|cycle|prof|bigprof|big]...   (default: tests xl)
 # tests:   the engine's GPU tests (fp32 state bit for bit as before; bf16/8-bit state the same in every home)
 # xl:      the codec's speed, then GPT-2 XL 16x128 bf16: ZeRO-2 + GPU-stepped optimizer offload and ZeRO-3 + full
 #          offload with fp32, bf16 and 8-bit optimizer state; no offload and plain PyTorch beside
 # early:   GPT-2 XL 8-bit without clipping (the step streams during backward: ZeRO-2 and ZeRO-3 offload) beside
 #          ZeRO-2 offload with clipping 1.0 (it cannot), fp32 state and no offload without clipping
+# cycle:   GPT-2 XL ZeRO-2 8-bit without clipping: each step's phases, and a Chrome trace of three more steps
 # bigprof: the 9.2 B 8-bit row once more, with the host ops of two steps recorded (where its issuing thread's ~7 ms
 #          per chunk go: session 15 saw 1.08 s of issuing a step against 0.46 s of copies)
 # big:     the 9.2 B Llama (13 B shape, 28 layers) 8x512 under stage: auto, fp32 and 8-bit state (every step timed:
@@ -52,6 +53,16 @@ PYEOF
       timeout 200 $B --methods zerofit-s2-offload --optimizer-state fp32 --clip 0 --timeout 140 \
         --out "$OUT_DIR/early_fp32" | head -3
       timeout 200 $B --methods zerofit-s2 --clip 0 --timeout 140 --out "$OUT_DIR/noclip_no_offload" | head -3 ;;
+    cycle)  # GPT-2 XL ZeRO-2 8-bit without clipping, 9 steps: every step's phases and a trace of 3 more
+      timeout 250 $B --methods zerofit-s2-offload --optimizer-state 8bit --clip 0 --steps 9 --trace "$OUT_DIR/trace" \
+        --timeout 240 --out "$OUT_DIR/cycle_8bit" | head -3
+      "$PY" - "$OUT_DIR/cycle_8bit/results.json" <<'PYEOF'
+import json, sys
+for r in json.load(open(sys.argv[1]))["rows"]:
+    for i, p in enumerate(r.get("phases_every_step", [])):
+        print(i + 2, " ".join(f"{k}={v:.3f}" for k, v in p.items()))
+PYEOF
+      ;;
     bigprof)
       L="--model llama --n_embd 5120 --n_layer 28 --n_head 40 --intermediate 13824 --batch 8 --seq 512 --meta"
       timeout 290 $B --methods zerofit-auto $L --steps 4 --optimizer-state 8bit --clip "${CLIP:-1.0}" --profile-cpu \
@@ -64,7 +75,7 @@ PYEOF
       ;;
     big)
       L="--model llama --n_embd 5120 --n_layer 28 --n_head 40 --intermediate 13824 --batch 8 --seq 512 --meta"
-      for st in 8bit fp32; do
+      for st in ${STATES:-8bit fp32}; do
         timeout 290 $B --methods zerofit-auto $L --steps 4 --optimizer-state "$st" --clip "${CLIP:-1.0}" --timeout 280 \
           --out "$OUT_DIR/big_$st" | head -3
       done ;;
