@@ -7,7 +7,10 @@ What the script does is what a user's does (#29): `AutoModelForCausalLM.from_pre
 (bf16 safetensors, memory-mapped), `torch.optim.AdamW`, `accelerator.prepare(model, optimizer, loader)`,
 `model.train()`, `--steps` steps of a fixed synthetic token batch, then `save_pretrained(state_dict=
 accelerator.get_state_dict(model), is_main_process=...)` on every rank, as Accelerate's examples do. The
-saved folder is read back and every tensor checked: present, not empty, the shape the model has.
+saved folder is read back and every tensor checked: present, not empty, the shape the model has; with
+`--check-values` also every value, of the prepared model against the checkpoint and of the saved folder against
+the trained model (gathered one layer at a time). `--save-with save_model` saves through `accelerator.save_model`
+(one shard at a time) and `--drop-input` deletes the checkpoint once prepared, for a disk that holds one copy.
 
 Rank 0 prints one line starting `pretrained:` (and writes it to `--result`): the step times (CUDA
 synchronised at each step's end), their median after `--warmup`, losses, the load / prepare / save
@@ -41,6 +44,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--save", default=None, help="save_pretrained here after training, then check what was written")
+    p.add_argument("--save-with", choices=("save_pretrained", "save_model"), default="save_pretrained",
+                   help="save_pretrained(state_dict=get_state_dict(...)) (a full host copy on the main process), "
+                        "or accelerator.save_model (one shard at a time: for a model whose copy the host cannot hold)")
+    p.add_argument("--check-values", action="store_true",
+                   help="every tensor's values: the prepared model against the checkpoint, the saved folder against "
+                        "the trained model (not only names and shapes)")
+    p.add_argument("--drop-input", action="store_true",
+                   help="delete the checkpoint folder once prepared and checked (a disk that cannot hold the input "
+                        "and the save together; the run reads nothing from it after prepare)")
     p.add_argument("--result", default=None, help="where rank 0 writes its JSON record")
     p.add_argument("--fp32", action="store_true", help="load in fp32 (the CPU check)")
     p.add_argument("--no-loader", dest="loader", action="store_false",
@@ -80,8 +92,9 @@ def _host_peak_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
-def check_saved(folder: str, model: torch.nn.Module) -> dict[str, object]:
-    """Every tensor the saved folder holds, against the model's own names and shapes."""
+def check_saved(folder: str, model: torch.nn.Module | None) -> dict[str, object]:
+    """Every tensor the saved folder holds, against the model's own names and shapes (None: no shapes compared;
+    `compare_values` compares them)."""
     from safetensors import safe_open
 
     files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
@@ -90,11 +103,62 @@ def check_saved(folder: str, model: torch.nn.Module) -> dict[str, object]:
         with safe_open(os.path.join(folder, name), framework="pt") as f:
             for key in f.keys():
                 shapes[key] = tuple(f.get_slice(key).get_shape())
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()} if model is not None else {}
     empty = [k for k, s in shapes.items() if 0 in s]
     wrong = [k for k, s in shapes.items() if k in expected and expected[k] != s and expected[k] != (0,)]
     return {"files": len(files), "tensors": len(shapes), "empty": empty[:5], "n_empty": len(empty),
             "wrong_shape": wrong[:5], "bytes": sum(os.path.getsize(os.path.join(folder, f)) for f in files)}
+
+
+def _layer_batches(names: list[str]) -> list[list[str]]:
+    """The model's entry names in groups of one decoder layer each (and one of the rest): what one
+    `get_state_dict(keys=...)` call gathers, so the host holds one layer's full tensors at a time."""
+    groups: dict[str, list[str]] = {}
+    for name in names:
+        parts = name.split(".")
+        key = ".".join(parts[:parts.index("layers") + 2]) if "layers" in parts else ""
+        groups.setdefault(key, []).append(name)
+    return list(groups.values())
+
+
+def compare_values(accelerator, model, folder: str) -> dict[str, object]:
+    """Collective: every entry of the prepared model's state, gathered one layer at a time, against the tensor
+    of that name in the safetensors files of `folder` (exact equality; the dtype and shape must match too)."""
+    from safetensors import safe_open
+
+    files = {}
+    for name in sorted(f for f in os.listdir(folder) if f.endswith(".safetensors")):
+        handle = safe_open(os.path.join(folder, name), framework="pt")
+        files.update({key: handle for key in handle.keys()})
+    names = entry_names(accelerator.unwrap_model(model))
+    checked, missing, differ = 0, [], []
+    for keys in _layer_batches(names):
+        state = accelerator.get_state_dict(model, keys=keys)
+        if not accelerator.is_main_process:
+            continue
+        for key in keys:
+            if key not in files:
+                missing.append(key)
+                continue
+            stored = files[key].get_tensor(key)
+            ours = state[key]
+            if stored.dtype != ours.dtype or stored.shape != ours.shape or not torch.equal(stored, ours.cpu()):
+                differ.append(key)
+            checked += 1
+    extra = sorted(set(files) - set(names))
+    return {"checked": checked, "missing": missing[:5], "n_missing": len(missing), "differ": differ[:5],
+            "n_differ": len(differ), "not_in_model": extra[:5], "n_not_in_model": len(extra)}
+
+
+def entry_names(model: torch.nn.Module) -> list[str]:
+    """The names `state_dict()` would have (parameters, persistent buffers), without calling it: under ZeRO-3
+    `state_dict()` gathers every parameter onto the host."""
+    names = [n for n, _ in model.named_parameters()]
+    for module_name, module in model.named_modules():
+        for name, buf in module.named_buffers(recurse=False):
+            if buf is not None and name not in module._non_persistent_buffers_set:
+                names.append(f"{module_name}.{name}" if module_name else name)
+    return names
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -126,6 +190,19 @@ def main(argv: list[str] | None = None) -> None:
             model, optimizer = accelerator.prepare(model, optimizer)
             loader = [{k: v.to(accelerator.device) for k, v in b.items()} for b in loader]
         phases.leave()
+        if args.check_values:
+            phases.enter("check_loaded")
+            record["loaded_values"] = compare_values(accelerator, model, args.model)
+            phases.leave()
+        if args.drop_input:
+            accelerator.wait_for_everyone()
+            if accelerator.is_main_process:
+                import shutil
+
+                shutil.rmtree(args.model)
+                record["disk_free_gib_after_drop"] = shutil.disk_usage(os.path.dirname(os.path.abspath(args.model)) or
+                                                                       ".").free / 2**30
+            accelerator.wait_for_everyone()
         if args.mode != "none":
             getattr(model, args.mode)()
         record["mode"] = {"asked": args.mode, "training": model.training, "loader_prepared": args.loader}
@@ -146,14 +223,22 @@ def main(argv: list[str] | None = None) -> None:
         if args.save:
             phases.enter("save")
             accelerator.wait_for_everyone()
-            state = accelerator.get_state_dict(model)
-            accelerator.unwrap_model(model).save_pretrained(args.save, state_dict=state,
-                                                            is_main_process=accelerator.is_main_process,
-                                                            save_function=accelerator.save)
+            if args.save_with == "save_model":
+                accelerator.save_model(model, args.save)
+            else:
+                state = accelerator.get_state_dict(model)
+                accelerator.unwrap_model(model).save_pretrained(args.save, state_dict=state,
+                                                                is_main_process=accelerator.is_main_process,
+                                                                save_function=accelerator.save)
+                del state
             accelerator.wait_for_everyone()
             phases.leave()
             if accelerator.is_main_process:
-                record["saved"] = check_saved(args.save, accelerator.unwrap_model(model))
+                record["saved"] = check_saved(args.save, None if args.check_values else accelerator.unwrap_model(model))
+            if args.check_values:
+                phases.enter("check_saved")
+                record["saved_values"] = compare_values(accelerator, model, args.save)
+                phases.leave()
     except torch.OutOfMemoryError as e:
         record["oom"] = {"phase": phases.current, "error": str(e).splitlines()[0],
                          "traceback": traceback.format_exc()[-3000:]}

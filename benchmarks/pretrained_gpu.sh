@@ -11,6 +11,9 @@
 #   HISTORY=1    record CUDA allocations; an OOM writes the largest live ones with their frames
 #   MODES        benchmarks/pretrained.py --mode values to run per size, in order (default "train")
 #   NO_LOADER=1  prepare(model, optimizer) only: the batch is fed by hand (the planner sees no batch shape)
+#   STATE        precision.optimizer_state of the default config: fp32 (default), bf16, 8bit
+#   ARGS         more benchmarks/pretrained.py arguments, e.g. "--save-with save_model --check-values --drop-input"
+#                (the largest run: the disk holds the checkpoint or its save, not both; every value checked)
 #   BUDGET_S     seconds for everything (default 540)
 # Each run's JSON record and log land in OUT_DIR; OUT_DIR/log has everything printed.
 set -uo pipefail
@@ -24,7 +27,9 @@ BUDGET_S="${BUDGET_S:-540}" DEADLINE=$(( SECONDS + ${BUDGET_S:-540} ))
 read -r -a MODES <<< "${MODES:-train}"
 read -r -a SIZES <<< "${SIZES:-13b}"
 CONFIG="${CONFIG:-$OUT/auto.yaml}"
-[ -f "$CONFIG" ] || printf 'zero:\n  stage: auto\nprecision:\n  mixed_precision: bf16\n' > "$CONFIG"
+[ -f "$CONFIG" ] || printf 'zero:\n  stage: auto\nprecision:\n  mixed_precision: bf16\n  optimizer_state: %s\n' \
+  "${STATE:-fp32}" > "$CONFIG"
+read -r -a EXTRA <<< "${ARGS:-}"
 
 shape() {  # hidden layers heads intermediate of a Llama-2-shaped model
   case "$1" in
@@ -33,6 +38,7 @@ shape() {  # hidden layers heads intermediate of a Llama-2-shaped model
     13b) echo "5120 40 40 13824" ;;
     14b) echo "5120 44 40 13824" ;;
     16b) echo "5120 50 40 13824" ;;
+    18b) echo "5120 57 40 13824" ;;
     20b) echo "6144 44 48 16384" ;;
     *) echo "" ;;
   esac
@@ -58,9 +64,10 @@ for size in "${SIZES[@]}"; do
     ZEROFIT_BENCH_MEMORY_HISTORY="$HISTORY" timeout -k 10 "$left" python3 -m zerofit.cli.main launch \
       --config_file "$CONFIG" --num_processes 1 benchmarks/pretrained.py --model "$ckpt" --steps "$STEPS" \
       --batch "$BATCH" --seq "$SEQ" --mode "$mode" --result "$OUT/$size-$mode${NO_LOADER:+-noloader}.json" \
-      "${save[@]}" ${NO_LOADER:+--no-loader} 2>&1 \
+      "${save[@]}" ${NO_LOADER:+--no-loader} "${EXTRA[@]}" 2>&1 \
       | grep --line-buffered -v -e 'Loading weights' -e 'Writing model shards'
     echo "== $size --mode $mode: exit ${PIPESTATUS[0]} ($(date -u +%T))"
+    [ -d "/tmp/pretrained_${size}_saved" ] && du -sh "/tmp/pretrained_${size}_saved"
     rm -rf "/tmp/pretrained_${size}_saved"
   done
   [ "${KEEP:-0}" = 1 ] || rm -rf "$ckpt"  # KEEP=1: the next call of this script reuses it
