@@ -41,6 +41,8 @@ from dataclasses import dataclass
 
 import torch
 
+from zerofit.engine import fused_kernels
+
 BLOCK = 16
 """Elements per 8-bit block (see the note)."""
 
@@ -137,6 +139,10 @@ class Codec:
         if not self.scaled:
             dst.codes.copy_(src)  # bf16: round to nearest even; fp32: a copy
             return
+        _, mids = _MAPS.get(key not in UNSIGNED_KEYS, src.device)
+        if fused_kernels.usable(src, dst.codes, dst.scale, mids):  # one kernel ([Note: fused kernels])
+            fused_kernels.encode(src, dst.codes, dst.scale, mids, BLOCK)
+            return
         # 5 kernels, the fewest torch offers: bucketize writes only int32 or int64 (hence the copy into the
         # uint8 codes), and an all-zero block needs its absmax clamped (kept unclamped in `scale`)
         n = src.numel()
@@ -150,7 +156,6 @@ class Codec:
             normed = padded.div_(divisor).view(-1)
         else:
             normed = torch.div(padded, divisor).view(-1)
-        _, mids = _MAPS.get(key not in UNSIGNED_KEYS, src.device)
         normed = normed if whole else normed[:n]
         if scratch is None:
             dst.codes.copy_(torch.bucketize(normed, mids, out_int32=True))
@@ -162,9 +167,12 @@ class Codec:
         if not self.scaled:
             dst.copy_(src.codes)
             return
+        values, _ = _MAPS.get(key not in UNSIGNED_KEYS, dst.device)
+        if fused_kernels.usable(dst, src.codes, src.scale, values):  # one kernel ([Note: fused kernels])
+            fused_kernels.decode(src.codes, src.scale, values, dst, BLOCK)
+            return
         # the map's values straight into `dst`, then scaled there in place: 3 kernels
         n = dst.numel()
-        values, _ = _MAPS.get(key not in UNSIGNED_KEYS, dst.device)
         index = src.codes.int() if scratch is None else scratch[:n].copy_(src.codes)
         torch.index_select(values, 0, index, out=dst)
         scale = src.scale if src.scale.device == dst.device else src.scale.to(dst.device)

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import torch
 
+from zerofit.engine import fused_kernels
+
 _BITS = 8
 LINK_BYTES = 2 + 1 / _BITS
 """Bytes per element of the packed form (low half and carry): what a split master moves each way."""
@@ -64,6 +66,9 @@ def split(master: torch.Tensor, param: torch.Tensor, out: torch.Tensor, scratch:
 def split_parts(master: torch.Tensor, param: torch.Tensor, low_out: torch.Tensor, carries_out: torch.Tensor,
                 scratch: torch.Tensor) -> None:
     """`split` into two places: the low halves (uint8, 2n) and the carries (uint8, ceil(n / 8))."""
+    if fused_kernels.usable(master, param, low_out, carries_out):  # one kernel ([Note: fused kernels])
+        fused_kernels.split(master, param, low_out, carries_out)
+        return
     n = master.numel()
     low, high = _halves(master)
     low_out.view(torch.int16).copy_(low)
@@ -86,6 +91,9 @@ def join(packed: torch.Tensor, param: torch.Tensor, master: torch.Tensor, scratc
 def join_parts(low_in: torch.Tensor, carries_in: torch.Tensor, param: torch.Tensor, master: torch.Tensor,
                scratch: torch.Tensor) -> None:
     """`join` from two places: the low halves (uint8, 2n) and the carries (uint8, ceil(n / 8))."""
+    if fused_kernels.usable(master, param, low_in, carries_in):  # one kernel ([Note: fused kernels])
+        fused_kernels.join(low_in, carries_in, param, master)
+        return
     n = master.numel()
     low, high = _halves(master)
     low.copy_(low_in.view(torch.int16))

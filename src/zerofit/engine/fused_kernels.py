@@ -1,0 +1,167 @@
+"""CUDA kernels (Triton) for the optimizer step's elementwise plumbing: the 8-bit state codec and the split
+master, each one pass where torch's ops take five to twenty, the same values bit for bit.
+
+[Note: fused kernels]
+`Codec.encode` in torch ops is five passes over a chunk (the blocks' absmax, the division, the
+bucketize into int32, the copy into uint8 codes) and `decode` three (widen the codes, gather the map's
+values, scale them). On an H100 that was ~0.37 ms and ~0.15 ms per 16 M elements: for a model whose
+whole 8-bit state is stepped on the device every step (a 9 B model's 18 G state elements: ~0.55 s a
+step) it was most of the optimizer's time, more than the link's. The split master's `split` and `join`
+(zerofit.engine.offload.master_split) were ~20 strided integer kernels per chunk, packing and unpacking
+the carries bit plane by bit plane. The kernels here read each element once and write it once:
+
+- `encode`: a program takes `ROWS` blocks of `BLOCK` elements, finds each block's absmax, divides by it
+  (IEEE round to nearest, as torch's division) and finds the code by a binary search of the 255
+  midpoints (8 probes: the code is the count of midpoints strictly below the value, what
+  `torch.bucketize(..., right=False)` returns), then writes the codes and absmaxes.
+- `decode`: the map's value for each code times its block's absmax (one IEEE multiplication, as torch's).
+- `split`: each element's low 16 bits, and its carry (high half != the bf16 parameter's bits) packed
+  eight to a byte, lowest element in the lowest bit; `join`: `(param - carry) << 16 | low`.
+
+Each is the torch path's arithmetic step for step (max of magnitudes, one division, comparisons, one
+multiplication, integer bit operations: no sums of floats, no fused multiply-adds), so they agree bit for
+bit (tests/test_fused_kernels.py: every code and absmax, zero blocks, subnormal values, values on the
+midpoints, partial last blocks; every bit of a split and a join). The torch path stays what the CPU (and a
+GPU without Triton) runs. Callers use these only for contiguous tensors of one CUDA device (`usable`);
+`TRITON_INTERPRET=1` runs them on the CPU (the tests' check without a GPU).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+
+import torch
+
+ROWS = 64
+"""Blocks per program (1024 elements at BLOCK 16)."""
+
+SPLIT_ROWS = 256
+"""Bytes of carries per program of `split` and `join` (2048 elements)."""
+
+ENABLED = True
+"""False: `Codec` runs its torch ops everywhere (the tests and benchmarks/codec_speed.py compare the two)."""
+
+
+@functools.cache
+def _kernels():
+    """The jitted kernels, or None without Triton (imported once, on first use: a CPU run never needs it)."""
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+
+    @triton.jit
+    def encode_kernel(src, codes, scale, mids, n, BLOCK: tl.constexpr, ROWS: tl.constexpr, TINY: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        idx = row[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+        inside = idx < n
+        x = tl.load(src + idx, mask=inside, other=0.0)
+        amax = tl.max(tl.abs(x), axis=1)
+        tl.store(scale + row, amax, mask=row * BLOCK < n)
+        v = tl.div_rn(x, tl.maximum(amax, TINY)[:, None])
+        pos = tl.zeros([ROWS, BLOCK], dtype=tl.int32)
+        for k in tl.static_range(8):
+            cand = pos + (128 >> k)
+            pos = tl.where(tl.load(mids + cand - 1) < v, cand, pos)
+        tl.store(codes + idx, pos.to(tl.uint8), mask=inside)
+
+    @triton.jit
+    def decode_kernel(codes, scale, values, out, n, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        idx = row[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+        inside = idx < n
+        c = tl.load(codes + idx, mask=inside, other=0).to(tl.int32)
+        s = tl.load(scale + row, mask=row * BLOCK < n, other=0.0)
+        tl.store(out + idx, tl.load(values + c) * s[:, None], mask=inside)
+
+    @triton.jit
+    def split_kernel(master, param, low, carries, n, ROWS: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        bit = tl.arange(0, 8)
+        idx = row[:, None] * 8 + bit[None, :]
+        inside = idx < n
+        m = tl.load(master + idx, mask=inside, other=0).to(tl.uint32, bitcast=True)
+        p = tl.load(param + idx, mask=inside, other=0).to(tl.uint16, bitcast=True).to(tl.uint32)
+        tl.store(low + idx, (m & 0xFFFF).to(tl.uint16).to(tl.int16, bitcast=True), mask=inside)
+        carry = ((m >> 16) != p) & inside
+        tl.store(carries + row, tl.sum(carry.to(tl.int32) << bit[None, :], axis=1).to(tl.uint8), mask=row * 8 < n)
+
+    @triton.jit
+    def join_kernel(low, carries, param, master, n, ROWS: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        bit = tl.arange(0, 8)
+        idx = row[:, None] * 8 + bit[None, :]
+        inside = idx < n
+        lo = tl.load(low + idx, mask=inside, other=0).to(tl.uint16, bitcast=True).to(tl.uint32)
+        byte = tl.load(carries + row, mask=row * 8 < n, other=0).to(tl.uint32)
+        carry = (byte[:, None] >> bit[None, :].to(tl.uint32)) & 1
+        p = tl.load(param + idx, mask=inside, other=0).to(tl.uint16, bitcast=True).to(tl.uint32)
+        bits = (((p - carry) & 0xFFFF) << 16) | lo
+        tl.store(master + idx, bits.to(tl.int32, bitcast=True), mask=inside)
+
+    return encode_kernel, decode_kernel, split_kernel, join_kernel
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def usable(*tensors: torch.Tensor) -> bool:
+    """The kernels can run on these: contiguous, on one CUDA device (any device under the interpreter), and
+    Triton imports."""
+    first = tensors[0].device
+    if not ENABLED or not (first.type == "cuda" or _interpreting()):
+        return False
+    if any(t.device != first or not t.is_contiguous() for t in tensors):
+        return False
+    return _kernels() is not None
+
+
+def encode(src: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, mids: torch.Tensor, block: int) -> None:
+    """`src` (fp32, n) into `codes` (uint8, n) and `scale` (fp32, ceil(n / block)) against the sorted
+    255 `mids`."""
+    n = src.numel()
+    if n == 0:
+        return
+    encode_kernel = _kernels()[0]
+    grid = (-(-n // (block * ROWS)),)
+    with torch.cuda.device(src.device) if src.is_cuda else contextlib.nullcontext():
+        encode_kernel[grid](src, codes, scale, mids, n, BLOCK=block, ROWS=ROWS,
+                            TINY=torch.finfo(torch.float32).tiny)
+
+
+def decode(codes: torch.Tensor, scale: torch.Tensor, values: torch.Tensor, out: torch.Tensor, block: int) -> None:
+    """`codes` (uint8, n) and `scale` (fp32, ceil(n / block)) widened into `out` (fp32, n) by the 256 `values`."""
+    n = out.numel()
+    if n == 0:
+        return
+    decode_kernel = _kernels()[1]
+    grid = (-(-n // (block * ROWS)),)
+    with torch.cuda.device(out.device) if out.is_cuda else contextlib.nullcontext():
+        decode_kernel[grid](codes, scale, values, out, n, BLOCK=block, ROWS=ROWS)
+
+
+def split(master: torch.Tensor, param: torch.Tensor, low: torch.Tensor, carries: torch.Tensor) -> None:
+    """`master` (fp32, n) whose bf16 rounding is `param` (n) into its low halves `low` (2n bytes) and carries
+    `carries` (uint8, ceil(n / 8)): [Note: split master] in zerofit.engine.offload.master_split."""
+    n = master.numel()
+    if n == 0:
+        return
+    grid = (-(-n // (8 * SPLIT_ROWS)),)
+    with torch.cuda.device(master.device) if master.is_cuda else contextlib.nullcontext():
+        _kernels()[2][grid](master.view(torch.int32), param.view(torch.int16), low.view(torch.int16), carries, n,
+                            ROWS=SPLIT_ROWS)
+
+
+def join(low: torch.Tensor, carries: torch.Tensor, param: torch.Tensor, master: torch.Tensor) -> None:
+    """The inverse of `split`: `master` (fp32, n) rebuilt from `low`, `carries` and `param`."""
+    n = master.numel()
+    if n == 0:
+        return
+    grid = (-(-n // (8 * SPLIT_ROWS)),)
+    with torch.cuda.device(master.device) if master.is_cuda else contextlib.nullcontext():
+        _kernels()[3][grid](low.view(torch.int16), carries, param.view(torch.int16), master.view(torch.int32), n,
+                            ROWS=SPLIT_ROWS)
