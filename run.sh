@@ -26,6 +26,12 @@ if [ ! -x "$VENV/bin/zerofit" ]; then
     say "installing torch $TORCH_VERSION..."
     "${pip[@]}" install "torch==$TORCH_VERSION"
   fi
+  # Triton beside a CPU torch (a CUDA torch brings its own): tests/test_fused_kernels.py runs the fused CUDA
+  # kernels in Triton's interpreter on the CPU. Best effort: without a wheel for this Python that test is skipped.
+  if ! "$VENV/bin/python" -c "import triton" 2>/dev/null && [ "$(uname -sm)" = "Linux x86_64" ]; then
+    say "installing triton (the fused kernels' CPU check)..."
+    "${pip[@]}" install "triton==3.5.0" || say "no triton wheel for this Python: tests/test_fused_kernels.py will skip"
+  fi
   say "installing zerofit (editable) with its dev, examples, bench, trainer and trackers extras..."
   # examples: transformers, datasets, sacrebleu, scikit-learn; bench: matplotlib; trainer: accelerate, peft, trl;
   # trackers: wandb, mlflow-skinny, comet_ml, aim, clearml, dvclive

@@ -123,45 +123,32 @@ def usable(*tensors: torch.Tensor) -> bool:
 def encode(src: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, mids: torch.Tensor, block: int) -> None:
     """`src` (fp32, n) into `codes` (uint8, n) and `scale` (fp32, ceil(n / block)) against the sorted
     255 `mids`."""
-    n = src.numel()
-    if n == 0:
-        return
-    encode_kernel = _kernels()[0]
-    grid = (-(-n // (block * ROWS)),)
-    with torch.cuda.device(src.device) if src.is_cuda else contextlib.nullcontext():
-        encode_kernel[grid](src, codes, scale, mids, n, BLOCK=block, ROWS=ROWS,
-                            TINY=torch.finfo(torch.float32).tiny)
+    _launch(0, src, block * ROWS, src, codes, scale, mids, BLOCK=block, ROWS=ROWS, TINY=torch.finfo(torch.float32).tiny)
 
 
 def decode(codes: torch.Tensor, scale: torch.Tensor, values: torch.Tensor, out: torch.Tensor, block: int) -> None:
     """`codes` (uint8, n) and `scale` (fp32, ceil(n / block)) widened into `out` (fp32, n) by the 256 `values`."""
-    n = out.numel()
-    if n == 0:
-        return
-    decode_kernel = _kernels()[1]
-    grid = (-(-n // (block * ROWS)),)
-    with torch.cuda.device(out.device) if out.is_cuda else contextlib.nullcontext():
-        decode_kernel[grid](codes, scale, values, out, n, BLOCK=block, ROWS=ROWS)
+    _launch(1, out, block * ROWS, codes, scale, values, out, BLOCK=block, ROWS=ROWS)
 
 
 def split(master: torch.Tensor, param: torch.Tensor, low: torch.Tensor, carries: torch.Tensor) -> None:
     """`master` (fp32, n) whose bf16 rounding is `param` (n) into its low halves `low` (2n bytes) and carries
     `carries` (uint8, ceil(n / 8)): [Note: split master] in zerofit.engine.offload.master_split."""
-    n = master.numel()
-    if n == 0:
-        return
-    grid = (-(-n // (8 * SPLIT_ROWS)),)
-    with torch.cuda.device(master.device) if master.is_cuda else contextlib.nullcontext():
-        _kernels()[2][grid](master.view(torch.int32), param.view(torch.int16), low.view(torch.int16), carries, n,
-                            ROWS=SPLIT_ROWS)
+    _launch(2, master, 8 * SPLIT_ROWS, master.view(torch.int32), param.view(torch.int16), low.view(torch.int16),
+            carries, ROWS=SPLIT_ROWS)
 
 
 def join(low: torch.Tensor, carries: torch.Tensor, param: torch.Tensor, master: torch.Tensor) -> None:
     """The inverse of `split`: `master` (fp32, n) rebuilt from `low`, `carries` and `param`."""
-    n = master.numel()
+    _launch(3, master, 8 * SPLIT_ROWS, low.view(torch.int16), carries, param.view(torch.int16),
+            master.view(torch.int32), ROWS=SPLIT_ROWS)
+
+
+def _launch(which: int, full: torch.Tensor, per_program: int, *args, **meta) -> None:
+    """Kernel `which` of `_kernels()` over the `full.numel()` elements, `per_program` to a program, on `full`'s
+    device (Triton launches on that device's current stream)."""
+    n = full.numel()
     if n == 0:
         return
-    grid = (-(-n // (8 * SPLIT_ROWS)),)
-    with torch.cuda.device(master.device) if master.is_cuda else contextlib.nullcontext():
-        _kernels()[3][grid](low.view(torch.int16), carries, param.view(torch.int16), master.view(torch.int32), n,
-                            ROWS=SPLIT_ROWS)
+    with torch.cuda.device(full.device) if full.is_cuda else contextlib.nullcontext():
+        _kernels()[which][(-(-n // per_program),)](*args, n, **meta)
