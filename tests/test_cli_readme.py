@@ -197,6 +197,7 @@ def test_run_sh_says_what_it_does_while_it_installs(tmp_path):
     """The first `./run.sh demo` spends minutes in a quiet pip: it says so, on stderr, then runs the demo;
     the next run is quiet."""
     import os
+    import platform
     import stat
     import subprocess
 
@@ -208,12 +209,15 @@ def test_run_sh_says_what_it_does_while_it_installs(tmp_path):
                            env=env, timeout=60)
     assert first.returncode == 0, first.stderr
     torch_pin = re.search(r"^TORCH_VERSION=(\S+)$", (ROOT / "run.sh").read_text(encoding="utf-8"), flags=re.M)[1]
+    linux_x86 = (platform.system(), platform.machine()) == ("Linux", "x86_64")  # where triton is installed too
     assert first.stderr.splitlines() == [
         f"run.sh: creating {tmp_path / 'venv'} with torch {torch_pin} and zerofit (first run only, a few minutes)...",
         f"run.sh: installing torch {torch_pin}...",
+        *(["run.sh: installing triton (the fused kernels' CPU check)..."] if linux_x86 else []),
         "run.sh: installing zerofit (editable) with its dev, examples, bench, trainer and trackers extras...",
         f"run.sh: {tmp_path / 'venv'} is ready; later runs reuse it",
     ]
+    assert ("install triton==" in (tmp_path / "venv" / "log").read_text()) == linux_x86
     assert first.stdout == "zerofit demo --steps 1\n"
     assert f"install torch=={torch_pin}" in (tmp_path / "venv" / "log").read_text()
     again = subprocess.run(["bash", str(ROOT / "run.sh"), "demo"], capture_output=True, text=True, env=env, timeout=60)

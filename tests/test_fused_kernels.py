@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 
 import pytest
 import torch
@@ -24,11 +25,17 @@ def _kernels_here():
     interpret = not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
     if interpret:
         os.environ["TRITON_INTERPRET"] = "1"
-        fused_kernels._kernels.cache_clear()
+        _forget_kernels()
     yield
     if interpret:
         del os.environ["TRITON_INTERPRET"]
-        fused_kernels._kernels.cache_clear()
+        _forget_kernels()
+
+
+def _forget_kernels() -> None:
+    """Built again on next use (Triton reads TRITON_INTERPRET when its module defines them)."""
+    sys.modules.pop("zerofit.engine.fused_kernels_triton", None)
+    fused_kernels._kernels.cache_clear()
 
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
