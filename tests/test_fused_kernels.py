@@ -1,14 +1,16 @@
 """The fused kernels ([Note: fused kernels]) against the torch ops they replace, bit for bit.
 
-On a CUDA device with Triton (the device machine) the compiled kernels run; on a machine without CUDA, where
-Triton is installed (`./run.sh` installs it beside the CPU torch), Triton's interpreter runs the same kernels on
-the CPU: the module turns it on before the kernels are first built and off after, so no other test meets them.
-Skipped where Triton is not installed."""
+On a CUDA device with Triton (the device machine) the compiled kernels run in this process. On a machine without
+CUDA, where Triton is installed (`./run.sh` installs it beside the CPU torch), one test runs this file again in a
+fresh process under Triton's interpreter (`TRITON_INTERPRET=1` must be set before anything imports Triton, and
+torch imports it in some other tests), which runs the same kernels on the CPU. Skipped where Triton is not
+installed."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import subprocess
 import sys
 
 import pytest
@@ -18,24 +20,18 @@ from zerofit.engine import fused_kernels
 from zerofit.engine.state_codec import _MAPS, BLOCK, Codec
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
+HERE = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+"""The kernels run in this process (compiled, or interpreted when this process was started for it)."""
+here = pytest.mark.skipif(not HERE, reason="no CUDA: test_the_kernels_in_the_interpreter runs these")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _kernels_here():
-    interpret = not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
-    if interpret:
-        os.environ["TRITON_INTERPRET"] = "1"
-        _forget_kernels()
-    yield
-    if interpret:
-        del os.environ["TRITON_INTERPRET"]
-        _forget_kernels()
-
-
-def _forget_kernels() -> None:
-    """Built again on next use (Triton reads TRITON_INTERPRET when its module defines them)."""
-    sys.modules.pop("zerofit.engine.fused_kernels_triton", None)
-    fused_kernels._kernels.cache_clear()
+def test_the_kernels_in_the_interpreter():
+    if HERE:
+        pytest.skip("the kernels run in this process")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+                          env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert "7 passed, 1 skipped" in proc.stdout, proc.stdout[-2000:]
 
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -65,6 +61,7 @@ def _cases(signed: bool) -> dict[str, torch.Tensor]:
     return out
 
 
+@here
 @pytest.mark.parametrize("key", ["exp_avg", "exp_avg_sq"])
 def test_the_kernels_store_and_widen_exactly_as_the_torch_ops(key, monkeypatch):
     codec = Codec("8bit")
@@ -85,6 +82,7 @@ def test_the_kernels_store_and_widen_exactly_as_the_torch_ops(key, monkeypatch):
         assert torch.equal(wide_fused.view(torch.int32), wide_plain.view(torch.int32)), f"{key} {name}: widened"
 
 
+@here
 def test_the_kernels_run_on_slices_of_a_larger_buffer_and_leave_the_rest():
     """A chunk of a slot's buffers: offsets into the flat state, the elements around it untouched."""
     codec = Codec("8bit")
@@ -103,6 +101,7 @@ def test_the_kernels_run_on_slices_of_a_larger_buffer_and_leave_the_rest():
     assert err <= 0.05 * x.abs().max()
 
 
+@here
 def test_a_host_absmax_or_strided_input_takes_the_torch_ops():
     codec = Codec("8bit")
     x = torch.randn(BLOCK * 8, device=DEVICE)
@@ -126,6 +125,7 @@ def _masters(n: int) -> torch.Tensor:
     return bits.view(torch.float32)
 
 
+@here
 @pytest.mark.parametrize("n", [8 * 4096, 8 * 1000 + 5, 3])
 def test_split_and_join_match_the_torch_ops_bit_for_bit(n, monkeypatch):
     from zerofit.engine.offload import master_split

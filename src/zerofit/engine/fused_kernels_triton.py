@@ -5,19 +5,11 @@ import triton
 import triton.language as tl
 
 
-# This program's ROWS rows of WIDTH elements: row numbers, column numbers, element indices, which exist (no
-# docstrings in the kernels: Triton compiles their bodies).
-@triton.jit
-def tile(n, WIDTH: tl.constexpr, ROWS: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    col = tl.arange(0, WIDTH)
-    idx = row[:, None] * WIDTH + col[None, :]
-    return row, col, idx, idx < n
-
-
 @triton.jit
 def encode_kernel(src, codes, scale, mids, n, BLOCK: tl.constexpr, ROWS: tl.constexpr, TINY: tl.constexpr):
-    row, _, idx, inside = tile(n, BLOCK, ROWS)
+    row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    idx = row[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    inside = idx < n
     x = tl.load(src + idx, mask=inside, other=0.0)
     amax = tl.max(tl.abs(x), axis=1)
     tl.store(scale + row, amax, mask=row * BLOCK < n)
@@ -31,7 +23,9 @@ def encode_kernel(src, codes, scale, mids, n, BLOCK: tl.constexpr, ROWS: tl.cons
 
 @triton.jit
 def decode_kernel(codes, scale, values, out, n, BLOCK: tl.constexpr, ROWS: tl.constexpr):
-    row, _, idx, inside = tile(n, BLOCK, ROWS)
+    row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    idx = row[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    inside = idx < n
     c = tl.load(codes + idx, mask=inside, other=0).to(tl.int32)
     s = tl.load(scale + row, mask=row * BLOCK < n, other=0.0)
     tl.store(out + idx, tl.load(values + c) * s[:, None], mask=inside)
@@ -39,7 +33,10 @@ def decode_kernel(codes, scale, values, out, n, BLOCK: tl.constexpr, ROWS: tl.co
 
 @triton.jit
 def split_kernel(master, param, low, carries, n, ROWS: tl.constexpr):
-    row, bit, idx, inside = tile(n, 8, ROWS)
+    row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    bit = tl.arange(0, 8)
+    idx = row[:, None] * 8 + bit[None, :]
+    inside = idx < n
     m = tl.load(master + idx, mask=inside, other=0).to(tl.uint32, bitcast=True)
     p = tl.load(param + idx, mask=inside, other=0).to(tl.uint16, bitcast=True).to(tl.uint32)
     tl.store(low + idx, (m & 0xFFFF).to(tl.uint16).to(tl.int16, bitcast=True), mask=inside)
@@ -49,7 +46,10 @@ def split_kernel(master, param, low, carries, n, ROWS: tl.constexpr):
 
 @triton.jit
 def join_kernel(low, carries, param, master, n, ROWS: tl.constexpr):
-    row, bit, idx, inside = tile(n, 8, ROWS)
+    row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    bit = tl.arange(0, 8)
+    idx = row[:, None] * 8 + bit[None, :]
+    inside = idx < n
     lo = tl.load(low + idx, mask=inside, other=0).to(tl.uint16, bitcast=True).to(tl.uint32)
     byte = tl.load(carries + row, mask=row * 8 < n, other=0).to(tl.uint32)
     carry = (byte[:, None] >> bit[None, :].to(tl.uint32)) & 1
