@@ -31,7 +31,7 @@ def test_the_kernels_in_the_interpreter():
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
                           env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    assert "7 passed, 1 skipped" in proc.stdout, proc.stdout[-2000:]
+    assert "8 passed, 1 skipped" in proc.stdout, proc.stdout[-2000:]
 
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -156,3 +156,42 @@ def test_split_and_join_match_the_torch_ops_bit_for_bit(n, monkeypatch):
         m.setattr(fused_kernels, "ENABLED", False)
         master_split.join(plain, other, back_plain, scratch)
     assert torch.equal(back_fused.view(torch.int32), back_plain.view(torch.int32))
+
+
+def _fused_and_plain(rank: int, world: int, cases: list) -> list[tuple[dict, dict]]:
+    """Each case trained with the fused kernels and again with the torch ops: (masters, losses) of both."""
+    from engine_cases import run_engine
+
+    out = []
+    for case in cases:
+        runs = []
+        for enabled in (True, False):
+            fused_kernels.ENABLED = enabled
+            try:
+                r = run_engine(rank, world, case, record_grads=False)
+            finally:
+                fused_kernels.ENABLED = True
+            runs.append((r["params"], r["losses"], r["streamed"]))
+        out.append(tuple(runs))
+    return out
+
+
+@here
+def test_the_engine_steps_the_same_bits_through_the_kernels():
+    """GPU-stepped offload with 8-bit state and the split master (the CPU standing in for the GPU under the
+    interpreter; CUDA on the device), part of the state kept on the device: the kernels in the stream give every
+    master and loss the torch ops give."""
+    from engine_cases import Case
+
+    from zerofit.testing.distributed import run_distributed
+
+    cases = [Case(stage=2, precision="bf16", offload="cpu", step_on="device", state="8bit", clip=0.05, steps=3,
+                  ratio=0.5, chunk=64),
+             Case(stage=3, precision="bf16", offload="cpu", offload_param="cpu", step_on="device", state="8bit",
+                  steps=3, chunk=64)]
+    for case, (fused, plain) in zip(cases, run_distributed(_fused_and_plain, 2, cases, timeout=900)[0]):
+        assert fused[2] > 0, f"{case}: nothing was GPU-stepped"
+        assert fused[1] == plain[1], f"{case}: losses differ"
+        assert fused[0].keys() == plain[0].keys()
+        for name in fused[0]:
+            assert torch.equal(fused[0][name].view(torch.int32), plain[0][name].view(torch.int32)), f"{case}: {name}"
