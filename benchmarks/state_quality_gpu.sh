@@ -23,10 +23,13 @@ if compgen -G ".whl/torchao-*.whl" > /dev/null; then
   use_wheels /tmp/state_quality_site .whl/torchao-*.whl
 fi
 command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-"$PY" benchmarks/state_quality.py "${TINY[@]}" --build-corpus "$OUT_DIR/corpus" || exit 1
+# the corpus outside OUT_DIR: the device call brings back at most 8 files (the log, the summary, the plot and the 5
+# rows' records fill them), and each row's record describes the corpus (files, sha256) anyway
+CORPUS="${CORPUS:-$(mktemp -d)/corpus}"
+"$PY" benchmarks/state_quality.py "${TINY[@]}" --build-corpus "$CORPUS" || exit 1
 
 row() {  # one row in its own process; transformers' config notes are dropped from the log
-  "$PY" benchmarks/state_quality.py "${TINY[@]}" --row "$1" --corpus "$OUT_DIR/corpus" --out "$OUT_DIR" \
+  "$PY" benchmarks/state_quality.py "${TINY[@]}" --row "$1" --corpus "$CORPUS" --out "$OUT_DIR" \
     --deadline "$DEADLINE" 2>&1 | grep -v '^\[transformers\]'
 }
 # GiB each row is expected to hold at most on the GPU (see the header); rows start in ROWS' order, the first that
@@ -73,4 +76,4 @@ for r in "${ROWS[@]}"; do  # a row with no record, or one that failed (out of me
   fi
 done
 "$PY" benchmarks/state_quality.py --summary "$OUT_DIR"
-rm -f "$OUT_DIR/corpus.bin"  # 41 MiB of text that corpus.json describes (sha256): not worth bringing back
+rm -f "$CORPUS.bin"  # 41 MiB of text
