@@ -13,6 +13,7 @@ PyTorch) and a JSON record with versions and hardware.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -216,17 +217,24 @@ def measure(method: str, step, args) -> dict:
     # Steps back to back, as in training: each reads its loss (which waits for the main stream only),
     # so work a method leaves on side streams overlaps the next step, as it would in a real loop.
     torch.cuda.synchronize()
+    first = _first_steps_trace(args)  # --trace-first: the first three steps, the step-2 stall included
     t0 = time.perf_counter()
     for i in range(args.steps + 2):
         before = engine.times.snapshot() if engine is not None else None
-        loss = step()
-        losses.append(float(loss))
+        with torch.profiler.record_function("## step") if first is not None else contextlib.nullcontext():
+            loss = step()
+            losses.append(float(loss))
         t1 = time.perf_counter()
         every.append(t1 - t0)
         if i >= 2:
             times.append(t1 - t0)
             if engine is not None:
                 phases.append(_phases(step.marks, before, engine.times.snapshot()))
+        if first is not None and i == 2:  # written outside the timed spans
+            first.stop()
+            _export_gz(first, f"{args.trace}.{method}.first.json.gz")
+            first = None
+            t1 = time.perf_counter()
         t0 = t1
     torch.cuda.synchronize()
     # Back to back, one step's wall time depends on where the host happened to block (work left on side
@@ -251,13 +259,32 @@ def measure(method: str, step, args) -> dict:
     return row
 
 
-def _trace(step, path: str, steps: int = 3) -> None:
-    """A Chrome trace (host threads and GPU streams) of a few more steps, gzipped: where each step's copies,
-    kernels and waits fall against one another (chrome://tracing or Perfetto reads it)."""
+def _first_steps_trace(args):
+    """A started profiler (host threads and GPU streams) when `--trace-first` asks for the first steps, else None."""
+    if not (args.trace and args.trace_first):
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+    prof.start()
+    return prof
+
+
+def _export_gz(prof, path: str) -> None:
+    """The profiler's Chrome trace, gzipped, at `path`."""
     import gzip
     import shutil
     import tempfile
 
+    with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
+        prof.export_chrome_trace(tmp.name)
+        with open(tmp.name, "rb") as src, gzip.open(path, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+
+
+def _trace(step, path: str, steps: int = 3) -> None:
+    """A Chrome trace (host threads and GPU streams) of a few more steps, gzipped: where each step's copies,
+    kernels and waits fall against one another (chrome://tracing or Perfetto reads it)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -266,10 +293,7 @@ def _trace(step, path: str, steps: int = 3) -> None:
             with torch.profiler.record_function("## step"):
                 float(step())  # reads the loss, as the timed loop does
         torch.cuda.synchronize()
-    with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
-        prof.export_chrome_trace(tmp.name)
-        with open(tmp.name, "rb") as src, gzip.open(path, "wb") as dst:
-            shutil.copyfileobj(src, dst)
+    _export_gz(prof, path)
 
 
 def _cpu_profile(step, steps: int = 2) -> list[str]:
@@ -353,6 +377,8 @@ def main() -> None:
     p.add_argument("--stream-chunk", type=int, default=0, help="zerofit rows: elements per GPU-stepped chunk")
     p.add_argument("--profile-cpu", action="store_true", help="record the host ops of two more steps")
     p.add_argument("--trace", default=None, help="PREFIX: write PREFIX.<method>.json.gz, a trace of 3 more steps")
+    p.add_argument("--trace-first", action="store_true",
+                   help="with --trace: also PREFIX.<method>.first.json.gz, the first 3 steps (timed with it)")
     p.add_argument("--switch-interval", type=float, default=0.0, help="sys.setswitchinterval (s) in each row")
     p.add_argument("--optimizer-state", default="fp32", choices=["fp32", "bf16", "8bit"],
                    help="zerofit rows: precision.optimizer_state")

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Issue #39's GPU checks in one device call. Log: $OUT/log.
-#   bash tools/gpu/issue39.sh OUT [tests|xl|early|cycle|prof|bigprof|big]...   (default: tests xl)
+#   bash tools/gpu/issue39.sh OUT [tests|xl|early|cycle|prof|bigprof|bigtrace|big]...   (default: tests xl)
 # tests:   the engine's GPU tests (fp32 state bit for bit as before; bf16/8-bit state the same in every home)
 # xl:      the codec's speed, then GPT-2 XL 16x128 bf16: ZeRO-2 + GPU-stepped optimizer offload and ZeRO-3 + full
 #          offload with fp32, bf16 and 8-bit optimizer state; no offload and plain PyTorch beside
 # early:   GPT-2 XL 8-bit without clipping (the step streams during backward: ZeRO-2 and ZeRO-3 offload) beside
 #          ZeRO-2 offload with clipping 1.0 (it cannot), fp32 state and no offload without clipping
 # cycle:   GPT-2 XL ZeRO-2 8-bit without clipping: each step's phases, and a Chrome trace of three more steps
+# bigtrace: the 9.2 B 8-bit row with Chrome traces of its first three steps (step 2 against the steady step) and of
+#          three steady ones (where the stream's wall time goes against its copies)
 # bigprof: the 9.2 B 8-bit row once more, with the host ops of two steps recorded (where its issuing thread's ~7 ms
 #          per chunk go: session 15 saw 1.08 s of issuing a step against 0.46 s of copies)
 # big:     the 9.2 B Llama (13 B shape, 28 layers) 8x512 under stage: auto, fp32 and 8-bit state (every step timed:
@@ -63,6 +65,10 @@ for r in json.load(open(sys.argv[1]))["rows"]:
         print(i + 2, " ".join(f"{k}={v:.3f}" for k, v in p.items()))
 PYEOF
       ;;
+    bigtrace)  # the 9.2 B 8-bit row with traces of its first three steps and of three steady ones (CLIP as in big)
+      L="--model llama --n_embd 5120 --n_layer 28 --n_head 40 --intermediate 13824 --batch 8 --seq 512 --meta"
+      timeout 290 $B --methods zerofit-auto $L --steps 4 --optimizer-state 8bit --clip "${CLIP:-1.0}" \
+        --trace "$OUT_DIR/trace" --trace-first --timeout 280 --out "$OUT_DIR/bigtrace" | head -3 ;;
     bigprof)
       L="--model llama --n_embd 5120 --n_layer 28 --n_head 40 --intermediate 13824 --batch 8 --seq 512 --meta"
       timeout 290 $B --methods zerofit-auto $L --steps 4 --optimizer-state 8bit --clip "${CLIP:-1.0}" --profile-cpu \
