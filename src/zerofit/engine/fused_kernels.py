@@ -69,6 +69,11 @@ def usable(*tensors: torch.Tensor) -> bool:
     return _kernels() is not None
 
 
+def serves(device: torch.device) -> bool:
+    """The kernels run for this device's tensors (so the torch ops' scratch buffers need not be kept for it)."""
+    return ENABLED and (device.type == "cuda" or _interpreting()) and _kernels() is not None
+
+
 def encode(src: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, mids: torch.Tensor, block: int) -> None:
     """`src` (fp32, n) into `codes` (uint8, n) and `scale` (fp32, ceil(n / block)) against the sorted
     255 `mids`."""

@@ -58,6 +58,7 @@ import torch
 from torch import nn
 
 from zerofit.config.schema import AioConfig, OffloadConfig
+from zerofit.engine import fused_kernels
 from zerofit.engine.comm import Collectives, InFlight, Pending
 from zerofit.engine.flat_group import FlatGroup
 from zerofit.engine.offload import master_split
@@ -136,8 +137,9 @@ class GpuStep(OffloadPart):
         largest = max((r.end - r.start for runs in self._runs.values() for r in runs), default=1)
         self._slots = [Slot(min(chunk, largest), self.device) for _ in range(max(1, slots))]
         self._index = (torch.empty(min(chunk, largest), dtype=torch.int32, device=self.device)
-                       if self.codec.scaled else None)
-        """The 8-bit codec's scratch: one for every slot, as only the step stream uses it ([Note: codec scratch])."""
+                       if self.codec.scaled and not fused_kernels.serves(self.device) else None)
+        """The 8-bit codec's scratch: one for every slot, as only the step stream uses it ([Note: codec scratch]);
+        none where the fused kernels store and widen ([Note: fused kernels])."""
         self._next_slot = 0
         self._opts: dict[int, tuple[torch.optim.Optimizer, dict]] = {}
         """An optimizer of the script's class per param group, re-pointed at each chunk's pieces, and the

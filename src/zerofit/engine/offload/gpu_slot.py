@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from zerofit.engine import fused_kernels
 from zerofit.engine.offload import master_split
 from zerofit.engine.offload.gpu_runs import VECTOR
 
@@ -27,12 +28,14 @@ class Slot:
             self._buffers[key] = torch.empty(self.capacity + VECTOR, dtype=dtype, device=self.device)
         return self._buffers[key][shift:shift + n]
 
-    def packed(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the packed form of an `n`-element split master, the carries' scratch): uint8 buffers."""
+    def packed(self, n: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the packed form of an `n`-element split master, the carries' scratch - None where the fused kernels
+        split and join, which need none): uint8 buffers."""
         packed, carries = ("packed", torch.uint8), ("carries", torch.uint8)
         if packed not in self._buffers:
             cap = self.capacity
             self._buffers[packed] = torch.empty(master_split.packed_bytes(cap), dtype=torch.uint8, device=self.device)
-            self._buffers[carries] = torch.empty(master_split.scratch_bytes(cap), dtype=torch.uint8,
-                                                 device=self.device)
+            self._buffers[carries] = (None if fused_kernels.serves(self.device) else
+                                      torch.empty(master_split.scratch_bytes(cap), dtype=torch.uint8,
+                                                  device=self.device))
         return self._buffers[packed][:master_split.packed_bytes(n)], self._buffers[carries]

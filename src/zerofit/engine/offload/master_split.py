@@ -58,7 +58,8 @@ def _halves(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def split(master: torch.Tensor, param: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor) -> None:
     """Write the packed form of `master` (fp32, n) whose rounding is `param` (bf16, n) into `out` (uint8,
-    `packed_bytes(n)`); `scratch`: uint8, at least `scratch_bytes(n)` (same device)."""
+    `packed_bytes(n)`); `scratch`: uint8, at least `scratch_bytes(n)` (same device), or None (allocated when the
+    torch ops need it; the fused kernels need none)."""
     n = master.numel()
     split_parts(master, param, out[:2 * n], out[2 * n:], scratch)
 
@@ -70,6 +71,7 @@ def split_parts(master: torch.Tensor, param: torch.Tensor, low_out: torch.Tensor
         fused_kernels.split(master, param, low_out, carries_out)
         return
     n = master.numel()
+    scratch = scratch if scratch is not None else torch.empty(_round_up(n), dtype=torch.uint8, device=master.device)
     low, high = _halves(master)
     low_out.view(torch.int16).copy_(low)
     carry = scratch[:_round_up(n)]
@@ -95,6 +97,7 @@ def join_parts(low_in: torch.Tensor, carries_in: torch.Tensor, param: torch.Tens
         fused_kernels.join(low_in, carries_in, param, master)
         return
     n = master.numel()
+    scratch = scratch if scratch is not None else torch.empty(_round_up(n), dtype=torch.uint8, device=master.device)
     low, high = _halves(master)
     low.copy_(low_in.view(torch.int16))
     carry = scratch[:_round_up(n)].view(-1, _BITS)
