@@ -29,7 +29,9 @@ values would be 256 MB temporaries from the caching allocator on the step stream
 time a chunk size is seen (step 2 is the first to widen stored state) and, near a full GPU, allocator retries
 that wait for the device. So the stream hands the codec one int32 scratch of a chunk's length, allocated when the
 step mode is built (one serves every slot: only the step stream uses it, in order), and lets `encode` normalise
-the slot's fp32 buffer in place; other callers allocate as before. Same kernels, same values.
+the slot's fp32 buffer in place; other callers allocate as before. Same kernels, same values. Where the fused
+kernels store and widen (CUDA with Triton: [Note: fused kernels] in zerofit.engine.fused_kernels) there are no
+temporaries and the stream keeps no scratch.
 
 Encoding is idempotent: `encode(decode(x)) == x` (the largest element of a block maps to exactly +-1), so
 state that travels without being stepped (a parameter with no gradient this window) comes back unchanged.
