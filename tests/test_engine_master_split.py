@@ -50,3 +50,18 @@ def test_only_a_bf16_run_with_a_separate_master_splits():
     assert not eligible(torch.float16, master, torch.zeros(4, dtype=torch.float16))
     assert not eligible(torch.float32, master, master)  # fp32 compute: the parameter is the master
     assert not eligible(torch.bfloat16, None, param)
+
+
+def test_without_a_scratch_the_torch_ops_make_their_own():
+    """A caller on the fused kernels' path keeps no carries' scratch; the torch ops then allocate one."""
+    n = 1003
+    bits = torch.randint(-2**31, 2**31 - 1, (n,), generator=torch.Generator().manual_seed(5), dtype=torch.int64)
+    master = torch.where(torch.isfinite(m := bits.to(torch.int32).view(torch.float32)), m, torch.zeros_like(m))
+    param = master.to(torch.bfloat16)
+    given, none = (torch.full((packed_bytes(n),), 0xAB, dtype=torch.uint8) for _ in range(2))
+    split(master, param, given, torch.empty(n + 8, dtype=torch.uint8))
+    split(master, param, none, None)
+    assert torch.equal(given, none)
+    out = torch.full((n,), float("nan"))
+    join(none, param, out, None)
+    assert torch.equal(out.view(torch.int32), master.view(torch.int32))

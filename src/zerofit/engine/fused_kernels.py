@@ -58,20 +58,16 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def usable(*tensors: torch.Tensor) -> bool:
-    """The kernels can run on these: contiguous, on one CUDA device (any device under the interpreter), and
-    Triton imports."""
-    first = tensors[0].device
-    if not ENABLED or not (first.type == "cuda" or _interpreting()):
-        return False
-    if any(t.device != first or not t.is_contiguous() for t in tensors):
-        return False
-    return _kernels() is not None
-
-
 def serves(device: torch.device) -> bool:
-    """The kernels run for this device's tensors (so the torch ops' scratch buffers need not be kept for it)."""
+    """The kernels run for this device's tensors (so the torch ops' scratch buffers need not be kept for it): a
+    CUDA device (any device under the interpreter), and Triton imports."""
     return ENABLED and (device.type == "cuda" or _interpreting()) and _kernels() is not None
+
+
+def usable(*tensors: torch.Tensor) -> bool:
+    """The kernels can run on these: contiguous, on one device they serve."""
+    first = tensors[0].device
+    return all(t.device == first and t.is_contiguous() for t in tensors) and serves(first)
 
 
 def encode(src: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, mids: torch.Tensor, block: int) -> None:

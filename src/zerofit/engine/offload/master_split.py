@@ -71,7 +71,7 @@ def split_parts(master: torch.Tensor, param: torch.Tensor, low_out: torch.Tensor
         fused_kernels.split(master, param, low_out, carries_out)
         return
     n = master.numel()
-    scratch = scratch if scratch is not None else torch.empty(_round_up(n), dtype=torch.uint8, device=master.device)
+    scratch = _scratch(scratch, n, master.device)
     low, high = _halves(master)
     low_out.view(torch.int16).copy_(low)
     carry = scratch[:_round_up(n)]
@@ -97,13 +97,18 @@ def join_parts(low_in: torch.Tensor, carries_in: torch.Tensor, param: torch.Tens
         fused_kernels.join(low_in, carries_in, param, master)
         return
     n = master.numel()
-    scratch = scratch if scratch is not None else torch.empty(_round_up(n), dtype=torch.uint8, device=master.device)
+    scratch = _scratch(scratch, n, master.device)
     low, high = _halves(master)
     low.copy_(low_in.view(torch.int16))
     carry = scratch[:_round_up(n)].view(-1, _BITS)
     for j in range(_BITS):
         torch.bitwise_and(carries_in.bitwise_right_shift(j), 1, out=carry[:, j])
     torch.sub(param.view(torch.int16), carry.view(-1)[:n], out=high)
+
+
+def _scratch(given: torch.Tensor | None, n: int, device: torch.device) -> torch.Tensor:
+    """The carries' scratch for `n` elements: `given`, or a new one (a caller on the fused kernels' path keeps none)."""
+    return given if given is not None else torch.empty(_round_up(n), dtype=torch.uint8, device=device)
 
 
 def _round_up(n: int) -> int:
