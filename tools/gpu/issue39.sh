@@ -24,7 +24,7 @@ for what in $WHAT; do
   echo "== $what ($(date -u +%T))"
   case "$what" in
     tests)
-      timeout 300 "$PY" -m pytest -q -p no:cacheprovider tests/test_engine_gpu.py tests/test_engine_state_dtype_gpu.py tests/test_shard_file.py \
+      timeout 300 "$PY" -m pytest -q -p no:cacheprovider tests/test_fused_kernels.py tests/test_engine_gpu.py tests/test_engine_state_dtype_gpu.py tests/test_shard_file.py \
         2>&1 | tail -15 ;;
     xl)
       "$PY" benchmarks/codec_speed.py
