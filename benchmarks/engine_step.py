@@ -211,7 +211,9 @@ def _planned_zero(model, args):
 def measure(method: str, step, args) -> dict:
     import torch
 
-    times, losses, phases, every = [], [], [], []
+    from zerofit.engine import fused_kernels
+
+    times, losses, phases, every, compiled = [], [], [], [], []
     torch.cuda.reset_peak_memory_stats()
     engine = getattr(step, "engine", None)
     # Steps back to back, as in training: each reads its loss (which waits for the main stream only),
@@ -226,6 +228,7 @@ def measure(method: str, step, args) -> dict:
             losses.append(float(loss))
         t1 = time.perf_counter()
         every.append(t1 - t0)
+        compiled.append(getattr(fused_kernels, "compiled", lambda: None)())  # (an older tree's A/B: none)
         if i >= 2:
             times.append(t1 - t0)
             if engine is not None:
@@ -244,7 +247,7 @@ def measure(method: str, step, args) -> dict:
            "tokens_per_s": args.batch * args.seq / s,
            "gpu_peak_gib": torch.cuda.max_memory_allocated() / 2**30,
            "host_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-           "losses": losses, "times": times, "every_step_s": every,
+           "losses": losses, "times": times, "every_step_s": every, "kernels_compiled_every_step": compiled,
            "optimizer_state": args.optimizer_state}
     if method == "zerofit-auto":
         row["planned"] = _planned_zero.label

@@ -5,11 +5,14 @@ loaded into an engine that has stepped already is what its next step streams (th
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from zerofit.engine import ZeroEngine
 from zerofit.engine.offload.gpu_homes import RunHomes
+from zerofit.engine.offload.gpu_issue import interleaved
 from zerofit.testing.distributed import run_distributed
 from zerofit.testing.models import gpu_stepped_engine, top_level_aten_ops
 
@@ -100,3 +103,41 @@ def test_kept_homes_are_dropped_when_a_piece_gets_a_new_entry():
     home = again.homes["exp_avg"]
     view = engine.optimizer.state[piece.master]["exp_avg"]
     assert view.untyped_storage().data_ptr() == home.untyped_storage().data_ptr()
+
+
+def test_groups_kept_on_the_device_and_offloaded_ones_are_issued_merged_by_their_elements():
+    """[Note: resident chunks]: each kind in forward order, a group where the middle of its elements falls in its
+    kind's total (ties: the device's first)."""
+    def groups(*sizes):
+        return [SimpleNamespace(master=torch.empty(n), name=f"{kind}{i}") for i, (kind, n) in enumerate(sizes)]
+
+    gs = groups(("d", 4), ("d", 4), ("d", 4), ("d", 4), ("o", 8), ("o", 8))
+    order = interleaved(gs, {id(g) for g in gs if g.name[0] == "d"})
+    assert [g.name for g in order] == ["d0", "o4", "d1", "d2", "o5", "d3"]
+    gs = groups(("d", 10), ("o", 1), ("o", 1), ("o", 1))
+    assert [g.name for g in interleaved(gs, {id(gs[0])})] == ["o1", "d0", "o2", "o3"]
+    gs = groups(("o", 3), ("o", 5))  # one kind: forward order
+    assert interleaved(gs, set()) == gs
+
+
+@pytest.mark.parametrize("state", ["bf16", "8bit"])
+def test_device_groups_step_in_place_in_a_slot_of_their_own(state):
+    """Narrow state kept on the device joins the stream but not its ring: its chunks use a slot of their own and
+    step the master where it lies (no master buffer), the ring's slots carry only offloaded chunks, and the values
+    are those of every group offloaded (the parity with state on the device: tests/test_engine_state_dtype.py)."""
+    half, whole = gpu_stepped_engine(4, 8, state, lr=1e-2, ratio=0.5), gpu_stepped_engine(4, 8, state, lr=1e-2)
+    gpu = half.offload.gpu
+    kept = {id(g) for g in gpu.groups if not g.placement.offloaded}
+    assert kept and len(kept) < len(gpu.groups)
+    assert gpu._order == interleaved(gpu.groups, kept) != gpu.groups
+    for engine in (half, whole):
+        _train(engine, 5, 3)
+    names = {name for name, _ in gpu._home_slot._buffers}
+    assert "master" not in names and {"exp_avg", "exp_avg_sq"} <= names
+    largest_offloaded = max(r.end - r.start for g in gpu.groups if id(g) not in kept for r in gpu._runs[id(g)])
+    assert all(s.capacity == largest_offloaded for s in gpu._slots)
+    assert whole.offload.gpu._home_slot is None
+    a, b = dict(half.model.named_parameters()), dict(whole.model.named_parameters())
+    half.settle()
+    whole.settle()
+    assert all(torch.equal(a[k], b[k]) for k in a)

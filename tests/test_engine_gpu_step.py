@@ -170,6 +170,15 @@ def test_pool_bytes_count_every_buffer_of_every_slot():
             == 3 * 10 * (16 + 2))
     assert stream_pool_bytes(1 << 30, state_tensors=1, compact=False, offload_params=False, compute_bytes=2) == \
         3 * gpu.STREAM_CHUNK * 8
+    # the split master: its packed form (2 bytes + a bit per element), and without the fused kernels the carries'
+    # scratch (a byte per element)
+    plain = stream_pool_bytes(64, state_tensors=2, compact=False, offload_params=False, compute_bytes=2)
+    assert stream_pool_bytes(64, state_tensors=2, compact=False, offload_params=False, compute_bytes=2, split=True,
+                             fused=True) == plain + 3 * (2 * 64 + 8)
+    assert stream_pool_bytes(64, state_tensors=2, compact=False, offload_params=False, compute_bytes=2, split=True,
+                             fused=False) == plain + 3 * (2 * 64 + 8 + 64)
+    # the slot of chunks kept on the device: master + states (+ the upcast gradient when compact)
+    assert gpu.home_slot_bytes(64, state_tensors=2, compact=True) == 64 * 4 * 4
 
 
 def _engine(step_on: str, stage: int = 2, device: str = "cpu", nvme_path: str | None = None,

@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from zerofit.engine.offload.gpu import stream_pool_bytes
+from zerofit.engine import fused_kernels
+from zerofit.engine.offload.gpu import home_slot_bytes, stream_pool_bytes
 from zerofit.plan.activations import trace_step
 from zerofit.plan.choose import GPU_RESERVE_BYTES, Budget, plan
 from zerofit.plan.memory import ModelCounts, Setting, Workload, all_settings, estimate
@@ -264,7 +265,7 @@ def test_gpu_stepped_nvme_keeps_the_gradient_and_pool_on_the_gpu_and_the_state_i
     # the split master's buffers: from a file the master travels whole)
     assert (nvme.params, nvme.grads, nvme.optimizer) == (host.params, host.grads, host.optimizer)
     pool = {split: stream_pool_bytes(128, state_tensors=2, compact=True, offload_params=False, compute_bytes=2,
-                                     split=split) for split in (False, True)}
+                                     split=split, fused=fused_kernels.available()) for split in (False, True)}
     assert host.buffers - nvme.buffers == pool[True] - pool[False] > 0
     assert nvme.grads == (48 + 3 * 128) * 2 and nvme.optimizer == 0  # bf16 ("compact"): one rank, no accumulation
     # master + 2 Adam states in files; in host memory only the swapper's slots of the largest group
@@ -291,11 +292,13 @@ def test_narrow_optimizer_state_counts_its_stored_bytes_in_every_home():
                         persistence_threshold=0)
         device = estimate(counts(), Setting(stage=0), work, None)
         assert device.optimizer == 432 * 4 + 2 * 432 * b
-        # narrow state on the device is widened chunk by chunk in the GPU stream's pool (no staging: in place);
-        # 8-bit: with the codec's int32 scratch of one chunk ([Note: codec scratch])
-        scratch = 128 * 4 if state == "8bit" else 0
-        assert device.buffers == (0 if state == "fp32" else stream_pool_bytes(
-            128, state_tensors=2, compact=False, offload_params=False, compute_bytes=2) + scratch)
+        # narrow state on the device is widened chunk by chunk in the GPU stream's slot of its own (no staging:
+        # in place; [Note: resident chunks]); 8-bit without Triton: with the codec's int32 scratch of one chunk
+        # ([Note: codec scratch])
+        scratch = 128 * 4 if state == "8bit" and not fused_kernels.available() else 0
+        assert device.buffers == (0 if state == "fp32" else home_slot_bytes(128, state_tensors=2, compact=False)
+                                  + scratch)
+        assert home_slot_bytes(128, state_tensors=2, compact=False) == 128 * 4 * 3  # master + 2 states
         host = estimate(counts(), Setting(stage=2, offload_optimizer="cpu"), work, None)
         assert host.host_optimizer == 432 * 4 + 2 * 432 * b and host.optimizer == 0
         # the CPU optimizer steps narrow state from fp32 scratch: both states of the largest group (128), once
@@ -309,7 +312,7 @@ def test_narrow_optimizer_state_counts_its_stored_bytes_in_every_home():
         packed = sum(2 * n + n // 8 for n in (48, 128, 128, 128))  # the master kept packed between steps
         assert streamed.host_optimizer == packed + 2 * 432 * b
         pool = stream_pool_bytes(128, state_tensors=2, compact=False, offload_params=False, compute_bytes=2,
-                                 split=True)
+                                 split=True, fused=fused_kernels.available())
         staged = 0 if state == "fp32" else 3 * 2 * 128 * b  # 3 slots: each state chunk in its stored form too
         assert streamed.buffers == pool + staged + scratch
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue #39's GPU checks in one device call. Log: $OUT/log.
-#   bash tools/gpu/issue39.sh OUT [tests|xl|early|cycle|prof|bigprof|bigtrace|big]...   (default: tests xl)
+#   bash tools/gpu/issue39.sh OUT [tests|xl|early|cycle|prof|bigprof|bigtrace|big|ab]...   (default: tests xl)
 # tests:   the engine's GPU tests (fp32 state bit for bit as before; bf16/8-bit state the same in every home)
 # xl:      the codec's speed, then GPT-2 XL 16x128 bf16: ZeRO-2 + GPU-stepped optimizer offload and ZeRO-3 + full
 #          offload with fp32, bf16 and 8-bit optimizer state; no offload and plain PyTorch beside
@@ -13,6 +13,7 @@
 #          per chunk go: session 15 saw 1.08 s of issuing a step against 0.46 s of copies)
 # big:     the 9.2 B Llama (13 B shape, 28 layers) 8x512 under stage: auto, fp32 and 8-bit state (every step timed:
 #          step 2 against the steady step)
+# ab:      OLD_SRC's tree against this one, same call: the 9.2 B 8-bit row and GPT-2 XL ZeRO-2 offload 8-bit
 set -uo pipefail
 . "$(dirname "$0")/../../benchmarks/preamble.sh" "${1:-}" out/issue39
 shift || true
@@ -79,6 +80,16 @@ for r in json.load(open(sys.argv[1]))["rows"]:
     print("\n".join(r.get("cpu_profile", [])))
 PYEOF
       ;;
+    ab)  # OLD_SRC (another tree's src/, e.g. from `git archive`) against this one: the 9.2 B 8-bit row (CLIP as in
+         # big) and GPT-2 XL ZeRO-2 offload 8-bit, each tree in its own process, the new one first
+      L="--model llama --n_embd 5120 --n_layer 28 --n_head 40 --intermediate 13824 --batch 8 --seq 512 --meta"
+      for tree in new old; do
+        src="$PWD/src"; [ "$tree" = old ] && src=$(cd "$OLD_SRC" && pwd)
+        PYTHONPATH=$src timeout 200 $B --methods zerofit-auto $L --steps 5 --optimizer-state 8bit --clip "${CLIP:-1.0}" \
+          --timeout 190 --out "$OUT_DIR/ab_big_$tree" | head -3
+        PYTHONPATH=$src timeout 200 $B --methods zerofit-s2-offload --optimizer-state 8bit --timeout 140 \
+          --out "$OUT_DIR/ab_xl_$tree" | head -3
+      done ;;
     big)
       L="--model llama --n_embd 5120 --n_layer 28 --n_head 40 --intermediate 13824 --batch 8 --seq 512 --meta"
       for st in ${STATES:-8bit fp32}; do
@@ -96,6 +107,8 @@ for f in sorted(pathlib.Path(sys.argv[1]).glob("*/results.json")):
         else:
             print(f"{f.parent.name:16s} {r['method']:22s} state={r.get('optimizer_state')} s/step={r['s_per_step']:.4f} "
                   f"every={[round(t, 3) for t in r.get('every_step_s', [])]} gpu={r['gpu_peak_gib']:.1f} "
-                  f"host={r['host_rss_gib']:.1f} loss={r['losses'][-1]:.4f} planned={r.get('planned', '-')}")
+                  f"host={r['host_rss_gib']:.1f} loss={r['losses'][-1]:.4f} planned={r.get('planned', '-')} "
+                  f"compiled={r.get('kernels_compiled_every_step', '-')}")
 PYEOF
+rm -f "$OUT_DIR"/*/table.md  # the device returns 8 files: the results and traces
 echo "== done ($(date -u +%T))"

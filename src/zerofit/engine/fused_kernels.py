@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 import os
 
 import torch
@@ -52,6 +53,22 @@ def _kernels():
     except ImportError:
         return None
     return k.encode_kernel, k.decode_kernel, k.split_kernel, k.join_kernel
+
+
+def available() -> bool:
+    """The kernels would serve a CUDA device here (Triton is installed; not imported: the memory model asks)."""
+    return ENABLED and importlib.util.find_spec("triton") is not None
+
+
+def compiled() -> int | None:
+    """The kernels' specializations Triton has compiled in this process, all devices (None: no Triton, or a Triton
+    that keeps them elsewhere). Benchmarks record it per step: a count that grows in a steady step means a
+    compile inside it ([Note: kernel warm-up] in zerofit.engine.offload.warm_kernels)."""
+    kernels = _kernels() if available() else None
+    try:
+        return sum(len(cache[0]) for k in kernels for cache in k.device_caches.values())
+    except (AttributeError, TypeError, IndexError):
+        return None
 
 
 def _interpreting() -> bool:

@@ -31,12 +31,13 @@ Each term's bytes, and where they live:
 - narrow-state scratch: k*S*4 of the largest host-stepped group, when the state is narrowed: the CPU optimizer
   steps one group at a time from fp32 copies of its state ([Note: narrow state on the host] in
   zerofit.engine.offload.host_narrow). Where: host.
-- streaming pool: GPU-stepped offload (`step_on: device`): 3 slots of min(64 M, largest S) elements x 4
-  bytes x (1 master + k states + 1 upcast if compact) (+ c per element with param offload; + 3.125 bytes per
-  element for the split master in bf16 without param offload; + k state chunks in their stored form,
-  b bytes per element, when the state is narrowed); the gradient shard stays on the GPU. Narrowed state
-  kept on the device streams through the same pool (without the stored-form chunks: it is widened from its
-  home in place). Where: GPU.
+- streaming pool: GPU-stepped offload (`step_on: device`): 3 slots of min(64 M, largest offloaded S) elements x
+  4 bytes x (1 master + k states + 1 upcast if compact) (+ c per element with param offload; + 2.125 bytes per
+  element for the split master in bf16 without param offload, + 1 for its carries' scratch without Triton; + k
+  state chunks in their stored form, b bytes per element, when the state is narrowed); the gradient shard stays
+  on the GPU. Narrowed state kept on the device streams through a slot of its own: min(64 M, largest such S)
+  x 4 bytes x (1 master + k states + 1 upcast if compact), widened from its home in place. Without Triton, 8-bit
+  state adds the codec's int32 scratch of one chunk. Where: GPU.
 - NVMe slots: `offload_optimizer.buffer_count` (at most one per offloaded unit) x the largest group's master
   and state. Where: host.
 - activations: measured by `zerofit.plan.activations` at the planned batch. Where: GPU.
@@ -77,11 +78,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from zerofit.engine import fused_kernels
 from zerofit.engine.buffers import group_buffers
 from zerofit.engine.engine import SHARD_ALIGN
 from zerofit.engine.find_units import UnitSpec, plan_units
 from zerofit.engine.layout import plan_layout
-from zerofit.engine.offload.gpu import STREAM_CHUNK, STREAM_SLOTS, stream_pool_bytes
+from zerofit.engine.offload.gpu import STREAM_CHUNK, STREAM_SLOTS, home_slot_bytes, stream_pool_bytes
 from zerofit.engine.offload.master_split import packed_bytes
 from zerofit.engine.policy import (
     COMPUTE_DTYPES,
@@ -270,7 +272,7 @@ def estimate(counts: ModelCounts, setting: Setting, work: Workload, trace: Activ
     root_gathered = 0
     largest_state = 0
     step_transient = 0
-    largest_streamed, largest_staged, streamed_compact = 0, 0, False
+    largest_staged, largest_resident, streamed_compact = 0, 0, False
     largest_host_stepped = 0
     largest_packed = 0
     split = master_travels_split(setting, work)
@@ -312,10 +314,11 @@ def estimate(counts: ModelCounts, setting: Setting, work: Workload, trace: Activ
             # narrow state kept on the device streams through the same pool, widened from its home in place
             # ([Note: narrow state in the stream] in zerofit.engine.offload.gpu)
             if pl.gpu_stepped or (narrow and not is_whole and not pl.offloaded):
-                largest_streamed = max(largest_streamed, lay.shard_numel)
                 streamed_compact = streamed_compact or compact
             if pl.gpu_stepped:
                 largest_staged = max(largest_staged, lay.shard_numel)
+            elif narrow and not is_whole and not pl.offloaded:
+                largest_resident = max(largest_resident, lay.shard_numel)
             if pl.host_stepped and not is_whole:
                 largest_host_stepped = max(largest_host_stepped, lay.shard_numel)
             master = b.master.nbytes if b.master is not None else 0
@@ -335,15 +338,18 @@ def estimate(counts: ModelCounts, setting: Setting, work: Workload, trace: Activ
             for moving in (b.grad_transient, b.reduce_output):
                 if moving is not None:
                     transient[u] += moving.nbytes
-    if largest_streamed:  # the device buffers GPU-stepped offload streams the state through
-        gpu["buffers"] += stream_pool_bytes(largest_streamed, state_tensors=k, compact=streamed_compact,
+    fused = fused_kernels.available()  # on a CUDA device: the codec and the split master need no scratch
+    if largest_staged:  # the device buffers GPU-stepped offload streams the state through
+        gpu["buffers"] += stream_pool_bytes(largest_staged, state_tensors=k, compact=streamed_compact,
                                             offload_params=setting.offload_param != "none", compute_bytes=c,
-                                            split=split)
-        if work.optimizer_state == "8bit":  # the codec's int32 scratch, one chunk's ([Note: codec scratch])
-            gpu["buffers"] += min(STREAM_CHUNK, largest_streamed) * 4
-        if narrow and largest_staged:  # each slot also stages a host home's state chunks in their stored form
+                                            split=split, fused=fused)
+        if narrow:  # each slot also stages a host home's state chunks in their stored form
             gpu["buffers"] += STREAM_SLOTS * state_nbytes(k * min(STREAM_CHUNK, largest_staged),
                                                           work.optimizer_state)
+    if largest_resident:  # narrow state on the device is widened chunk by chunk in a slot of its own
+        gpu["buffers"] += home_slot_bytes(largest_resident, state_tensors=k, compact=streamed_compact)
+    if work.optimizer_state == "8bit" and not fused:  # the codec's int32 scratch, one chunk's ([Note: codec scratch])
+        gpu["buffers"] += min(STREAM_CHUNK, max(largest_staged, largest_resident)) * 4
     host["buffers"] += largest_packed * 4  # one packed group's fp32 master while it is built, read or written
     if narrow:  # the host stepper widens one group's narrow state at a time into fp32 scratch
         host["buffers"] += k * largest_host_stepped * 4

@@ -39,9 +39,9 @@ class BlockStack(nn.Module):
         return x
 
 
-def gpu_stepped_engine(blocks: int, d: int, state: str, lr: float):
-    """A seeded `BlockStack` under ZeroEngine stage 2, GPU-stepped offload on the CPU, fused AdamW over Trainer's
-    two param groups, `precision.optimizer_state` `state`."""
+def gpu_stepped_engine(blocks: int, d: int, state: str, lr: float, ratio: float = 1.0):
+    """A seeded `BlockStack` under ZeroEngine stage 2, GPU-stepped offload on the CPU (of the last units, `ratio` of
+    the state), fused AdamW over Trainer's two param groups, `precision.optimizer_state` `state`."""
     from zerofit.config.schema import OffloadConfig, PrecisionConfig, ZeroConfig
     from zerofit.engine import ZeroEngine
 
@@ -51,7 +51,7 @@ def gpu_stepped_engine(blocks: int, d: int, state: str, lr: float):
     rest = [p for p in model.parameters() if p.ndim <= 1]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
                             lr=lr, fused=True)
-    zero = ZeroConfig(stage=2, offload_optimizer=OffloadConfig(device="cpu", step_on="device"))
+    zero = ZeroConfig(stage=2, offload_optimizer=OffloadConfig(device="cpu", step_on="device", ratio=ratio))
     return ZeroEngine(model, opt, zero=zero, precision=PrecisionConfig(optimizer_state=state),
                       device=torch.device("cpu"))
 

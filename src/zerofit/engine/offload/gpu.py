@@ -45,6 +45,17 @@ stream widens them into the slot's fp32 buffers, steps, zeroes the padding betwe
 again before the download. Groups kept on the device join this stream too, with their homes in device memory
 (no copy: widened from and narrowed into the home itself), so one path steps narrow state wherever it lives.
 
+[Note: resident chunks]
+A chunk of such a group (master and state on the device) needs no link: it runs wholly on the step stream, in
+a slot of its own (`_home_slot`: the fp32 state it widens into), its master stepped where it lies (copied to
+the slot only when its start is not where a slot would put it: [Note: chunk alignment] in
+zerofit.engine.offload.gpu_runs). So it never waits for a ring slot's download, and the ring carries only
+chunks that cross the link. `step()` issues the two kinds merged in proportion to their elements
+(`interleaved`: each kind keeps forward order), so the copy engines start on the first offloaded chunk at
+once and the device chunks' kernels run while the link is busy; issued in forward order, the device groups
+came first and the link idled while they were stepped (~0.2 s a step of a 9 B model with half its state
+offloaded). Values do not change: each group's chunks see the same inputs in either order.
+
 With NVMe the state's home is a file per group (see [Note: GPU-stepped offload from NVMe] in
 zerofit.engine.offload.nvme).
 """
@@ -62,9 +73,10 @@ from zerofit.engine import fused_kernels
 from zerofit.engine.comm import Collectives, InFlight, Pending
 from zerofit.engine.flat_group import FlatGroup
 from zerofit.engine.offload import master_split
+from zerofit.engine.offload.chunk_optimizer import ChunkOptimizers
 from zerofit.engine.offload.early import EarlyStart, current_settings, offload_off
 from zerofit.engine.offload.gpu_homes import PieceState, RunHomes
-from zerofit.engine.offload.gpu_issue import IssueThread
+from zerofit.engine.offload.gpu_issue import IssueThread, interleaved
 from zerofit.engine.offload.gpu_runs import (  # noqa: F401 - ChunkSpan and plan_chunks: public here too
     VECTOR,
     ChunkSpan,
@@ -82,7 +94,8 @@ from zerofit.engine.offload.packed_master import carries as packed_carries
 from zerofit.engine.offload.packed_master import low as packed_low
 from zerofit.engine.offload.part import OffloadPart
 from zerofit.engine.offload.stored_homes import bind_stored, gap_index
-from zerofit.engine.optim import folds_grad_scale, global_grad_sumsq, member_of_group, step_with_factor
+from zerofit.engine.offload.warm_kernels import warm
+from zerofit.engine.optim import folds_grad_scale, global_grad_sumsq, step_with_factor
 from zerofit.engine.state_codec import Codec, Stored, blocks
 from zerofit.engine.step_mode import StepFactors, StepMode, gather_params
 from zerofit.engine.timing import StepTimes
@@ -91,18 +104,24 @@ from zerofit.engine.unit import Unit
 # Public: the memory model (zerofit.plan) counts the pool from these.
 STREAM_CHUNK = 1 << 26  # elements per chunk (64 M): see [Note: chunk size] in zerofit.engine.offload.gpu_runs
 STREAM_SLOTS = 3  # chunks in flight: one uploading, one stepping, one downloading
-_FUSED_ON_CUDA = ("Adam", "AdamW", "SGD")  # optimizer classes whose fused kernels exist on CUDA
 def stream_pool_bytes(largest_piece: int, *, state_tensors: int, compact: bool,
-                      offload_params: bool, compute_bytes: int, split: bool = False) -> int:
-    """`largest_piece`: the largest run of a group (at most the group's shard)."""
-    """Device bytes of the chunk pool: per slot, fp32 master + state chunks (+ the fp32 gradient upcast
-    when gradients are compact, + the compute-dtype parameter chunk on its way down with param offload,
-    + the packed master and its carries' scratch when the master travels split)."""
+                      offload_params: bool, compute_bytes: int, split: bool = False, fused: bool = False) -> int:
+    """Device bytes of the ring of slots the chunks crossing the link use: per slot, fp32 master + state chunks
+    (+ the fp32 gradient upcast when gradients are compact, + the compute-dtype parameter chunk on its way down
+    with param offload, + the packed master when it travels split, and the carries' scratch unless `fused`: the
+    fused kernels need none). `largest_piece`: the largest run of an offloaded group (at most its shard)."""
     n = min(STREAM_CHUNK, largest_piece)
     per_slot = n * 4 * (1 + state_tensors + (1 if compact else 0)) + (n * compute_bytes if offload_params else 0)
     if split:
-        per_slot += master_split.packed_bytes(n) + master_split.scratch_bytes(n)
+        per_slot += master_split.packed_bytes(n) + (0 if fused else master_split.scratch_bytes(n))
     return STREAM_SLOTS * per_slot
+
+
+def home_slot_bytes(largest_piece: int, *, state_tensors: int, compact: bool) -> int:
+    """Device bytes of the slot of chunks whose master and state stay on the device ([Note: resident chunks]): the
+    fp32 state chunks, the master (for a chunk not aligned as a slot's would be) and, compact, the upcast gradient.
+    `largest_piece`: the largest run of such a group."""
+    return min(STREAM_CHUNK, largest_piece) * 4 * (1 + state_tensors + (1 if compact else 0))
 
 
 class GpuStep(OffloadPart):
@@ -123,7 +142,7 @@ class GpuStep(OffloadPart):
         super().__init__(optimizer, groups, inner, model=model, units=units, comm=comm, times=times)
         self.codec = codec or Codec()
         resident = {id(g) for g in groups if not g.placement.offloaded}
-        """Groups whose master and state stay on the device (narrow state: stepped through the slots too)."""
+        """Groups whose master and state stay on the device (narrow state: stepped in the stream too)."""
         self._gaps: dict[tuple[int, int], torch.Tensor | None] = {}
         chunk = chunk or STREAM_CHUNK
         self.device = comm.device
@@ -134,16 +153,22 @@ class GpuStep(OffloadPart):
         chunk = aligned_chunk(chunk)
         self._runs: dict[int, list[Run]] = {id(g): plan_runs(g, optimizer, chunk) for g in groups}
         """Per group: its runs of pieces, each with its chunks (see [Note: runs] in zerofit.engine.offload.gpu_runs)."""
-        largest = max((r.end - r.start for runs in self._runs.values() for r in runs), default=1)
-        self._slots = [Slot(min(chunk, largest), self.device) for _ in range(max(1, slots))]
-        self._index = (torch.empty(min(chunk, largest), dtype=torch.int32, device=self.device)
+        def largest(on_device: bool) -> int:
+            return max((r.end - r.start for g in groups if (id(g) in resident) == on_device
+                        for r in self._runs[id(g)]), default=1)
+        crossing, kept = min(chunk, largest(False)), min(chunk, largest(True))
+        self._slots = [Slot(crossing, self.device) for _ in range(max(1, slots))]
+        self._resident = resident
+        self._home_slot = Slot(kept, self.device) if resident else None
+        """The buffers of chunks whose master and state are on the device ([Note: resident chunks])."""
+        self._order = interleaved(groups, resident)
+        """The order `step()` issues the groups in ([Note: resident chunks])."""
+        self._index = (torch.empty(max(crossing, kept), dtype=torch.int32, device=self.device)
                        if self.codec.scaled and not fused_kernels.serves(self.device) else None)
         """The 8-bit codec's scratch: one for every slot, as only the step stream uses it ([Note: codec scratch]);
         none where the fused kernels store and widen ([Note: fused kernels])."""
         self._next_slot = 0
-        self._opts: dict[int, tuple[torch.optim.Optimizer, dict]] = {}
-        """An optimizer of the script's class per param group, re-pointed at each chunk's pieces, and the
-        settings it was last given."""
+        self._opts = ChunkOptimizers(optimizer, self.device)
         self._done: dict[int, object] = {}
         """Per group in flight: the event after which its parameters are published and gradient zeroed."""
         self._written = None
@@ -176,6 +201,8 @@ class GpuStep(OffloadPart):
             for g in groups:
                 self._homes.allocate(g, self._runs[id(g)])
         self.issuer = IssueThread(groups, self.device)
+        if self._cuda:  # compiled during the first forward and backward, not in the first step's stream
+            self.issuer.call(partial(warm, self.device, self.codec, bool(self._splits)))
         # The thread never holds this mode while idle; stop it (and remove the NVMe files) with the mode,
         # or at the latest when the process exits.
         self._close_with_self(_close, self.issuer, self.swapper)
@@ -252,11 +279,11 @@ class GpuStep(OffloadPart):
         self._keep = [f for f in (factors.whole, factors.remaining) if isinstance(f, torch.Tensor)]
         if self.swapper is not None:
             self.swapper.evict_materialized()  # inspected or loaded state goes back to its files
-            self.swapper.schedule(self.groups)  # the first reads start now
+            self.swapper.schedule(self._order)  # the first reads start now
         # this step's lr & co., taken now: the script's scheduler moves on while the groups are issued
         # parameters no rank gave a gradient are left out of the update (see [Note: parameters without a
         # gradient]); their chunks still travel, so the host master keeps one form per group
-        self._launch(self.groups, factors, current_settings(self.optimizer), {id(g): g.unused for g in self.groups},
+        self._launch(self._order, factors, current_settings(self.optimizer), {id(g): g.unused for g in self.groups},
                      written=self._written)
 
     def _launch(self, groups: list[FlatGroup], factors: StepFactors, settings: list[dict],
@@ -290,6 +317,8 @@ class GpuStep(OffloadPart):
             for run in self._runs[id(g)]:
                 self._step_run(g, run, scale, kernel, settings, unused[id(g)])
             self._done[id(g)] = self._record(self._down if g.placement.offload_params else self._work)
+            if id(g) in self._resident and self._cuda:  # its homes were written on the step stream
+                self._down.wait_stream(self._work)
             downloaded = self._record(self._down)
             if id(g) in self._splits and id(g) not in self.packed.packed:  # it uploaded the fp32 master
                 self.packed.stepped(g, self._record(self._up))
@@ -302,7 +331,7 @@ class GpuStep(OffloadPart):
         state = self.optimizer.state
         now = self._homes.of(g, run)  # the homes, and which pieces have state (see [Note: verified homes])
         homes = now.homes
-        opt = self._optimizer_for(run.group, settings[run.group])
+        opt = self._opts.get(run.group, settings[run.group])
         split = id(g) in self._splits
         packed_home = id(g) in self.packed.packed  # the host holds the packed form (the last step split it)
         at_rest = g.packed_master  # its packed form's home (split groups)
@@ -313,19 +342,25 @@ class GpuStep(OffloadPart):
         """id(piece) -> the per-element state the optimizer created for it (its first step)."""
         last: dict[int, tuple] = {}
         """id(piece) -> (the piece, the scalar state of its last stepped part)."""
+        on_device = id(g) in self._resident  # master and state on the device: no copies ([Note: resident chunks])
+        up, down = (self._work, self._work) if on_device else (self._up, self._down)
         for span in run.chunks:
-            slot = self._slots[self._next_slot]
-            self._next_slot = (self._next_slot + 1) % len(self._slots)
+            if on_device:
+                slot = self._home_slot
+            else:
+                slot = self._slots[self._next_slot]
+                self._next_slot = (self._next_slot + 1) % len(self._slots)
             lo, n = span.start - run.start, span.length
             wide = {k: slot.buf(k, _wide(home), n) for k, home in homes.items()}
             """Per state key: the slot's buffer the optimizer steps the chunk's state in."""
             at_home = now.chunk(lo, n)  # per state key: the chunk's elements in its home
             index = self._index[:n] if self._index is not None else None  # [Note: codec scratch]
             master_home = run_master[lo:lo + n]
-            with self._on(self._up):
+            in_place = on_device and _starts_at(master_home, span.shift)  # stepped where it lies
+            with self._on(up):
                 if slot.free is not None:
-                    self._up.wait_event(slot.free)
-                master = slot.buf("master", torch.float32, n, span.shift)
+                    up.wait_event(slot.free)
+                master = master_home if in_place else slot.buf("master", torch.float32, n, span.shift)
                 packed, carries = slot.packed(n) if split or packed_home else (None, None)
                 # the parameter the master is split against: on the device, or (offloaded) its slot buffer, filled
                 # now where a packed master is rebuilt from it (the step casts the new one into it)
@@ -336,7 +371,7 @@ class GpuStep(OffloadPart):
                     packed[2 * n:].copy_(packed_carries(at_rest, shard, span.start, n), non_blocking=True)
                     if g.placement.offload_params:
                         rounded.copy_(g.param_shard[span.start:span.start + n], non_blocking=True)
-                else:
+                elif not in_place:
                     master.copy_(master_home, non_blocking=True)
                 staged = {}
                 for k, home in at_home.items():
@@ -344,7 +379,7 @@ class GpuStep(OffloadPart):
                         staged[k] = self._staged(slot, k, home, n)
                     else:
                         wide[k].copy_(home, non_blocking=True)
-                loaded = self._record(self._up)
+                loaded = None if on_device else self._record(up)
             with self._on(self._work):
                 if loaded is not None:
                     self._work.wait_event(loaded)
@@ -368,10 +403,10 @@ class GpuStep(OffloadPart):
                         if gaps is not None:
                             wide[k].index_fill_(0, gaps, 0.0)
                         self.codec.encode(wide[k], stored, k, scratch=index, overwrite=True)
-                stepped = self._record(self._work)
-            with self._on(self._down):
+                stepped = None if on_device else self._record(self._work)
+            with self._on(down):
                 if stepped is not None:
-                    self._down.wait_event(stepped)
+                    down.wait_event(stepped)
                 if not narrow:
                     for k, dtype in new_keys.items():  # state fresh pieces created: its home in host memory
                         if k not in homes:
@@ -381,18 +416,18 @@ class GpuStep(OffloadPart):
                 if split:
                     packed_low(at_rest, shard, span.start, n).copy_(packed[:2 * n], non_blocking=True)
                     packed_carries(at_rest, shard, span.start, n).copy_(packed[2 * n:], non_blocking=True)
-                else:
+                elif not in_place:
                     master_home.copy_(master, non_blocking=True)
-                for k, home in at_home.items():  # every per-element state of the chunk is in its slot
-                    if isinstance(home, Stored):
-                        if home.codes.device != self.device:  # a device home was narrowed into in place
-                            home.copy_(staged[k], non_blocking=True)
+                for k, where in at_home.items():  # every per-element state of the chunk is in its slot
+                    if isinstance(where, Stored):
+                        if where.codes.device != self.device:  # a device home was narrowed into in place
+                            where.copy_(staged[k], non_blocking=True)
                     else:
-                        home.copy_(wide[k], non_blocking=True)
+                        where.copy_(wide[k], non_blocking=True)
                 if g.placement.offload_params:
                     g.param_shard[span.start:span.start + n].copy_(slot.buf("param", g.compute_dtype, n),
                                                                    non_blocking=True)
-                slot.free = self._record(self._down)
+                slot.free = None if on_device else self._record(down)
         if created:
             for p in run.pieces:
                 for k in created.get(id(p), ()):
@@ -455,7 +490,7 @@ class GpuStep(OffloadPart):
             opt.state[view] = given
         new_keys: dict[str, torch.dtype] = {}
         if views:
-            self._scalar_copies(scalars, opt)
+            self._opts.scalar_copies(scalars, opt)
             befores = [dict(given) for *_, given in parts]
             opt.param_groups[0]["params"] = views
             try:
@@ -485,52 +520,6 @@ class GpuStep(OffloadPart):
         if self._zeroing:
             grad_shard.zero_()
         return new_keys
-
-    def _optimizer_for(self, index: int, settings: dict) -> torch.optim.Optimizer:
-        """The one-tensor optimizer of param group `index`, with this step's `settings` of that group."""
-        held = self._opts.get(index)
-        if held is not None and held[1] is settings:
-            return held[0]  # this step's settings were given for an earlier run of the group
-        given = dict(settings)
-        cls = type(member_of_group(self.optimizer, index))  # several optimizers: the group's own
-        if self._cuda and given.get("fused") and cls.__name__ not in _FUSED_ON_CUDA:
-            given["fused"] = None  # a CPU-only fused kernel: the default implementation on the device
-        if held is None:
-            placeholder = torch.zeros(1, device=self.device)
-            opt = cls([{**given, "params": [placeholder]}], lr=given.get("lr", 1e-3))
-        else:
-            opt = held[0]
-        opt.param_groups[0].update(given)
-        self._opts[index] = (opt, settings)
-        return opt
-
-    def _scalar_copies(self, scalars: list[tuple[dict, str, object]], opt: torch.optim.Optimizer) -> None:
-        """Give each part of the chunk its own copy of its piece's scalar state (`given[key] = copy` for each
-        (given, key, value)). The 0-dim tensors under one key (Adam's `step`) are copied by one stack, then
-        split into views, one per part: one kernel for the chunk instead of one per piece, the same values."""
-        by_key: dict[str, list[tuple[dict, object]]] = {}
-        for given, k, v in scalars:
-            by_key.setdefault(k, []).append((given, v))
-        for k, items in by_key.items():
-            first = items[0][1]
-            if len(items) > 1 and isinstance(first, torch.Tensor) and all(
-                    isinstance(v, torch.Tensor) and v.ndim == 0 and v.dtype == first.dtype and v.device == first.device
-                    for _, v in items):
-                copies = self._scalar_copy(torch.stack([v for _, v in items]), opt, copied=True).unbind()
-            else:
-                copies = [self._scalar_copy(v, opt) for _, v in items]
-            for (given, _), c in zip(items, copies):
-                given[k] = c
-
-    def _scalar_copy(self, value, opt: torch.optim.Optimizer, *, copied: bool = False):
-        """A chunk's own copy of a piece's scalar state, where the chunk's kernel wants it (`copied`: `value` is
-        a copy already, only moved if need be)."""
-        if not isinstance(value, torch.Tensor):
-            return value
-        group = opt.param_groups[0]
-        if self._cuda and (group.get("fused") or group.get("capturable")) and value.device.type == "cpu":
-            return value.to(self.device)  # once after a checkpoint load; the piece keeps the device copy
-        return value if copied else value.clone()  # a copy: `to` returns the tensor itself when it is there already
 
     # --- streams ----------------------------------------------------------------------------------
     def _on(self, stream):
@@ -582,6 +571,11 @@ class GpuStep(OffloadPart):
         no NVMe file, the master in host memory."""
         return (self.swapper is None and g.placement.offloaded
                 and master_split.eligible(g.compute_dtype, g.master, g.param_shard))
+
+
+def _starts_at(t: torch.Tensor, shift: int) -> bool:
+    """`t` starts `shift` elements past a 16-byte boundary (as a slot's buffer would: [Note: chunk alignment])."""
+    return t.data_ptr() % 16 == shift * t.element_size() % 16
 
 
 def _wide(home: torch.Tensor | Stored) -> torch.dtype:

@@ -52,6 +52,11 @@ class IssueThread:
             self._issued[id(g)].clear()
         self._queue.put((groups, issue))
 
+    def call(self, work: Callable[[], None]) -> None:
+        """Run `work()` on the thread after what was queued before it (the mode's own work ahead of the first step:
+        [Note: kernel warm-up] in zerofit.engine.offload.warm_kernels); it must not raise."""
+        self._queue.put((None, work))
+
     def wait(self, g: FlatGroup) -> None:
         """Block until `g`'s work is issued; raise what the thread raised since the last wait."""
         self._issued[id(g)].wait()
@@ -82,8 +87,12 @@ class IssueThread:
     def _run(self) -> None:
         serve(self._queue, self._run_one)
 
-    def _run_one(self, groups: list[FlatGroup], issue: Callable[[FlatGroup], None]) -> None:
+    def _run_one(self, groups: list[FlatGroup] | None, issue: Callable) -> None:
         device = torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+        if groups is None:
+            with device:
+                issue()
+            return
         with torch.no_grad(), device:
             failed = False
             for g in groups:
@@ -94,3 +103,19 @@ class IssueThread:
                     failed, self._error = True, e
                 finally:
                     self._issued[id(g)].set()
+
+
+def interleaved(groups: list[FlatGroup], resident: set[int]) -> list[FlatGroup]:
+    """`groups` (in forward order) with those in `resident` (ids) and the others merged in proportion to their
+    elements, each kind in its own order: a group comes where the middle of its elements falls in its kind's total
+    (see [Note: resident chunks] in zerofit.engine.offload.gpu)."""
+    totals = {True: 0, False: 0}
+    for g in groups:
+        totals[id(g) in resident] += g.master.numel()
+    done = {True: 0, False: 0}
+    keyed = []
+    for i, g in enumerate(groups):
+        kind, n = id(g) in resident, g.master.numel()
+        keyed.append(((done[kind] + n / 2) / max(1, totals[kind]), not kind, i, g))
+        done[kind] += n
+    return [g for *_, g in sorted(keyed, key=lambda k: k[:3])]
