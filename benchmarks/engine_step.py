@@ -220,6 +220,7 @@ def measure(method: str, step, args) -> dict:
     # so work a method leaves on side streams overlaps the next step, as it would in a real loop.
     torch.cuda.synchronize()
     first = _first_steps_trace(args)  # --trace-first: the first three steps, the step-2 stall included
+    issue = _IssueProfile(engine) if args.profile_issue else None
     t0 = time.perf_counter()
     for i in range(args.steps + 2):
         before = engine.times.snapshot() if engine is not None else None
@@ -233,6 +234,8 @@ def measure(method: str, step, args) -> dict:
             times.append(t1 - t0)
             if engine is not None:
                 phases.append(_phases(step.marks, before, engine.times.snapshot()))
+        if issue is not None:
+            issue.after_step(i)
         if first is not None and i == 2:  # written outside the timed spans
             first.stop()
             _export_gz(first, f"{args.trace}.{method}.first.json.gz")
@@ -257,9 +260,55 @@ def measure(method: str, step, args) -> dict:
         row["breakdown_s"].update(_copy_times(step))
     if args.profile_cpu:
         row["cpu_profile"] = _cpu_profile(step)
+    if issue is not None:
+        row["issue_profile"] = issue.report()
     if args.trace:
         _trace(step, f"{args.trace}.{method}.json.gz")
     return row
+
+
+class _IssueProfile:
+    """--profile-issue: Python's profile of the GPU-stepped stream's issuing thread while it issues the first
+    step's stream and while it issues a steady one (the 4th step's): where the first step's issuing time goes."""
+
+    def __init__(self, engine):
+        import cProfile
+
+        gpu = getattr(getattr(engine, "offload", None), "gpu", None)
+        self.issuer = gpu.issuer if gpu is not None else None
+        self.profiles = {"first": cProfile.Profile(), "steady": cProfile.Profile()}
+        self._queue("first", "enable")
+
+    def _queue(self, name: str, what: str) -> None:
+        if self.issuer is not None and hasattr(self.issuer, "call"):
+            self.issuer.call(getattr(self.profiles[name], what))  # runs on the issuing thread, after its queue
+
+    def after_step(self, i: int) -> None:
+        if i == 0:
+            self._queue("first", "disable")
+        elif i == 2:
+            self._queue("steady", "enable")
+        elif i == 3:
+            self._queue("steady", "disable")
+
+    def report(self) -> dict:
+        import io
+        import pstats
+        import threading
+
+        if self.issuer is None:
+            return {}
+        done = threading.Event()
+        self.issuer.call(done.set)
+        done.wait(60)
+        out = {}
+        for name, prof in self.profiles.items():
+            out[name] = []
+            for order in ("tottime", "cumulative"):
+                text = io.StringIO()
+                pstats.Stats(prof, stream=text).sort_stats(order).print_stats(22)
+                out[name] += text.getvalue().splitlines()[-26:]
+        return out
 
 
 def _first_steps_trace(args):
@@ -380,6 +429,8 @@ def main() -> None:
     p.add_argument("--stream-chunk", type=int, default=0, help="zerofit rows: elements per GPU-stepped chunk")
     p.add_argument("--profile-cpu", action="store_true", help="record the host ops of two more steps")
     p.add_argument("--trace", default=None, help="PREFIX: write PREFIX.<method>.json.gz, a trace of 3 more steps")
+    p.add_argument("--profile-issue", action="store_true",
+                   help="Python's profile of the GPU-stepped issuing thread: the first step's stream, a steady one")
     p.add_argument("--trace-first", action="store_true",
                    help="with --trace: also PREFIX.<method>.first.json.gz, the first 3 steps (timed with it)")
     p.add_argument("--switch-interval", type=float, default=0.0, help="sys.setswitchinterval (s) in each row")

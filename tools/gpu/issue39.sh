@@ -70,6 +70,18 @@ PYEOF
       L="--model llama --n_embd 5120 --n_layer 28 --n_head 40 --intermediate 13824 --batch 8 --seq 512 --meta"
       timeout 290 $B --methods zerofit-auto $L --steps 4 --optimizer-state 8bit --clip "${CLIP:-1.0}" \
         --trace "$OUT_DIR/trace" --trace-first --timeout 280 --out "$OUT_DIR/bigtrace" | head -3 ;;
+    bigissue)  # the 9.2 B 8-bit row with Python's profile of the issuing thread: the first step's stream, a steady one
+      L="--model llama --n_embd 5120 --n_layer 28 --n_head 40 --intermediate 13824 --batch 8 --seq 512 --meta"
+      timeout 290 $B --methods zerofit-auto $L --steps 4 --optimizer-state 8bit --clip "${CLIP:-1.0}" --profile-issue \
+        --timeout 280 --out "$OUT_DIR/bigissue" | head -3
+      "$PY" - "$OUT_DIR/bigissue/results.json" <<'PYEOF'
+import json, sys
+for r in json.load(open(sys.argv[1]))["rows"]:
+    for name, lines in r.get("issue_profile", {}).items():
+        print("== issuing thread:", name)
+        print("\n".join(lines))
+PYEOF
+      ;;
     bigprof)
       L="--model llama --n_embd 5120 --n_layer 28 --n_head 40 --intermediate 13824 --batch 8 --seq 512 --meta"
       timeout 290 $B --methods zerofit-auto $L --steps 4 --optimizer-state 8bit --clip "${CLIP:-1.0}" --profile-cpu \
