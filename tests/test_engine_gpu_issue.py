@@ -5,6 +5,7 @@ loaded into an engine that has stepped already is what its next step streams (th
 
 from __future__ import annotations
 
+import random
 from types import SimpleNamespace
 
 import pytest
@@ -13,6 +14,7 @@ import torch
 from zerofit.engine import ZeroEngine
 from zerofit.engine.offload.gpu_homes import RunHomes
 from zerofit.engine.offload.gpu_issue import interleaved
+from zerofit.engine.offload.stored_homes import gap_index
 from zerofit.testing.distributed import run_distributed
 from zerofit.testing.models import gpu_stepped_engine, top_level_aten_ops
 
@@ -141,3 +143,28 @@ def test_device_groups_step_in_place_in_a_slot_of_their_own(state):
     half.settle()
     whole.settle()
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_gap_positions_are_those_no_piece_covers():
+    """`gap_index` (the padding zeroed before a chunk's narrow state is encoded) from the pieces' bounds equals the
+    positions a chunk-long mask of the pieces leaves uncovered (how it was found before: ~7 ms a 64 M chunk)."""
+    def masked(pieces, start, length):
+        covered = torch.zeros(length, dtype=torch.bool)
+        for p in pieces:
+            lo, hi = max(start, p.offset), min(start + length, p.offset + p.length)
+            if lo < hi:
+                covered[lo - start:hi - start] = True
+        return None if bool(covered.all()) else (~covered).nonzero().flatten()
+
+    rng = random.Random(0)
+    for _ in range(2000):
+        pieces, at = [], rng.randrange(0, 40)
+        for _ in range(rng.randrange(0, 6)):
+            n = rng.randrange(1, 50)
+            pieces.append(SimpleNamespace(offset=at, length=n))
+            at += n + rng.choice([0, 0, rng.randrange(1, 20)])
+        rng.shuffle(pieces)
+        start, length = rng.randrange(0, 60), rng.randrange(1, 200)
+        want = masked(pieces, start, length)
+        got = gap_index(SimpleNamespace(pieces=pieces), start, length, torch.device("cpu"))
+        assert (want is None and got is None) or torch.equal(want, got), (pieces, start, length)

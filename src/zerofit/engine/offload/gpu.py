@@ -201,8 +201,8 @@ class GpuStep(OffloadPart):
             for g in groups:
                 self._homes.allocate(g, self._runs[id(g)])
         self.issuer = IssueThread(groups, self.device)
-        if self._cuda:  # compiled during the first forward and backward, not in the first step's stream
-            self.issuer.call(partial(warm, self.device, self.codec, bool(self._splits)))
+        if self._cuda:  # compiled now, not in the first step's stream ([Note: kernel warm-up])
+            warm(self.device, self.codec, bool(self._splits))
         # The thread never holds this mode while idle; stop it (and remove the NVMe files) with the mode,
         # or at the latest when the process exits.
         self._close_with_self(_close, self.issuer, self.swapper)

@@ -53,8 +53,8 @@ class IssueThread:
         self._queue.put((groups, issue))
 
     def call(self, work: Callable[[], None]) -> None:
-        """Run `work()` on the thread after what was queued before it (the mode's own work ahead of the first step:
-        [Note: kernel warm-up] in zerofit.engine.offload.warm_kernels); it must not raise."""
+        """Run `work()` on the thread after what was queued before it (benchmarks/engine_step.py profiles the thread
+        this way); it must not raise."""
         self._queue.put((None, work))
 
     def wait(self, g: FlatGroup) -> None:
