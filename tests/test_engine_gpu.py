@@ -49,7 +49,7 @@ def test_cuda_low_precision_trains(precision):
 
 def _train_offload(stage: int, precision: str, optim: str, *, offload: str, offload_param: str = "none",
                    chunk: int = 0, gas: int = 1, clip: float = 0.5, host_share: float | None = None,
-                   nvme_path: str | None = None, buffer_count: int = 4, state: str = "fp32"):
+                   nvme_path: str | None = None, buffer_count: int = 4, state: str = "fp32", ratio: float = 1.0):
     """One GPU: `offload` "none" (state on the GPU), "cpu" (GPU-stepped from host memory, step_on auto) or
     "nvme" (GPU-stepped from files under `nvme_path`, step_on device)."""
     from zerofit.config.schema import LossScaleConfig, OffloadConfig
@@ -61,8 +61,10 @@ def _train_offload(stage: int, precision: str, optim: str, *, offload: str, offl
     step_on = "device" if offload == "nvme" else "auto"
     zero = ZeroConfig(stage=stage, offload_optimizer=OffloadConfig(device=offload, host_share=host_share,
                                                                    nvme_path=nvme_path, step_on=step_on,
-                                                                   buffer_count=buffer_count),
-                      offload_param=OffloadConfig(device=offload_param))
+                                                                   buffer_count=buffer_count, ratio=ratio),
+                      offload_param=OffloadConfig(device=offload_param),
+                      # offloaded parameters: every unit's, however small (else the tiny model's stay on the GPU)
+                      param_persistence_threshold=0 if offload_param != "none" else 100_000)
     try:
         engine = ZeroEngine(model, opt, zero=zero, device=torch.device("cuda"), gradient_accumulation_steps=gas,
                             precision=PrecisionConfig(mixed_precision=precision, optimizer_state=state,

@@ -43,6 +43,7 @@ SETTINGS = ([dict(stage=s) for s in (1, 2, 3)]
             + [dict(stage=s, offload="cpu", step_on="device", chunk=64) for s in (1, 2, 3)]
             + [dict(stage=3, offload="cpu", offload_param="cpu", step_on="device", chunk=64),
                dict(stage=2, offload="cpu", ratio=0.5, step_on="device", chunk=64),  # part on the device
+               dict(stage=3, offload="cpu", offload_param="cpu", ratio=0.5, step_on="device", chunk=64),
                dict(stage=3, persistence=100, offload="cpu", step_on="device")]  # one chunk per piece
             + [dict(stage=s, offload="cpu", step_on="host") for s in (1, 2, 3)]  # the CPU optimizer steps it
             + [dict(stage=3, offload="cpu", offload_param="cpu", step_on="host"),

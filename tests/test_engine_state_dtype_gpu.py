@@ -20,11 +20,14 @@ def test_narrow_state_is_the_same_on_the_gpu_and_gpu_stepped(stage, precision, s
     ref_losses, ref, _ = _train_offload(stage, precision, "adamw", offload="none", state=state)
     fp32_losses, _, _ = _train_offload(stage, precision, "adamw", offload="none")
     assert fp32_losses != ref_losses  # the state really is stored narrow
-    for chunk, param in ((0, "none"), (64, "none"), (64, "cpu" if stage == 3 else "none")):
+    # ratio 0.5: the first units' state stays on the GPU and steps in the stream's slot of its own, issued among the
+    # offloaded units' chunks ([Note: resident chunks]); at stage 3 their parameters are offloaded too
+    off = "cpu" if stage == 3 else "none"
+    for chunk, param, ratio in ((0, "none", 1.0), (64, "none", 1.0), (64, off, 1.0), (64, off, 0.5)):
         losses, got, _ = _train_offload(stage, precision, "adamw", offload="cpu", offload_param=param, chunk=chunk,
-                                        state=state)
-        assert losses == ref_losses, (chunk, param)
-        assert all(torch.equal(ref[k], got[k]) for k in ref), (chunk, param)
+                                        state=state, ratio=ratio)
+        assert losses == ref_losses, (chunk, param, ratio)
+        assert all(torch.equal(ref[k], got[k]) for k in ref), (chunk, param, ratio)
 
 
 @requires_cuda

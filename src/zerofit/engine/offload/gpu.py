@@ -316,9 +316,9 @@ class GpuStep(OffloadPart):
         with self.times.measure("stream_issue"):
             for run in self._runs[id(g)]:
                 self._step_run(g, run, scale, kernel, settings, unused[id(g)])
-            self._done[id(g)] = self._record(self._down if g.placement.offload_params else self._work)
-            if id(g) in self._resident and self._cuda:  # its homes were written on the step stream
+            if id(g) in self._resident and self._cuda:  # its homes (and any parameter) were written on the step stream
                 self._down.wait_stream(self._work)
+            self._done[id(g)] = self._record(self._down if g.placement.offload_params else self._work)
             downloaded = self._record(self._down)
             if id(g) in self._splits and id(g) not in self.packed.packed:  # it uploaded the fp32 master
                 self.packed.stepped(g, self._record(self._up))
@@ -418,12 +418,12 @@ class GpuStep(OffloadPart):
                     packed_carries(at_rest, shard, span.start, n).copy_(packed[2 * n:], non_blocking=True)
                 elif not in_place:
                     master_home.copy_(master, non_blocking=True)
-                for k, where in at_home.items():  # every per-element state of the chunk is in its slot
-                    if isinstance(where, Stored):
-                        if where.codes.device != self.device:  # a device home was narrowed into in place
-                            where.copy_(staged[k], non_blocking=True)
+                for k, home in at_home.items():  # every per-element state of the chunk is in its slot
+                    if isinstance(home, Stored):
+                        if home.codes.device != self.device:  # a device home was narrowed into in place
+                            home.copy_(staged[k], non_blocking=True)
                     else:
-                        where.copy_(wide[k], non_blocking=True)
+                        home.copy_(wide[k], non_blocking=True)
                 if g.placement.offload_params:
                     g.param_shard[span.start:span.start + n].copy_(slot.buf("param", g.compute_dtype, n),
                                                                    non_blocking=True)
