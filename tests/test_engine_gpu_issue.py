@@ -6,6 +6,7 @@ loaded into an engine that has stepped already is what its next step streams (th
 from __future__ import annotations
 
 import random
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -15,6 +16,7 @@ from zerofit.engine import ZeroEngine
 from zerofit.engine.offload.gpu_homes import RunHomes
 from zerofit.engine.offload.gpu_issue import interleaved
 from zerofit.engine.offload.stored_homes import gap_index
+from zerofit.errors import EngineError
 from zerofit.testing.distributed import run_distributed
 from zerofit.testing.models import gpu_stepped_engine, top_level_aten_ops
 
@@ -168,3 +170,15 @@ def test_gap_positions_are_those_no_piece_covers():
         want = masked(pieces, start, length)
         got = gap_index(SimpleNamespace(pieces=pieces), start, length, torch.device("cpu"))
         assert (want is None and got is None) or torch.equal(want, got), (pieces, start, length)
+
+
+def test_work_called_on_the_issuing_thread_runs_in_order_and_its_failure_surfaces_at_the_next_wait():
+    engine = _engine("8bit")
+    issuer = engine.offload.gpu.issuer
+    seen = []
+    issuer.call(lambda: seen.append(threading.current_thread().name))
+    issuer.call(lambda: 1 / 0)
+    with pytest.raises(EngineError, match="ZeroDivisionError"):
+        issuer.wait_all()
+    assert seen == ["zerofit-stream-issue"]
+    _train(engine, 1, 2)  # the thread still serves the steps

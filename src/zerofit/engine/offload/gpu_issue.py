@@ -40,6 +40,9 @@ class IssueThread:
         for e in self._issued.values():
             e.set()
         self._error: BaseException | None = None
+        self._calls, self._calls_lock, self._no_calls = 0, threading.Lock(), threading.Event()
+        """Work queued by `call` and not yet run (`wait_all` waits for it too)."""
+        self._no_calls.set()
         self._queue: queue.Queue = queue.Queue()
         # Daemon: a thread blocked in a read that a failed write never frees must not hang the exit.
         self._thread = threading.Thread(target=self._run, name="zerofit-stream-issue", daemon=True)
@@ -54,7 +57,10 @@ class IssueThread:
 
     def call(self, work: Callable[[], None]) -> None:
         """Run `work()` on the thread after what was queued before it (benchmarks/engine_step.py profiles the thread
-        this way); it must not raise."""
+        this way); what it raises is raised by the next `wait`/`wait_all`, as an issue's failure is."""
+        with self._calls_lock:
+            self._calls += 1
+            self._no_calls.clear()
         self._queue.put((None, work))
 
     def wait(self, g: FlatGroup) -> None:
@@ -65,6 +71,7 @@ class IssueThread:
     def wait_all(self) -> None:
         for done in self._issued.values():
             done.wait()
+        self._no_calls.wait()
         self.raise_error()
 
     def close(self) -> None:
@@ -90,8 +97,15 @@ class IssueThread:
     def _run_one(self, groups: list[FlatGroup] | None, issue: Callable) -> None:
         device = torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
         if groups is None:
-            with device:
-                issue()
+            try:
+                with device:
+                    issue()
+            except BaseException as e:  # noqa: BLE001 - surfaced on the main thread by wait()
+                self._error = e
+            with self._calls_lock:
+                self._calls -= 1
+                if not self._calls:
+                    self._no_calls.set()
             return
         with torch.no_grad(), device:
             failed = False
