@@ -64,7 +64,7 @@ def _train_offload(stage: int, precision: str, optim: str, *, offload: str, offl
                                                                    buffer_count=buffer_count, ratio=ratio),
                       offload_param=OffloadConfig(device=offload_param),
                       # offloaded parameters: every unit's, however small (else the tiny model's stay on the GPU)
-                      param_persistence_threshold=0 if offload_param != "none" else 100_000)
+                      **({"param_persistence_threshold": 0} if offload_param != "none" else {}))
     try:
         engine = ZeroEngine(model, opt, zero=zero, device=torch.device("cuda"), gradient_accumulation_steps=gas,
                             precision=PrecisionConfig(mixed_precision=precision, optimizer_state=state,

@@ -65,9 +65,11 @@ def compiled() -> int | None:
     that keeps them elsewhere). Benchmarks record it per step: a count that grows in a steady step means a
     compile inside it ([Note: kernel warm-up] in zerofit.engine.offload.warm_kernels)."""
     kernels = _kernels() if available() else None
+    if kernels is None:
+        return None
     try:
         return sum(len(cache[0]) for k in kernels for cache in k.device_caches.values())
-    except (AttributeError, TypeError, IndexError):
+    except (AttributeError, IndexError):
         return None
 
 

@@ -311,13 +311,14 @@ def estimate(counts: ModelCounts, setting: Setting, work: Workload, trace: Activ
             state["grads"] += b.grad_shard.nbytes
             if b.step_upcast is not None:  # compact: stepped from a transient fp32 copy, one group at a time
                 step_transient = max(step_transient, b.step_upcast.nbytes)
-            # narrow state kept on the device streams through the same pool, widened from its home in place
-            # ([Note: narrow state in the stream] in zerofit.engine.offload.gpu)
-            if pl.gpu_stepped or (narrow and not is_whole and not pl.offloaded):
+            # narrow state kept on the device is stepped in the stream too, in a slot of its own, widened from its
+            # home in place ([Note: resident chunks] in zerofit.engine.offload.gpu)
+            resident = narrow and not is_whole and not pl.offloaded
+            if pl.gpu_stepped or resident:
                 streamed_compact = streamed_compact or compact
             if pl.gpu_stepped:
                 largest_staged = max(largest_staged, lay.shard_numel)
-            elif narrow and not is_whole and not pl.offloaded:
+            elif resident:
                 largest_resident = max(largest_resident, lay.shard_numel)
             if pl.host_stepped and not is_whole:
                 largest_host_stepped = max(largest_host_stepped, lay.shard_numel)
