@@ -264,7 +264,9 @@ def test_a_compiled_row_trains_as_its_eager_row_and_the_table_says_so(tmp_path):
     md = "\n".join(report.markdown(record))
     assert "Compiled rows: backend aot_eager" in md and "MFU: - (no measured bf16 matmul rate" in md
     line = next(ln for ln in md.splitlines() if ln.startswith("| zerofit-s2-compiled |")).split(" | ")
-    assert line[3] == "-" and line[-1] == "0.00e+00 |" and line[-2].endswith("x")  # MFU, loss gap, vs eager
+    # MFU, loss gap (within the fp32 rounding the losses were compared with above), vs eager
+    gap = float(line[-1].rstrip(" |"))
+    assert line[3] == "-" and 0 <= gap <= 1e-6 * max(eager["losses"]) and line[-2].endswith("x")
     with pytest.raises(ValueError, match="DeepSpeed rows are not compiled here"):
         parse("deepspeed-s2-compiled")
     assert parse("zerofit-s3-offload-compiled") == ("zerofit", 3, True)
