@@ -24,7 +24,23 @@ PLACEMENTS = [
     GroupPlacement(shard_world=2, rank=0, shard_params=False, keep_full_grads=False, state_home=StateHome.HOST_STEPPED),
     GroupPlacement(shard_world=1, rank=0, shard_params=True, keep_full_grads=False, state_home=StateHome.HOST_STEPPED,
                    offload_params=True),
+    # stage 3 parameter offload with the optimizer state on the device (no optimizer offload, or a ratio below 1)
+    GroupPlacement(shard_world=1, rank=0, shard_params=True, keep_full_grads=False, offload_params=True),
 ]
+
+
+def test_fp32_master_of_offloaded_parameters_is_a_device_buffer():
+    """fp32 compute steps the parameter shard itself - unless that shard lives in host memory while the state is on
+    the device: the optimizer cannot step a host tensor with a device gradient, so the master is its own device
+    buffer (found on a GPU: `rebind_optimizer` refused to bind a CUDA gradient to the host shard)."""
+    from zerofit.engine.buffers import group_buffers
+    from zerofit.engine.layout import plan_layout
+    layout = plan_layout([10], 1, align=16)
+    kept = GroupPlacement(shard_world=1, rank=0, shard_params=True, keep_full_grads=False)
+    offloaded = GroupPlacement(shard_world=1, rank=0, shard_params=True, keep_full_grads=False, offload_params=True)
+    assert group_buffers(layout, kept, trainable=True, compute_dtype=torch.float32).master is None
+    b = group_buffers(layout, offloaded, trainable=True, compute_dtype=torch.float32)
+    assert b.master is not None and not b.master.host and b.param_shard.host
 
 
 @pytest.mark.parametrize("placement,dtype,trainable,compact", [

@@ -42,7 +42,8 @@ class GroupBuffers:
     """The S-element parameter shard with its own storage (stage 3; host with parameter offload);
     None: a view of `param_flat`."""
     master: Buffer | None
-    """The fp32 master shard; None: `param_shard` itself (fp32 compute, state on the device) or frozen."""
+    """The fp32 master shard; None: `param_shard` itself (fp32 compute, state and parameters on the device) or
+    frozen."""
     grad_shard: Buffer | None
     """The S-element reduced gradient (compute dtype when compact); None for frozen groups."""
     grad_flat: Buffer | None
@@ -78,7 +79,10 @@ def group_buffers(layout: FlatLayout, placement: GroupPlacement, *, trainable: b
         return GroupBuffers(Buffer(compute_dtype, n), released, param_shard, None, None, None, False,
                             None, None, None, None, None)
     state_on_host = placement.offloaded
-    master = Buffer(fp32, s, host=state_on_host) if compute_dtype != fp32 or state_on_host else None
+    # fp32 compute with the state on the device steps the parameter shard itself, unless that shard lives in host
+    # memory (stage 3 parameter offload): then the master is a device copy the step publishes into it
+    own_master = compute_dtype != fp32 or state_on_host or placement.offload_params
+    master = Buffer(fp32, s, host=state_on_host) if own_master else None
     grad_shard = Buffer(compute_dtype if compact else fp32, s, host=placement.host_stepped)
     is_shard = placement.shard_world == 1 and not placement.host_stepped
     persistent = placement.keep_full_grads and not is_shard

@@ -13,7 +13,8 @@ Each term's bytes, and where they live:
 - gathered parameters: N*c of the root unit (if sharded) + each sharded unit's N*c while gathered: on the
   activation timeline (see `zerofit.plan.activations`), else the 2 largest (current + prefetched). Where:
   GPU, stage 3 only.
-- fp32 master: S*4, none when compute is fp32 and the state is on the GPU (it is the parameter itself);
+- fp32 master: S*4, none when compute is fp32 and the state and parameters are on the GPU (it is the
+  parameter itself);
   S*2.125 when GPU-stepped with the master split (bf16 parameters on the GPU, host memory): kept packed
   between steps, + S*4 of the largest such group while it is packed or read ([Note: packed master at rest]
   in zerofit.engine.offload.packed_master). Where: with the optimizer state.
