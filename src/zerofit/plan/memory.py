@@ -21,7 +21,7 @@ Each term's bytes, and where they live:
 - gradients: S*4 shard (S*c on one rank without accumulation or offload: "compact"); + N*4 full buffer when
   it persists (stage 1 on several ranks). Where: with the optimizer state.
 - optimizer states: k*S*b, b the stored bytes per element of `precision.optimizer_state` (4 fp32, 2 bf16,
-  1.25 8bit: `Codec.bytes_per_element`); groups a per-parameter optimizer steps whole keep b = 4. Where: GPU;
+  1.125 8bit: `Codec.bytes_per_element`); groups a per-parameter optimizer steps whole keep b = 4. Where: GPU;
   host with optimizer offload; files with NVMe, host- or GPU-stepped (one group's worth in host slots).
 - transient gradients: N*4 (+ S*4 reduce output) per unit while reduced, at most 2 reductions in flight.
   Where: GPU, on the activation timeline.
