@@ -254,6 +254,9 @@ def measure(method: str, step, args) -> dict:
            "optimizer_state": args.optimizer_state}
     if method == "zerofit-auto":
         row["planned"] = _planned_zero.label
+    gpu_part = getattr(getattr(engine, "offload", None), "gpu", None)
+    if gpu_part is not None and hasattr(gpu_part, "handover"):  # [Note: handover] (an older tree's A/B: none)
+        row["units_kept"] = gpu_part.handover.kept
     if phases:
         row["breakdown_s"] = {k: statistics.median(p[k] for p in phases) for k in phases[0]}
         row["phases_every_step"] = phases  # a step that differs from its neighbours shows here, not in the median

@@ -177,6 +177,7 @@ def run_engine(rank: int, world: int, case: Case, record_grads: bool = True, dev
             "early": engine.times.host_steps_in_backward,
             "gpu_early": engine.times.gpu_steps_in_backward,
             "param_offloaded": sum(g.placement.offload_params for g in engine.groups),
+            "handed_over": engine.offload.gpu.handover.kept if engine.offload.gpu is not None else 0,
             "nvme_files": len(os.listdir(engine.offload.swapper.dir)) if engine.offload.swapper is not None else 0}
 
 

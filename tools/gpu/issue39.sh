@@ -14,6 +14,7 @@
 # big:     the 9.2 B Llama (13 B shape, 28 layers) 8x512 under stage: auto, fp32 and 8-bit state (every step timed:
 #          step 2 against the steady step)
 # ab:      OLD_SRC's tree against this one, same call: the 9.2 B 8-bit row and GPT-2 XL ZeRO-2 offload 8-bit
+# ab3:     OLD_SRC's tree against this one, same call: GPT-2 XL ZeRO-3 full offload and ZeRO-2 offload, 8-bit
 set -uo pipefail
 . "$(dirname "$0")/../../benchmarks/preamble.sh" "${1:-}" out/issue39
 shift || true
@@ -25,7 +26,7 @@ for what in $WHAT; do
   echo "== $what ($(date -u +%T))"
   case "$what" in
     tests)
-      timeout 300 "$PY" -m pytest -q -p no:cacheprovider tests/test_fused_kernels.py tests/test_engine_gpu.py tests/test_engine_state_dtype_gpu.py tests/test_shard_file.py \
+      timeout 300 "$PY" -m pytest -q -p no:cacheprovider tests/test_fused_kernels.py tests/test_engine_gpu.py tests/test_engine_state_dtype_gpu.py tests/test_shard_file.py tests/test_engine_handover.py \
         2>&1 | tail -15 ;;
     xl)
       "$PY" benchmarks/codec_speed.py
@@ -102,6 +103,12 @@ PYEOF
         PYTHONPATH=$src timeout 200 $B --methods zerofit-s2-offload --optimizer-state 8bit --timeout 140 \
           --out "$OUT_DIR/ab_xl_$tree" | head -3
       done ;;
+    ab3)  # OLD_SRC against this tree, each in its own process, the new one first
+      for tree in new old; do
+        src="$PWD/src"; [ "$tree" = old ] && src=$(cd "$OLD_SRC" && pwd)
+        PYTHONPATH=$src timeout 250 $B --methods zerofit-s3-offload zerofit-s2-offload --optimizer-state 8bit \
+          --timeout 120 --out "$OUT_DIR/ab3_xl_$tree" | head -4
+      done ;;
     big)
       L="--model llama --n_embd 5120 --n_layer 28 --n_head 40 --intermediate 13824 --batch 8 --seq 512 --meta"
       for st in ${STATES:-8bit fp32}; do
@@ -120,7 +127,7 @@ for f in sorted(pathlib.Path(sys.argv[1]).glob("*/results.json")):
             print(f"{f.parent.name:16s} {r['method']:22s} state={r.get('optimizer_state')} s/step={r['s_per_step']:.4f} "
                   f"every={[round(t, 3) for t in r.get('every_step_s', [])]} gpu={r['gpu_peak_gib']:.1f} "
                   f"host={r['host_rss_gib']:.1f} loss={r['losses'][-1]:.4f} planned={r.get('planned', '-')} "
-                  f"compiled={r.get('kernels_compiled_every_step', '-')}")
+                  f"compiled={r.get('kernels_compiled_every_step', '-')} kept={r.get('units_kept', '-')}")
 PYEOF
 rm -f "$OUT_DIR"/*/table.md  # the device returns 8 files: the results and traces
 echo "== done ($(date -u +%T))"

@@ -348,7 +348,7 @@ class ZeroEngine:
             self.stage3.order.end_backward()
         self._finish_reductions(self._sync)
         for unit in self.units:
-            unit.release()
+            unit.release_after_backward()
         self.mode.end_backward()
         self._closed = self._sync
         if self._counting:
@@ -372,7 +372,7 @@ class ZeroEngine:
             else:
                 self._launch_in_order()
             if unit is not self.units[0] and unit.backward_done:  # else stage 3 releases it when done
-                unit.release()
+                unit.release_after_backward()
 
     def _pass_over(self, unit: Unit) -> None:
         """Stage 3, several ranks: backward went past `unit` (see [Note: one gather order])."""
@@ -380,7 +380,7 @@ class ZeroEngine:
         if unit.trainable:
             self._launch_in_order()
         if unit.backward_done:
-            unit.release()
+            unit.release_after_backward()
 
     def _launch_in_order(self, *, finishing: bool = False) -> None:
         """Launch the reductions of the units next in `_reduction_order` whose gradients are complete (all

@@ -116,7 +116,7 @@ def _input_grads_done(call: _Call) -> None:
     call.awaited_in = None
     unit.awaiting_inputs -= 1
     if unit.backward_done:
-        unit.release()
+        unit.release_after_backward()
 
 
 def _plain_tensors(obj: Any) -> list[torch.Tensor]:

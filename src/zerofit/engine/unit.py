@@ -67,6 +67,9 @@ class Unit:
         (see [Note: a unit's backward is done] in zerofit.engine.stage3)."""
         self.before_use = None
         """Called before the parameters are gathered or used (waits for an overlapped host step)."""
+        self.keeps_after_backward: Callable[[Unit], bool] | None = None
+        """Asked when backward is done with the unit: True keeps it gathered for the update and the next forward
+        ([Note: handover] in zerofit.engine.offload.handover)."""
 
     @property
     def numel(self) -> int:
@@ -102,6 +105,12 @@ class Unit:
         for g in self.groups:
             g.release()
         self.state = ParamState.RELEASED
+
+    def release_after_backward(self) -> None:
+        """Backward is done with the unit: release it, unless it is kept for the update and the next forward."""
+        if self.keeps_after_backward is None or self.state is not ParamState.GATHERED \
+                or not self.keeps_after_backward(self):
+            self.release()
 
     # --- gradients ------------------------------------------------------------------------------
     def begin_backward(self) -> None:

@@ -384,7 +384,7 @@ def kept_bytes(gathered: list[int], budget: int | None) -> int:
 
 def state_nbytes(numel: int, kind: str) -> int:
     """Bytes of `numel` optimizer state elements stored as `kind` (precision.optimizer_state): 8bit counts
-    its per-block fp32 scales (a state tensor's elements are a multiple of the block, as shards are)."""
+    its per-block bf16 scales (a state tensor's elements are a multiple of the block, as shards are)."""
     return math.ceil(numel * Codec(kind).bytes_per_element())
 
 

@@ -88,6 +88,7 @@ from zerofit.engine.offload.gpu_runs import (  # noqa: F401 - ChunkSpan and plan
     plan_runs,
 )
 from zerofit.engine.offload.gpu_slot import Slot
+from zerofit.engine.offload.handover import Handover
 from zerofit.engine.offload.nvme import NvmeSwapper
 from zerofit.engine.offload.packed_master import PackedMasters
 from zerofit.engine.offload.packed_master import carries as packed_carries
@@ -195,6 +196,7 @@ class GpuStep(OffloadPart):
             raise AssertionError("the groups packed when built are not those whose master travels split (an engine "
                                  "bug: `policy.packs_master` and `GpuStep._can_split` disagree)")
         self.packed = PackedMasters([g for g in groups if id(g) in self._splits])
+        self.handover = Handover(units, groups, self.device, comm.world)  # [Note: handover]
         self._homes = RunHomes(optimizer, self.codec, self.device, resident=resident, swapped=self.swapper is not None)
         """Where each run's state lives (see [Note: verified homes] in zerofit.engine.offload.gpu_homes)."""
         if self.swapper is None:  # now, not inside the first steps (see [Note: homes at prepare])
@@ -218,6 +220,7 @@ class GpuStep(OffloadPart):
             self.widen()
         self._backward_ran = True
         self.early.begin_backward(sync)
+        self.handover.begin_backward(sync=sync, early=self.early.now)
         self._window_written = self._written  # the issuing thread is idle (all awaited)
 
     def _reduced(self, unit: Unit, pendings: list[Pending]) -> None:
@@ -272,6 +275,7 @@ class GpuStep(OffloadPart):
 
     # --- the step -------------------------------------------------------------------------------
     def _step(self, factors: StepFactors) -> None:
+        self.handover.armed = True  # the stream's slots exist from this step on
         if self._early_step:  # handed over during backward and in `_before_inner_step`
             self._early_step = False
             return
@@ -343,6 +347,7 @@ class GpuStep(OffloadPart):
         last: dict[int, tuple] = {}
         """id(piece) -> (the piece, the scalar state of its last stepped part)."""
         on_device = id(g) in self._resident  # master and state on the device: no copies ([Note: resident chunks])
+        held = self.handover.holds(g)  # its parameters gathered since backward: read and written there
         up, down = (self._work, self._work) if on_device else (self._up, self._down)
         for span in run.chunks:
             if on_device:
@@ -364,12 +369,13 @@ class GpuStep(OffloadPart):
                 packed, carries = slot.packed(n) if split or packed_home else (None, None)
                 # the parameter the master is split against: on the device, or (offloaded) its slot buffer, filled
                 # now where a packed master is rebuilt from it (the step casts the new one into it)
-                rounded = (slot.buf("param", g.compute_dtype, n) if g.placement.offload_params
+                rounded = (g.param_flat[span.start:span.start + n] if held
+                           else slot.buf("param", g.compute_dtype, n) if g.placement.offload_params
                            else g.param_shard[span.start:span.start + n])
                 if packed_home:  # the low halves and carries come up; the device holds the rest
                     packed[:2 * n].copy_(packed_low(at_rest, shard, span.start, n), non_blocking=True)
                     packed[2 * n:].copy_(packed_carries(at_rest, shard, span.start, n), non_blocking=True)
-                    if g.placement.offload_params:
+                    if g.placement.offload_params and not held:
                         rounded.copy_(g.param_shard[span.start:span.start + n], non_blocking=True)
                 elif not in_place:
                     master.copy_(master_home, non_blocking=True)
@@ -387,8 +393,8 @@ class GpuStep(OffloadPart):
                     master_split.join(packed, rounded, master, carries)
                 for k, stored in staged.items():  # widened: the optimizer steps fp32 state
                     self.codec.decode(stored, wide[k], k, scratch=index)
-                new_keys = self._step_chunk(g, run, opt, span, master, slot, wide, now.pieces, unused, scale, kernel,
-                                            created, last)
+                new_keys = self._step_chunk(g, run, opt, span, master, rounded, slot, wide, now.pieces, unused, scale,
+                                            kernel, created, last)
                 if split:  # after the parameter is published: its rounding is what the carries refer to
                     master_split.split(master, rounded, packed, carries)
                 if narrow:
@@ -425,8 +431,7 @@ class GpuStep(OffloadPart):
                     else:
                         home.copy_(wide[k], non_blocking=True)
                 if g.placement.offload_params:
-                    g.param_shard[span.start:span.start + n].copy_(slot.buf("param", g.compute_dtype, n),
-                                                                   non_blocking=True)
+                    g.param_shard[span.start:span.start + n].copy_(rounded, non_blocking=True)
                 slot.free = None if on_device else self._record(down)
         if created:
             for p in run.pieces:
@@ -457,12 +462,13 @@ class GpuStep(OffloadPart):
         return self._gaps[key]
 
     def _step_chunk(self, g: FlatGroup, run: Run, opt: torch.optim.Optimizer, span: ChunkSpan, master: torch.Tensor,
-                    slot: Slot, wide: dict[str, torch.Tensor], pieces: tuple[PieceState, ...], unused: frozenset[int],
-                    scale, kernel, created: dict[int, dict], last: dict[int, tuple]) -> dict[str, torch.dtype]:
+                    param: torch.Tensor, slot: Slot, wide: dict[str, torch.Tensor], pieces: tuple[PieceState, ...],
+                    unused: frozenset[int], scale, kernel, created: dict[int, dict],
+                    last: dict[int, tuple]) -> dict[str, torch.dtype]:
         """Step the pieces in one chunk (on the step stream), one tensor each, in one call; publish the chunk
-        into the parameters and zero its gradient. `wide`: per state key, the slot's buffer of the chunk's
-        state; `pieces`: per piece of the run, its state now. Returns the per-element state keys the optimizer
-        created (now in the slot's buffers)."""
+        into `param` (its parameters, or their slot buffer on the way down) and zero its gradient. `wide`: per
+        state key, the slot's buffer of the chunk's state; `pieces`: per piece of the run, its state now. Returns
+        the per-element state keys the optimizer created (now in the slot's buffers)."""
         n, s = span.length, span.start
         grad = grad_shard = g.grad_shard[s:s + n]
         if grad.dtype != torch.float32:  # compact gradient: upcast, exactly, into the slot
@@ -513,10 +519,7 @@ class GpuStep(OffloadPart):
                         created.setdefault(id(p), {})[k] = v.dtype
                         new_keys[k] = v.dtype
                 last[id(p)] = (p, kept)
-        if g.placement.offload_params:
-            slot.buf("param", g.compute_dtype, n).copy_(master)
-        else:
-            g.param_shard[s:s + n].copy_(master)
+        param.copy_(master)
         if self._zeroing:
             grad_shard.zero_()
         return new_keys

@@ -1,0 +1,78 @@
+"""Stage-3 units kept gathered from their backward through the GPU-stepped update into the next forward ([Note:
+handover] in zerofit.engine.offload.handover): the same weights, losses and state bit for bit as releasing them.
+On CPU the memory rule is replaced by `handover.CPU_BUDGET` (bytes a backward may keep)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from engine_cases import Case, max_diff, run_engine
+
+from zerofit.engine.offload import handover
+from zerofit.testing.distributed import run_distributed
+
+BASE = Case(stage=3, offload="cpu", offload_param="cpu", step_on="device", chunk=64, clip=0.05, steps=5)
+CASES = [BASE, dataclasses.replace(BASE, precision="bf16"), dataclasses.replace(BASE, state="8bit"),
+         dataclasses.replace(BASE, precision="bf16", state="8bit", gas=2),
+         dataclasses.replace(BASE, clip=0.0),  # updates start during backward: nothing is kept
+         dataclasses.replace(BASE, offload="nvme", buffer_count=2)]
+BUDGETS = (None, 1 << 40, 3000)
+"""Keep nothing (the reference), every eligible unit, a few (the tiny model's units are ~1 KB each)."""
+
+
+def _runs(rank: int, world: int, nvme_path: str) -> dict:
+    out = {}
+    for case in CASES:
+        if case.offload == "nvme":
+            case = dataclasses.replace(case, nvme_path=nvme_path)
+        for budget in BUDGETS:
+            handover.CPU_BUDGET = budget
+            try:
+                out[CASES.index(case) if case in CASES else len(CASES) - 1, budget] = run_engine(rank, world, case)
+            finally:
+                handover.CPU_BUDGET = None
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return run_distributed(_runs, 1, str(tmp_path_factory.mktemp("nvme")), timeout=600)[0]
+
+
+@pytest.mark.parametrize("index", range(len(CASES)), ids=lambda i: str(CASES[i]))
+def test_kept_units_train_bit_for_bit_as_released_ones(runs, index):
+    ref = runs[index, None]
+    assert ref["handed_over"] == 0
+    for budget in BUDGETS[1:]:
+        got = runs[index, budget]
+        assert got["losses"] == ref["losses"], budget
+        assert max_diff(got["params"], ref["params"]) == 0.0, budget
+        assert got["param_offloaded"] > 0 and got["streamed"] > 0
+    everything, few = runs[index, BUDGETS[1]]["handed_over"], runs[index, BUDGETS[2]]["handed_over"]
+    if CASES[index].clip == 0.0:  # the updates start during backward: a unit kept could be stepped past
+        assert everything == few == 0
+    else:  # from the second step on, in every backward that closes a window
+        windows = CASES[index].steps - 1
+        assert everything >= windows * 2 and 0 < few < everything, (everything, few)
+
+
+def _cuda_runs(rank: int, world: int) -> list[dict]:
+    # a batch whose activations outweigh the parameters, so backward frees room for units to stay gathered
+    case = dataclasses.replace(BASE, precision="bf16", state="8bit", batch=512, steps=4)
+    return [run_engine(rank, world, case, device="cuda"),
+            run_engine(rank, world, dataclasses.replace(case, offload_param="none"), device="cuda")]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_the_gpu_units_are_kept_within_the_room_backward_freed_and_train_the_same():
+    """The memory rule on a GPU: units are kept (from the second step), and training equals parameter offload
+    without them bit for bit, as parameter offload equals no parameter offload (tests/test_engine_gpu.py)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    kept, plain = run_distributed(_cuda_runs, 1, timeout=600)[0]
+    assert kept["param_offloaded"] > 0 and plain["param_offloaded"] == 0
+    assert kept["handed_over"] > 0
+    assert kept["losses"] == plain["losses"]
+    assert max_diff(kept["params"], plain["params"]) == 0.0
