@@ -15,7 +15,6 @@ from test_checkpoint_support import assemble, build, owned_state, train
 
 from zerofit.checkpoint import load_state, save_state
 from zerofit.checkpoint.merge import merge
-from zerofit.engine import state_codec
 from zerofit.engine.state_codec import Codec, Stored, blocks
 from zerofit.testing.distributed import run_distributed
 
@@ -42,25 +41,12 @@ def stored_engine(stage: int, form: str, rank: int, world: int, **kw):
     return engine
 
 
-LEGACY = Codec("8bit", scales=torch.float32)
-"""8-bit state as checkpoints before [Note: bf16 block scales] hold it: fp32 block scales."""
-
-
 def save_forms(rank, world, root):
     out = {}
     for form in FORMS:
         engine = stored_engine(2, form, rank, world)
         save_state(os.path.join(root, form), engine, update_latest=False)
         out[form] = owned_state(engine, rank)
-    # a run storing its 8-bit state with fp32 scales, as an older zerofit did
-    state_codec.SCALE_DTYPE = torch.float32
-    try:
-        case, model, _, engine = build(2, freeze=True, optimizer_state="8bit")
-        train(engine, model, case, rank, world, range(3))
-    finally:
-        state_codec.SCALE_DTYPE = torch.bfloat16
-    save_state(os.path.join(root, "legacy"), engine, update_latest=False)
-    out["legacy"] = owned_state(engine, rank)
     return out
 
 
@@ -84,22 +70,16 @@ def load_forms(rank, world, root):
     _, _, _, again = build(3, freeze=True, perturb=0.5, optimizer_state="8bit")
     load_state(os.path.join(root, "replicated"), again)
     out["replicated"] = {"want": want, "got": owned_state(again, rank)}
-    _, _, _, engine = build(3, freeze=True, perturb=0.5, optimizer_state="8bit")
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        load_state(os.path.join(root, "legacy"), engine)
-    out["legacy"] = {"state": owned_state(engine, rank),
-                     "said": [str(w.message) for w in caught if "precision.optimizer_state" in str(w.message)]}
     return out
 
 
-def widened(full: dict, key: str, name: str, form: str, codec: Codec | None = None) -> torch.Tensor:
-    """Parameter `name`'s state `key` as fp32, from the full state of a run storing it as `form` (as `codec`)."""
+def widened(full: dict, key: str, name: str, form: str) -> torch.Tensor:
+    """Parameter `name`'s state `key` as fp32, from the full state of a run storing it as `form`."""
     codes = full[(name, key)]
     if form != "8bit":
         return codes.float()
     out = torch.empty(codes.numel())
-    (codec or Codec(form)).decode(Stored(codes, full[(name, key + SCALE_SUFFIX)]), out, key)
+    Codec(form).decode(Stored(codes, full[(name, key + SCALE_SUFFIX)]), out, key)
     return out
 
 
@@ -116,7 +96,7 @@ def forms(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("forms"))
     saved = run_distributed(save_forms, 1, root)[0]
     loaded = run_distributed(load_forms, 2, root)
-    return root, {form: assemble([saved[form]]) for form in (*FORMS, "legacy")}, loaded
+    return root, {form: assemble([saved[form]]) for form in FORMS}, loaded
 
 
 def test_state_saved_as_stored(forms):
@@ -132,7 +112,7 @@ def test_state_saved_as_stored(forms):
     tensors = load_file(os.path.join(root, "8bit", "state", files[0]))
     assert tensors["exp_avg/emb.weight"].dtype == torch.uint8 and tensors["exp_avg/emb.weight"].numel() == 37 * 13
     # 481 elements: 31 blocks, the last one partial
-    assert tensors["exp_avg.absmax/emb.weight"].dtype == torch.bfloat16  # [Note: bf16 block scales]
+    assert tensors["exp_avg.absmax/emb.weight"].dtype == torch.float32
     assert tensors["exp_avg.absmax/emb.weight"].numel() == blocks(37 * 13) == 31
     assert load_file(os.path.join(root, "bf16", "state", files[0]))["exp_avg_sq/emb.weight"].dtype == torch.bfloat16
 
@@ -147,24 +127,7 @@ def test_same_form_reshards_exactly(forms):
         assert all(r[(form, form)]["said"] == [] for r in loaded), form
     dtypes = loaded[0][("8bit", "8bit")]["dtypes"]
     assert dtypes == {"exp_avg": torch.uint8, "exp_avg_sq": torch.uint8,
-                      "exp_avg.absmax": torch.bfloat16, "exp_avg_sq.absmax": torch.bfloat16}
-
-
-def test_8bit_state_with_fp32_scales_loads_widened_and_stored_again(forms):
-    """A checkpoint written before [Note: bf16 block scales] (fp32 scales) loads into an 8-bit run: each key widened
-    with its own scales and stored with bf16 ones, once, in one warning."""
-    _, saved, loaded = forms
-    legacy = saved["legacy"]
-    assert legacy[("emb.weight", "exp_avg.absmax")].dtype == torch.float32
-    got = assemble([r["legacy"]["state"] for r in loaded])
-    for name in sorted({name for name, key in legacy if key == "exp_avg"}):
-        assert torch.equal(got[(name, "master")], legacy[(name, "master")])
-        for key in KEYS:
-            for k, value in narrowed(widened(legacy, key, name, "8bit", LEGACY), key, "8bit").items():
-                assert got[(name, k)].dtype == value.dtype and torch.equal(got[(name, k)], value), (name, k)
-    said = [r["legacy"]["said"] for r in loaded]
-    assert said[1] == [] and len(said[0]) == 1, said
-    assert "stored as 8bit with float32 scales in the checkpoint, as 8bit in this run" in said[0][0]
+                      "exp_avg.absmax": torch.float32, "exp_avg_sq.absmax": torch.float32}
 
 
 def test_other_form_widened_and_narrowed_once(forms):

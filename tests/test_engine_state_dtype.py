@@ -25,13 +25,11 @@ from zerofit.engine import ZeroEngine
 from zerofit.engine.state_codec import BLOCK, Codec, Stored, dynamic_map, round_trip
 from zerofit.testing.distributed import run_distributed
 
-TOL = {"bf16": 1e-4, "8bit": 2e-4}
+TOL = {"bf16": 1e-4, "8bit": 1e-4}
 """Max |weight - reference| after the run. The ranks' gradients are summed in another order than the whole
 batch's (1 ulp apart), which can move a state element across a rounding boundary of its stored form: one
 bf16 step (2**-8 relative) or one step of the 8-bit map in that element, which moves its weight by about lr
-times that much in that step (seen: 2.4e-5 with bf16 state, Adam lr 1e-2; with 8-bit state 1.2e-7 - no crossing -
-with fp32 block scales and 1.13e-4 with bf16 ones: one step of the map near a block's absmax is 1.4 %, ~1.4e-4 of
-a weight at lr 1e-2).
+times that much in that step (seen: 2.4e-5 with bf16 state, Adam lr 1e-2; 1.2e-7, no crossing, with 8-bit).
 Between zerofit's own settings the sums are the same and so is everything else (the bit-for-bit test)."""
 
 TRAININGS = [Case(stage=0, steps=6), Case(stage=0, gas=2, clip=0.05, steps=5), Case(stage=0, optim="sgd", steps=5),
@@ -136,7 +134,8 @@ def test_every_stage_and_home_holds_the_same_narrow_state_bit_for_bit(results, c
     same_sums = 0 if case.precision == "no" and (case.gas == 1 or (case.stage < 2 and not host_stepped)) else 2
     if case.clip and case.stage == 1 and same_sums == 0:
         # clipping: stage 1 sums the gradient's squares shard by shard, stage 0 over the whole buffer - norms one
-        # rounding apart, which a block's scale or code can carry into the weights (seen: 1.2e-7 with bf16 scales)
+        # rounding apart, which a block's scale or code can carry into the weights (seen: 1.2e-7 with 8-bit state
+        # whose block scales were bf16, a variant tried on 2026-12-06): the exact base is stage 1 on the device
         same_sums = 1
         stage0 = results[0][dataclasses.replace(case, stage=0, offload="none", step_on="auto", chunk=0)]
         assert got["losses"] == pytest.approx(stage0["losses"], rel=1e-5)
@@ -158,13 +157,12 @@ def test_the_state_is_stored_narrow_in_every_home(results):
     for home in HOMES:
         assert storage["bf16", home][0] == {"exp_avg": ["torch.bfloat16"], "exp_avg_sq": ["torch.bfloat16"]}, home
         assert storage["8bit", home][0] == {"exp_avg": ["torch.uint8"], "exp_avg_sq": ["torch.uint8"],
-                                            "exp_avg.absmax": ["torch.bfloat16"],
-                                            "exp_avg_sq.absmax": ["torch.bfloat16"]}, home
+                                            "exp_avg.absmax": ["torch.float32"],
+                                            "exp_avg_sq.absmax": ["torch.float32"]}, home
     for home in ("nvme host-stepped", "nvme gpu-stepped"):  # the files hold the stored form: master + 2 states
         fp32, bf16, eight = (storage[kind, home][1] for kind in ("fp32", "bf16", "8bit"))
-        # per element of a shard (a multiple of 16 long): 4 + 2 * 4 bytes, 4 + 2 * 2, 4 + 2 * (1 + 2 / 16)
-        # (each key's 8-bit scales rounded up to 4 bytes in its region: a few bytes more per group)
-        assert bf16 * 12 == fp32 * 8 and fp32 * 6.25 <= eight * 12 <= fp32 * 6.3, (home, fp32, bf16, eight)
+        # per element of a shard (a multiple of 16 long): 4 + 2 * 4 bytes, 4 + 2 * 2, 4 + 2 * (1 + 4 / 16)
+        assert bf16 * 12 == fp32 * 8 and eight * 12 == fp32 * 6.5, (home, fp32, bf16, eight)
 
 
 def test_the_maps_and_blocks():
@@ -178,12 +176,9 @@ def test_the_maps_and_blocks():
     x = torch.cat([x, torch.randn(24, generator=g)])  # 1024: whole blocks
     y = round_trip(x, codec, "exp_avg")
     assert torch.equal(round_trip(y, codec, "exp_avg"), y)  # idempotent: untouched state comes back unchanged
-    # the error of each element is at most half a step of the map at its block's absmax, plus the scale's rounding
-    # to the nearest bf16 ([Note: bf16 block scales]: at most 2**-8 of the absmax)
+    # the error of each element is at most half a step of the map at its block's scale
     half_step = (dynamic_map(True).diff().max() / 2).item()  # ~0.007, near the block's absmax
-    absmax = x.view(-1, BLOCK).abs().amax(1, keepdim=True)
-    assert ((x - y).abs().view(-1, BLOCK) <= (half_step + 2 ** -8) * absmax).all()
-    assert torch.equal(y.view(-1, BLOCK).abs().amax(1, keepdim=True), absmax.bfloat16().float())  # the max: +-scale
+    assert ((x - y).abs().view(-1, BLOCK) <= half_step * x.view(-1, BLOCK).abs().amax(1, keepdim=True) * 1.0001).all()
     # blocks are counted from the buffer's start: a slice at a multiple of BLOCK stores the same codes
     whole = codec.empty(1024, "cpu")
     codec.encode(x, whole, "exp_avg")

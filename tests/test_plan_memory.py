@@ -286,7 +286,7 @@ def test_gpu_stepped_nvme_keeps_the_gradient_and_pool_on_the_gpu_and_the_state_i
 def test_narrow_optimizer_state_counts_its_stored_bytes_in_every_home():
     # Adam's two state tensors of the 432 laid-out elements: 4 bytes each in fp32, 2 in bf16, 1 + 4/16 in 8bit
     # (a code per element and an fp32 scale per 16); the fp32 master is never narrowed
-    per = {"fp32": 4, "bf16": 2, "8bit": 1.125}
+    per = {"fp32": 4, "bf16": 2, "8bit": 1.25}
     for state, b in per.items():
         work = Workload(mixed_precision="bf16", optimizer_state=state, gradient_accumulation_steps=2,
                         persistence_threshold=0)
@@ -323,7 +323,7 @@ def test_a_per_parameter_optimizers_state_stays_fp32_under_narrow_state():
     work = Workload(world=2, gradient_accumulation_steps=2, optimizer_state="8bit")
     mixed = estimate(c, Setting(stage=2, offload_optimizer="cpu"), work, None)
     assert mixed.optimizer == 3 * (3 * 64 * 4)  # Muon's groups: master + two fp32 states, as without the key
-    assert mixed.host_optimizer == (32 + 3 * 16) * 4 + 2 * (32 + 3 * 16) * 1.125  # root and biases: state narrowed
+    assert mixed.host_optimizer == (32 + 3 * 16) * 4 + 2 * (32 + 3 * 16) * 1.25  # root and biases: state narrowed
 
 
 def test_the_planner_lists_every_home_for_narrow_state():

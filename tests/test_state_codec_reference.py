@@ -15,17 +15,15 @@ LENGTHS = (1, 7, 15, 16, 17, 33, 160, 1000, 1024, 1041)
 
 
 def _reference_encode(x: torch.Tensor, key: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Codes and scales by the definition: per block of 16 (zero-padded) its absmax, kept as the nearest bf16
-    (clamped to bf16's largest finite value: [Note: bf16 block scales]), each value divided by the absmax
-    clamped to the smallest normal float, stored as the index of the nearest midpoint-separated map value."""
+    """Codes and scales by the definition: per block of 16 (zero-padded) its absmax, each value divided by the
+    absmax clamped to the smallest normal float, stored as the index of the nearest midpoint-separated map value."""
     n = x.numel()
     nb = -(-n // BLOCK)
     padded = torch.zeros(nb * BLOCK)
     padded[:n] = x
     rows = padded.view(nb, BLOCK)
-    absmax = rows.abs().amax(dim=1)
-    scale = absmax.clamp_max(torch.finfo(torch.bfloat16).max).to(torch.bfloat16)
-    normed = (rows / absmax.clamp_min(torch.finfo(torch.float32).tiny)[:, None]).reshape(-1)[:n]
+    scale = rows.abs().amax(dim=1)
+    normed = (rows / scale.clamp_min(torch.finfo(torch.float32).tiny)[:, None]).reshape(-1)[:n]
     values = dynamic_map(key not in UNSIGNED_KEYS)
     mids = (values[1:] + values[:-1]) / 2
     codes = torch.searchsorted(mids, normed, right=False).to(torch.uint8)
@@ -36,7 +34,7 @@ def _reference_decode(codes: torch.Tensor, scale: torch.Tensor, key: str) -> tor
     values = dynamic_map(key not in UNSIGNED_KEYS)
     n = codes.numel()
     wide = values[codes.long()]
-    per_element = scale.float().repeat_interleave(BLOCK)[:n]
+    per_element = scale.repeat_interleave(BLOCK)[:n]
     return wide * per_element
 
 

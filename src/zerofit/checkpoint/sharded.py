@@ -62,7 +62,7 @@ from zerofit.checkpoint.manifest import (
 )
 from zerofit.checkpoint.ranks import Ranks
 from zerofit.checkpoint.shard_file import layout, shard_name, tiling_problem, write_shard
-from zerofit.checkpoint.state_forms import StateLoad, loading_codec, merge_forms, narrow_forms, saved_scale_dtypes
+from zerofit.checkpoint.state_forms import StateLoad, loading_codec, merge_forms, narrow_forms
 from zerofit.checkpoint.tree import encode, read_tree, write_encoded, write_tree
 from zerofit.checkpoint.whole_state import chunks_to_load, chunks_to_save
 from zerofit.config.schema import RunConfig
@@ -468,14 +468,13 @@ def _load_tensors(directory, engine, ranks: Ranks, scope) -> tuple[Path, dict]:
     codec = loading_codec(engine)
     _prepare_optimizer(path, common, engine.optimizer, codec)
     saved_optimizer = (common.get("optimizer") or {}) if engine.optimizer is not None else {}
+    state_load = StateLoad(saved_optimizer.get("state_forms") or {}, codec, saved_optimizer.get("state_keys", []))
     index, error = {}, None
     try:
         index = read_index(path / STATE_DIR)
     except CheckpointError as e:
         error = str(e)
     ranks.agree(error)
-    state_load = StateLoad(saved_optimizer.get("state_forms") or {}, codec, saved_optimizer.get("state_keys", []),
-                           saved_scale_dtypes(index))
     batches = _batches(engine.groups, scope)
     reads = max(ranks.all_gather(len(batches)))  # each read is collective: a rank with fewer reads an empty one
     batches += [(None, [])] * (reads - len(batches))

@@ -4,10 +4,9 @@ loading it into a run that stores it in another form.
 [Note: state forms in a checkpoint]
 A checkpoint holds each per-element optimizer state key K in the form the saving run kept it between steps
 (`precision.optimizer_state`, [Note: narrow optimizer state] in zerofit.engine.state_codec): fp32 tensors
-"K/<parameter>" (as always), bf16 tensors, or uint8 codes "K/<parameter>" beside bf16 block scales
-"K.absmax/<parameter>" ([Note: per-block state] in zerofit.engine.state; checkpoints written before [Note: bf16
-block scales] in zerofit.engine.state_codec hold fp32 scales, told by the saved tensors' dtype). Narrow state is
-written as is: saving neither widens it (which would cost 3 to 4 times its bytes on disk) nor changes its values, so a
+"K/<parameter>" (as always), bf16 tensors, or uint8 codes "K/<parameter>" beside fp32 block scales
+"K.absmax/<parameter>" ([Note: per-block state] in zerofit.engine.state). Narrow state is written as is:
+saving neither widens it (which would cost 3 to 4 times its bytes on disk) nor changes its values, so a
 run that resumes in the same form continues bit for bit as if never stopped. `common.json` names the form
 of every key that is not fp32 (`optimizer.state_forms`); a checkpoint with fp32 state is written exactly
 as before this existed.
@@ -17,8 +16,7 @@ buffers of its own fragments, widens each fragment to fp32 and narrows it to its
 device its state lives on; the main process says so in one warning naming both forms. Fragments start
 on a block boundary of their parameter, so narrowing one fragment gives the codes and scales a whole
 parameter's encoding has there: the result is what the loading run would store had it held the widened
-state itself. An 8-bit key saved with fp32 scales is such a form of its own: widened with its scales and
-stored with bf16 ones.
+state itself.
 """
 
 from __future__ import annotations
@@ -67,37 +65,19 @@ def merge_forms(parts: list[dict[str, str]], where: str) -> dict[str, str]:
     return out
 
 
-def saved_scale_dtypes(index: dict) -> dict[str, torch.dtype]:
-    """{state key: the dtype of its saved 8-bit block scales} from a checkpoint's tensor index (fqn -> metadata
-    with `properties.dtype`, as `zerofit.checkpoint.chunks.read_index` gives it)."""
-    out: dict[str, torch.dtype] = {}
-    for fqn, md in index.items():
-        key, sep, _ = fqn.partition("/")
-        if sep and is_scale_key(key):
-            out.setdefault(key[:-len(SCALE_SUFFIX)], md.properties.dtype)
-    return out
-
-
 class StateLoad:
     """The chunks a rank reads its optimizer state from, and the widening and narrowing of the keys saved in
-    another form than this run stores them in (see the note). `scale_dtypes`: `saved_scale_dtypes` of the
-    checkpoint (8-bit keys not named there: bf16 scales)."""
+    another form than this run stores them in (see the note)."""
 
-    def __init__(self, saved_forms: dict[str, str], codec: Codec, state_keys: list[str],
-                 scale_dtypes: dict[str, torch.dtype] | None = None):
-        scale_dtypes = scale_dtypes or {}
-        self.saved = {key: Codec(saved_forms.get(key, FP32), scales=scale_dtypes.get(key))
-                      for key in state_keys}
+    def __init__(self, saved_forms: dict[str, str], codec: Codec, state_keys: list[str]):
+        self.saved = {key: Codec(saved_forms.get(key, FP32)) for key in state_keys}
         self.codec = codec
         self._pending: list[tuple[Fragment, str, Stored]] = []
         """(fragment, key, its saved form read into host memory) to widen and narrow after the read."""
 
     def converted(self) -> dict[str, str]:
         """{key: saved form} of the keys read in another form than this run's."""
-        return {k: _name(c) for k, c in self.saved.items() if not self._same(c)}
-
-    def _same(self, saved: Codec) -> bool:
-        return saved.kind == self.codec.kind and (not saved.scaled or saved.scale_dtype == self.codec.scale_dtype)
+        return {k: c.kind for k, c in self.saved.items() if c.kind != self.codec.kind}
 
     def chunks(self, f: Fragment) -> dict[str, Chunk]:
         """The chunks fragment `f`'s state is read from: its own state tensors where the forms agree, host
@@ -106,7 +86,7 @@ class StateLoad:
         for key, saved in self.saved.items():
             if key not in f.tensors:
                 continue
-            if self._same(saved):
+            if saved.kind == self.codec.kind:
                 tensors = {k: f.tensors[k] for k in (key, key + SCALE_SUFFIX) if k in f.tensors}
             else:
                 buf = saved.empty(f.length, "cpu")
@@ -142,10 +122,3 @@ class StateLoad:
                     assert scale is not None and scale.numel() == blocks(f.length), (f.name, key)
                 self.codec.encode(wide, Stored(dst, scale if self.codec.scaled else None), key)
         self._pending.clear()
-
-
-def _name(codec: Codec) -> str:
-    """A stored form as the load's warning names it."""
-    if codec.scaled and codec.scale_dtype != torch.bfloat16:
-        return f"{codec.kind} with {str(codec.scale_dtype).removeprefix('torch.')} scales"
-    return codec.kind

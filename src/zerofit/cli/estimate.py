@@ -44,7 +44,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
              help="state tensors per parameter: 2 for Adam/AdamW (default), 1 SGD+momentum, 0 SGD")
     add_flag(p, "--optimizer_state", default="fp32", choices=("fp32", "bf16", "8bit"),
              help="how those tensors are stored (precision.optimizer_state): fp32 (default, 4 bytes an element), "
-                  "bf16 (2) or 8bit (1.125)")
+                  "bf16 (2) or 8bit (1.25)")
     add_flag(p, "--checkpointing", default="both", choices=("both", "on", "off"),
              help="activation checkpointing rows to show (default both)")
     add_flag(p, "--offload_ratio", type=_ratio, default="auto",

@@ -156,7 +156,7 @@ class PrecisionConfig:
     DeepSpeed's unset value (the compute dtype) is not followed: unset is fp32."""
     optimizer_state: OptimizerStateDtype = "fp32"
     """How the optimizer's per-element state (Adam's moments, momentum) is stored between steps: fp32 (as the
-    optimizer makes it), bf16 (half the bytes), or 8bit (block-wise dynamic quantisation, 1.125 bytes per
+    optimizer makes it), bf16 (half the bytes), or 8bit (block-wise dynamic quantisation, 1.25 bytes per
     element). The update always runs in fp32 with the script's optimizer class; the fp32 master is never
     narrowed (see [Note: narrow optimizer state] in zerofit.engine.state_codec)."""
     skip_nonfinite_steps: bool = False

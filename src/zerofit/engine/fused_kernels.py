@@ -10,13 +10,11 @@ step) it was most of the optimizer's time, more than the link's. The split maste
 (zerofit.engine.offload.master_split) were ~20 strided integer kernels per chunk, packing and unpacking
 the carries bit plane by bit plane. The kernels here read each element once and write it once:
 
-- `encode`: a program takes `ROWS` blocks of `BLOCK` elements, finds each block's absmax (kept as the nearest
-  bf16, rounded by its bits as torch's cast rounds, the scales passed as int16 bits), divides by it (IEEE round
-  to nearest, as torch's division) and finds the code by a binary search of the 255
+- `encode`: a program takes `ROWS` blocks of `BLOCK` elements, finds each block's absmax, divides by it
+  (IEEE round to nearest, as torch's division) and finds the code by a binary search of the 255
   midpoints (8 probes: the code is the count of midpoints strictly below the value, what
   `torch.bucketize(..., right=False)` returns), then writes the codes and absmaxes.
-- `decode`: the map's value for each code times its block's scale, widened by its bits (one IEEE multiplication,
-  as torch's).
+- `decode`: the map's value for each code times its block's absmax (one IEEE multiplication, as torch's).
 - `split`: each element's low 16 bits, and its carry (high half != the bf16 parameter's bits) packed
   eight to a byte, lowest element in the lowest bit; `join`: `(param - carry) << 16 | low`.
 
@@ -92,15 +90,14 @@ def usable(*tensors: torch.Tensor) -> bool:
 
 
 def encode(src: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, mids: torch.Tensor, block: int) -> None:
-    """`src` (fp32, n) into `codes` (uint8, n) and `scale` (bf16, ceil(n / block)) against the sorted
+    """`src` (fp32, n) into `codes` (uint8, n) and `scale` (fp32, ceil(n / block)) against the sorted
     255 `mids`."""
-    _launch(0, src, block * ROWS, src, codes, scale.view(torch.int16), mids, BLOCK=block, ROWS=ROWS,
-            TINY=torch.finfo(torch.float32).tiny, SCALE_MAX=torch.finfo(torch.bfloat16).max)
+    _launch(0, src, block * ROWS, src, codes, scale, mids, BLOCK=block, ROWS=ROWS, TINY=torch.finfo(torch.float32).tiny)
 
 
 def decode(codes: torch.Tensor, scale: torch.Tensor, values: torch.Tensor, out: torch.Tensor, block: int) -> None:
-    """`codes` (uint8, n) and `scale` (bf16, ceil(n / block)) widened into `out` (fp32, n) by the 256 `values`."""
-    _launch(1, out, block * ROWS, codes, scale.view(torch.int16), values, out, BLOCK=block, ROWS=ROWS)
+    """`codes` (uint8, n) and `scale` (fp32, ceil(n / block)) widened into `out` (fp32, n) by the 256 `values`."""
+    _launch(1, out, block * ROWS, codes, scale, values, out, BLOCK=block, ROWS=ROWS)
 
 
 def split(master: torch.Tensor, param: torch.Tensor, low: torch.Tensor, carries: torch.Tensor) -> None:

@@ -6,17 +6,13 @@ import triton.language as tl
 
 
 @triton.jit
-def encode_kernel(src, codes, scale, mids, n, BLOCK: tl.constexpr, ROWS: tl.constexpr, TINY: tl.constexpr,
-                  SCALE_MAX: tl.constexpr):
+def encode_kernel(src, codes, scale, mids, n, BLOCK: tl.constexpr, ROWS: tl.constexpr, TINY: tl.constexpr):
     row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     idx = row[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
     inside = idx < n
     x = tl.load(src + idx, mask=inside, other=0.0)
     amax = tl.max(tl.abs(x), axis=1)
-    # the scale kept: the absmax to the nearest bf16, ties to even, by its bits (as torch rounds)
-    bits = tl.minimum(amax, SCALE_MAX).to(tl.uint32, bitcast=True)
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-    tl.store(scale + row, bits.to(tl.uint16).to(tl.int16, bitcast=True), mask=row * BLOCK < n)
+    tl.store(scale + row, amax, mask=row * BLOCK < n)
     v = tl.div_rn(x, tl.maximum(amax, TINY)[:, None])
     pos = tl.zeros([ROWS, BLOCK], dtype=tl.int32)
     for k in tl.static_range(8):
@@ -31,8 +27,7 @@ def decode_kernel(codes, scale, values, out, n, BLOCK: tl.constexpr, ROWS: tl.co
     idx = row[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
     inside = idx < n
     c = tl.load(codes + idx, mask=inside, other=0).to(tl.int32)
-    bits = tl.load(scale + row, mask=row * BLOCK < n, other=0).to(tl.uint16, bitcast=True).to(tl.uint32)
-    s = (bits << 16).to(tl.float32, bitcast=True)  # a bf16 widened by its bits: exact, subnormals too
+    s = tl.load(scale + row, mask=row * BLOCK < n, other=0.0)
     tl.store(out + idx, tl.load(values + c) * s[:, None], mask=inside)
 
 

@@ -9,7 +9,7 @@ overlap them. Writing into the views writes into the engine.
 
 [Note: per-block state]
 Optimizer state stored in 8 bits ([Note: narrow optimizer state] in zerofit.engine.state_codec) keeps,
-beside each per-element key K (uint8 codes, one per element), `K + SCALE_SUFFIX`: one bf16 scale per block
+beside each per-element key K (uint8 codes, one per element), `K + SCALE_SUFFIX`: one fp32 absmax per block
 of BLOCK (16) elements of the piece. Pieces start at multiples of 16 of their parameter, so a piece's
 blocks are its parameter's blocks from `start // 16` on, and the absmax of a parameter is a tensor of its
 own of `blocks(numel)` elements (the last block may be partial) that reshards like per-element state with

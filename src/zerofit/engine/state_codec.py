@@ -7,12 +7,12 @@ stored state is widened into fp32 buffers, stepped, and narrowed back (`encode` 
 master weights are never narrowed.
 
 - `bf16`: each value rounded to the nearest bf16 (2 bytes).
-- `8bit`: dynamic quantisation in blocks of `BLOCK` elements: per block the largest magnitude (`absmax`) is
-  kept, as the nearest bf16 (`SCALE_DTYPE`), and each value divided by the absmax is stored as the index (1
-  byte) of the nearest entry of a fixed 256-entry map whose entries are spread over decades (see `dynamic_map`:
-  as in Dettmers et al. 2021, "8-bit Optimizers via Block-wise Quantization", with our own construction). State
-  that is never negative (Adam's second moment) uses the unsigned map, which spends the sign bit on one more bit
-  of resolution. 1 + 2 / 16 = 1.125 bytes per element.
+- `8bit`: dynamic quantisation in blocks of `BLOCK` elements: per block the largest magnitude (`absmax`, fp32)
+  is kept, and each value divided by it is stored as the index (1 byte) of the nearest entry of a fixed
+  256-entry map whose entries are spread over decades (see `dynamic_map`: as in Dettmers et al. 2021, "8-bit
+  Optimizers via Block-wise Quantization", with our own construction). State that is never negative (Adam's
+  second moment) uses the unsigned map, which spends the sign bit on one more bit of resolution.
+  1 + 4 / 16 = 1.25 bytes per element.
 
 Blocks are `BLOCK` = 16 elements, counted from the start of the flat buffer the state lies in. Every
 parameter starts at a multiple of 16 of its flat group, and shards and GPU-stepped chunks are cut at
@@ -35,20 +35,6 @@ temporaries and the stream keeps no scratch.
 
 Encoding is idempotent: `encode(decode(x)) == x` (the largest element of a block maps to exactly +-1), so
 state that travels without being stepped (a parameter with no gradient this window) comes back unchanged.
-
-[Note: bf16 block scales]
-The scale was an fp32 absmax (1.25 bytes per element) until 2026-12-06. Every byte of GPU-stepped state crosses
-the host link twice a step; a bf16 scale saves 0.125 bytes per element and key: ~5 % of an offloaded 8-bit Adam
-step's traffic (with the split master, 4.625 -> 4.375 bytes per parameter each way) and 10 % of the 8-bit state's
-memory. The codes are found exactly as before,
-against the block's fp32 absmax; only the scale kept beside them is rounded, to the nearest bf16 (relative error
-<= 2**-8): a block widens up to 0.4 % off, all its values in the same direction, beside the codes' own steps (up
-to 1.4 % of the absmax near it). The largest element still gets the code of +-1, so a widened block's absmax is
-its stored scale and the encoding stays idempotent (above). Dividing by the rounded scale instead would put the
-largest element of a block whose scale rounded up at x / scale ~ 0.996, under the unsigned map's midpoint below
-its top entry: that block re-encoded without a step would shrink. The scale is clamped to bf16's largest finite
-value (state beyond 3.39e38 is lost either way). Checkpoints of 8-bit state with fp32 scales still load:
-`zerofit.checkpoint.state_forms` widens them with their own scales and stores them again, once.
 """
 
 from __future__ import annotations
@@ -61,11 +47,6 @@ from zerofit.engine import fused_kernels
 
 BLOCK = 16
 """Elements per 8-bit block (see the note)."""
-
-SCALE_DTYPE = torch.bfloat16
-"""The dtype of an 8-bit block's scale ([Note: bf16 block scales])."""
-
-_SCALE_MAX = torch.finfo(SCALE_DTYPE).max
 
 STATE_DTYPES = ("fp32", "bf16", "8bit")
 """The values of `precision.optimizer_state`."""
@@ -123,9 +104,6 @@ class Codec:
     """How per-element optimizer state is stored: `kind` one of STATE_DTYPES."""
 
     kind: str = "fp32"
-    scales: torch.dtype | None = None
-    """8-bit: the dtype of the block scales, None: `SCALE_DTYPE` (fp32 reads checkpoints written before [Note:
-    bf16 block scales])."""
 
     def __post_init__(self):
         if self.kind not in STATE_DTYPES:
@@ -142,23 +120,18 @@ class Codec:
         return {"fp32": torch.float32, "bf16": torch.bfloat16, "8bit": torch.uint8}[self.kind]
 
     @property
-    def scale_dtype(self) -> torch.dtype:
-        """The dtype of the block scales (8-bit)."""
-        return self.scales or SCALE_DTYPE
-
-    @property
     def scaled(self) -> bool:
-        """Blocks carry a scale (their absmax) beside the codes (8-bit)."""
+        """Blocks carry an fp32 absmax beside the codes (8-bit)."""
         return self.kind == "8bit"
 
     def bytes_per_element(self) -> float:
         """Stored bytes per state element (the block's absmax included)."""
-        return {"fp32": 4.0, "bf16": 2.0, "8bit": 1.0 + self.scale_dtype.itemsize / BLOCK}[self.kind]
+        return {"fp32": 4.0, "bf16": 2.0, "8bit": 1.0 + 4.0 / BLOCK}[self.kind]
 
     def empty(self, n: int, device, *, make=None) -> Stored:
         """Storage for `n` elements (`make(numel, dtype)` allocates, e.g. page-locked; default torch.empty)."""
         make = make or (lambda numel, dtype: torch.empty(numel, dtype=dtype, device=device))
-        return Stored(make(n, self.code_dtype), make(blocks(n), self.scale_dtype) if self.scaled else None)
+        return Stored(make(n, self.code_dtype), make(blocks(n), torch.float32) if self.scaled else None)
 
     def encode(self, src: torch.Tensor, dst: Stored, key: str, *, scratch: torch.Tensor | None = None,
                overwrite: bool = False) -> None:
@@ -169,20 +142,18 @@ class Codec:
             dst.codes.copy_(src)  # bf16: round to nearest even; fp32: a copy
             return
         _, mids = _MAPS.get(key not in UNSIGNED_KEYS, src.device)
-        if dst.scale.dtype == SCALE_DTYPE and fused_kernels.usable(src, dst.codes, dst.scale, mids):
-            fused_kernels.encode(src, dst.codes, dst.scale, mids, BLOCK)  # one kernel ([Note: fused kernels])
+        if fused_kernels.usable(src, dst.codes, dst.scale, mids):  # one kernel ([Note: fused kernels])
+            fused_kernels.encode(src, dst.codes, dst.scale, mids, BLOCK)
             return
-        # 7 kernels, the fewest torch offers: bucketize writes only int32 or int64 (hence the copy into the
-        # uint8 codes), and an all-zero block needs its scale clamped (kept unclamped in `scale`)
+        # 5 kernels, the fewest torch offers: bucketize writes only int32 or int64 (hence the copy into the
+        # uint8 codes), and an all-zero block needs its absmax clamped (kept unclamped in `scale`)
         n = src.numel()
         nb = blocks(n)
         whole = nb * BLOCK == n
         padded = src.view(nb, BLOCK) if whole else _padded(src, nb)
-        amax = torch.linalg.vector_norm(padded, _INF, 1)  # one pass, no |x| temporary
-        # kept rounded to the nearest bf16 ([Note: bf16 block scales]); the codes are found against the absmax
-        dst.scale.copy_(amax.clamp_max(_SCALE_MAX) if dst.scale.dtype != torch.float32 else amax)
+        torch.linalg.vector_norm(padded, _INF, 1, out=dst.scale)  # one pass, no |x| temporary
         # an all-zero block divides by the smallest normal float: its values stay 0 (code of 0)
-        divisor = amax.clamp_min_(_TINY).unsqueeze(1)
+        divisor = dst.scale.clamp_min(_TINY).unsqueeze(1)
         if overwrite or not whole:  # not whole: `padded` is a copy already
             normed = padded.div_(divisor).view(-1)
         else:
@@ -199,10 +170,10 @@ class Codec:
             dst.copy_(src.codes)
             return
         values, _ = _MAPS.get(key not in UNSIGNED_KEYS, dst.device)
-        if src.scale.dtype == SCALE_DTYPE and fused_kernels.usable(dst, src.codes, src.scale, values):
-            fused_kernels.decode(src.codes, src.scale, values, dst, BLOCK)  # one kernel ([Note: fused kernels])
+        if fused_kernels.usable(dst, src.codes, src.scale, values):  # one kernel ([Note: fused kernels])
+            fused_kernels.decode(src.codes, src.scale, values, dst, BLOCK)
             return
-        # the map's values straight into `dst`, then scaled there in place (a bf16 scale widened exactly): 3 kernels
+        # the map's values straight into `dst`, then scaled there in place: 3 kernels
         n = dst.numel()
         index = src.codes.int() if scratch is None else scratch[:n].copy_(src.codes)
         torch.index_select(values, 0, index, out=dst)
@@ -218,7 +189,7 @@ class Codec:
 
 @dataclass(frozen=True)
 class Stored:
-    """State of some elements as stored: `codes` (one per element) and, 8-bit, `scale` (one per block, bf16)."""
+    """State of some elements as stored: `codes` (one per element) and, 8-bit, `scale` (one per block)."""
 
     codes: torch.Tensor
     scale: torch.Tensor | None = None

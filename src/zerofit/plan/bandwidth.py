@@ -507,7 +507,7 @@ SPLIT_MASTER_BYTES = master_split.LINK_BYTES
 def _stream_bytes(numel: int, state_tensors: int, master_bytes: float = 4, state_bytes: float = 4) -> float:
     """Bytes each way of GPU-stepping `numel` offloaded parameters: the master (4 bytes, or
     `SPLIT_MASTER_BYTES` when it travels split) plus k state tensors of `state_bytes` per element as stored
-    (`precision.optimizer_state`: 4, 2 or 1.125)."""
+    (`precision.optimizer_state`: 4, 2 or 1.25)."""
     _count("numel", numel)
     _count("state_tensors", state_tensors)
     return (master_bytes + state_bytes * state_tensors) * numel

@@ -21,7 +21,7 @@ Each term's bytes, and where they live:
 - gradients: S*4 shard (S*c on one rank without accumulation or offload: "compact"); + N*4 full buffer when
   it persists (stage 1 on several ranks). Where: with the optimizer state.
 - optimizer states: k*S*b, b the stored bytes per element of `precision.optimizer_state` (4 fp32, 2 bf16,
-  1.125 8bit: `Codec.bytes_per_element`); groups a per-parameter optimizer steps whole keep b = 4. Where: GPU;
+  1.25 8bit: `Codec.bytes_per_element`); groups a per-parameter optimizer steps whole keep b = 4. Where: GPU;
   host with optimizer offload; files with NVMe, host- or GPU-stepped (one group's worth in host slots).
 - transient gradients: N*4 (+ S*4 reduce output) per unit while reduced, at most 2 reductions in flight.
   Where: GPU, on the activation timeline.
@@ -384,7 +384,7 @@ def kept_bytes(gathered: list[int], budget: int | None) -> int:
 
 def state_nbytes(numel: int, kind: str) -> int:
     """Bytes of `numel` optimizer state elements stored as `kind` (precision.optimizer_state): 8bit counts
-    its per-block bf16 scales (a state tensor's elements are a multiple of the block, as shards are)."""
+    its per-block fp32 scales (a state tensor's elements are a multiple of the block, as shards are)."""
     return math.ceil(numel * Codec(kind).bytes_per_element())
 
 

@@ -40,7 +40,7 @@ in zerofit.engine.offload.gpu_issue); a unit's pre-hook waits until its groups a
 [Note: narrow state in the stream]
 With `precision.optimizer_state` bf16 or 8bit (see [Note: narrow optimizer state] in
 zerofit.engine.state_codec) a run's homes hold the stored form (`offload/stored_homes.py`); a chunk's codes
-(and block scales) travel instead of fp32 state - 2 or 1.125 bytes per element instead of 4 - and the step
+(and block scales) travel instead of fp32 state - 2 or 1.25 bytes per element instead of 4 - and the step
 stream widens them into the slot's fp32 buffers, steps, zeroes the padding between pieces and narrows them
 again before the download. Groups kept on the device join this stream too, with their homes in device memory
 (no copy: widened from and narrowed into the home itself), so one path steps narrow state wherever it lives.
@@ -450,7 +450,7 @@ class GpuStep(OffloadPart):
         if home.codes.device == self.device:
             return home
         staged = Stored(slot.buf(key + "#codes", home.codes.dtype, n),
-                        slot.buf(key + "#scale", home.scale.dtype, blocks(n)) if home.scale is not None else None)
+                        slot.buf(key + "#scale", torch.float32, blocks(n)) if home.scale is not None else None)
         if upload:
             staged.copy_(home, non_blocking=True)
         return staged

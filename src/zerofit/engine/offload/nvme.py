@@ -15,11 +15,11 @@ step k is its chunks' upload, step and download on the device, and write k waits
 [Note: narrow state on file]
 With `precision.optimizer_state` bf16 or 8bit ([Note: narrow optimizer state] in zerofit.engine.state_codec) a
 state region holds the stored form, as the state entries do: `shard_numel` codes (2 or 1 bytes each, the
-region rounded up to 4 bytes) and, 8-bit, right after them the bf16 scale of each block of 16 of the shard
-(rounded up to 4 bytes too), which the pieces' `K + ".absmax"` entries view at `offset // 16` (pieces start at
-multiples of 16 of the shard). So the file, the slots and the reads and writes shrink with the state: GPT-2
-XL's Adam state at 8 bits is 2.25 bytes per element on file instead of 8. Regions are laid out in bytes; each
-tensor is bound to the slot's storage at its byte offset divided by its element size.
+region rounded up to 4 bytes) and, 8-bit, right after them the fp32 absmax of each block of 16 of the shard,
+which the pieces' `K + ".absmax"` entries view at `offset // 16` (pieces start at multiples of 16 of the
+shard). So the file, the slots and the reads and writes shrink with the state: GPT-2 XL's Adam state at 8 bits
+is 2.5 bytes per element on file instead of 8. Regions are laid out in bytes; each tensor is bound to the
+slot's storage at its byte offset divided by its element size.
 
 [Note: NVMe residency]
 An offloaded group is in exactly one of three states, and its tensors say which:
@@ -125,18 +125,10 @@ def planned_state_tensors(optimizer: torch.optim.Optimizer) -> int:
 
 
 def state_region_bytes(n: int, codec: Codec) -> int:
-    """Bytes of one state key's region of a file of `n`-element shards: the codes, then the 8-bit block scales,
-    each rounded up to 4 bytes (see [Note: narrow state on file]; fp32: `n` * 4, as before)."""
-    return _codes_bytes(n, codec) + (_round4(blocks(n) * codec.scale_dtype.itemsize) if codec.scaled else 0)
-
-
-def _codes_bytes(n: int, codec: Codec) -> int:
-    """Bytes of the codes of a state region of `n`-element shards (its scales follow)."""
-    return _round4(n * codec.code_dtype.itemsize)
-
-
-def _round4(nbytes: int) -> int:
-    return -(-nbytes // 4) * 4
+    """Bytes of one state key's region of a file of `n`-element shards: the codes, rounded up to 4 bytes, then
+    the 8-bit block scales (see [Note: narrow state on file]; fp32: `n` * 4, as before)."""
+    codes = -(-n * codec.code_dtype.itemsize // 4) * 4
+    return codes + (blocks(n) * 4 if codec.scaled else 0)
 
 
 def planned_bytes(groups: list[FlatGroup], state_tensors: int, codec: Codec | None = None) -> int:
@@ -392,8 +384,8 @@ class NvmeSwapper:
                     yield v, base + piece.shard_offset * size, piece.length
                 scale = state.get(key + SCALE_SUFFIX) if self.codec.scaled else None
                 if isinstance(scale, torch.Tensor) and scale.ndim == 1:
-                    scales_at = base + _codes_bytes(info.n, self.codec)
-                    yield scale, scales_at + piece.shard_offset // BLOCK * scale.element_size(), blocks(piece.length)
+                    scales_at = base + info.region - blocks(info.n) * 4
+                    yield scale, scales_at + piece.shard_offset // BLOCK * 4, blocks(piece.length)
 
     @torch.no_grad()
     def _bind(self, info: _Swapped, flat: torch.Tensor | None) -> None:

@@ -42,7 +42,7 @@ def stored_home_of(run: Run, state: dict, key: str, codec: Codec, *, pinned) -> 
         return Stored(codes)
     skey = key + SCALE_SUFFIX
     views = [(p, state[p.master].get(skey)) for p in run.pieces if key in state.get(p.master, {})]
-    if any(v is None or v.dtype != codec.scale_dtype for _, v in views):
+    if any(v is None or v.dtype != torch.float32 for _, v in views):
         return None
     first_piece, first = views[0]
     origin = first.storage_offset() - (first_piece.offset - run.start) // BLOCK
@@ -52,9 +52,9 @@ def stored_home_of(run: Run, state: dict, key: str, codec: Codec, *, pinned) -> 
                 or v.storage_offset() - (p.offset - run.start) // BLOCK != origin):
             return None
     n = blocks(run.end - run.start)
-    if origin < 0 or (origin + n) * first.element_size() > storage.nbytes() or not pinned(first):
+    if origin < 0 or (origin + n) * 4 > storage.nbytes() or not pinned(first):
         return None
-    scale = torch.empty(0, dtype=first.dtype, device=first.device).set_(storage, origin, (n,), (1,))
+    scale = torch.empty(0, dtype=torch.float32, device=first.device).set_(storage, origin, (n,), (1,))
     return Stored(codes, scale)
 
 
@@ -77,11 +77,9 @@ def rehome_stored(run: Run, state: dict, key: str, home: Stored, codec: Codec) -
         entry = state[p.master]
         dst = home.slice(p.offset - run.start, p.length)
         value = entry[key]
-        scale = entry.get(key + SCALE_SUFFIX)
-        if value.dtype == codec.code_dtype and (not codec.scaled or (scale is not None
-                                                                     and scale.dtype == codec.scale_dtype)):
-            dst.copy_(Stored(value, scale))
-        else:  # another form (or 8-bit with scales of another dtype): widened, then stored as this run stores state
+        if value.dtype == codec.code_dtype and (not codec.scaled or key + SCALE_SUFFIX in entry):
+            dst.copy_(Stored(value, entry.get(key + SCALE_SUFFIX)))
+        else:  # another form: widened, then stored the way this run stores state
             wide = value.float() if value.dtype != torch.uint8 else _decoded(entry, key, value)
             codec.encode(wide.to(dst.codes.device), dst, key)
     bind_stored(run, state, key, home, have)

@@ -53,7 +53,7 @@ def _codec(codec: Codec, device: torch.device) -> None:
     for n in _LENGTHS:
         values = torch.zeros(n, device=device)
         codes = torch.empty(n, dtype=torch.uint8, device=device)
-        scales = torch.empty(blocks(n) + 1, dtype=codec.scale_dtype, device=device)
+        scales = torch.empty(blocks(n) + 1, device=device)
         for lo in (0, 1):  # the block scales on a 16-byte boundary, and off one
             stored = Stored(codes, scales[lo:lo + blocks(n)])
             codec.encode(values, stored, "exp_avg")
