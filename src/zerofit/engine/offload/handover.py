@@ -9,7 +9,8 @@ gathered parameters can stay in room backward has just freed. The update then re
 against them in place (no upload), writes the new parameters into them as well as down to the host shard, and
 the next forward finds those units gathered (no upload either): 4 of the ~10.6 bytes per parameter uploaded a
 step (GPT-2 XL's ZeRO-3 full offload with 8-bit state: 2 + 2 for the two gathers, 2 for the update's parameter,
-2.125 for the split master, 2.5 for the state) for every unit kept; on one H100 that step went 0.485 -> 0.376 s.
+2.125 for the split master, 2.5 for the state) for every unit kept; on one H100 that step went 0.485 -> 0.376 s
+(on a tree with bf16 block scales: docs/benchmarks.md, session 20).
 
 A unit is kept when backward is done with it (instead of released) if
 - one rank trains (with several, the kept full parameters would hold the other ranks' old shards after the
