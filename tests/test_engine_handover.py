@@ -131,3 +131,48 @@ def test_kept_units_are_what_evaluation_checkpoints_and_loads_see(tmp_path):
     assert max_diff(kept["masters"], ref["masters"]) == 0.0
     # the run after the load repeats the two steps taken after the save
     assert kept["losses"][5:7] == kept["losses"][3:5]
+
+
+def _checkpointed(rank: int, world: int) -> dict:
+    """A transformers model with activation checkpointing (its blocks run forward again inside backward, gathering
+    themselves there): kept units or not, the same training."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from zerofit.config.schema import OffloadConfig, PrecisionConfig, ZeroConfig
+    from zerofit.engine import ZeroEngine
+    out = {}
+    for budget in (None, 1 << 40):
+        handover.CPU_BUDGET = budget
+        try:
+            torch.manual_seed(0)
+            model = GPT2LMHeadModel(GPT2Config(n_layer=3, n_embd=32, n_head=2, vocab_size=64, n_positions=16,
+                                               resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+            model.gradient_checkpointing_enable()
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+            offload = OffloadConfig(device="cpu", step_on="device")
+            engine = ZeroEngine(model, opt, zero=ZeroConfig(stage=3, param_persistence_threshold=0,
+                                                            offload_optimizer=offload,
+                                                            offload_param=OffloadConfig(device="cpu")),
+                                precision=PrecisionConfig(mixed_precision="bf16"), gradient_clipping=1.0)
+            model.train()
+            g = torch.Generator().manual_seed(3)
+            losses = []
+            for _ in range(5):
+                ids = torch.randint(0, 64, (4, 16), generator=g)
+                loss = model(input_ids=ids, labels=ids).loss
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.item())
+            out[budget] = {"losses": losses, "kept": engine.offload.gpu.handover.kept,
+                           "masters": {k: v.clone() for k, v in engine.named_full_tensors("master").items()}}
+        finally:
+            handover.CPU_BUDGET = None
+    return out
+
+
+def test_kept_units_with_activation_checkpointing_train_the_same():
+    out = run_distributed(_checkpointed, 1, timeout=600)[0]
+    ref, kept = out[None], out[1 << 40]
+    assert ref["kept"] == 0 and kept["kept"] > 0
+    assert kept["losses"] == ref["losses"]
+    assert max_diff(kept["masters"], ref["masters"]) == 0.0
