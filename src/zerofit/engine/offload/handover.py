@@ -13,8 +13,9 @@ step (GPT-2 XL's ZeRO-3 full offload with 8-bit state: 2 + 2 for the two gathers
 (on a tree with bf16 block scales: docs/benchmarks.md, session 20).
 
 A unit is kept when backward is done with it (instead of released) if
-- one rank trains (with several, the kept full parameters would hold the other ranks' old shards after the
-  update, and the ranks would have to agree on which units they keep);
+- one rank trains (with several, the kept full parameters hold the other ranks' old shards after the update;
+  the way there, not built: the kept unit's next gather all-gathers in place from its own shard on the device
+  instead of uploading the host's - the same collective in the same order whatever each rank kept);
 - every trainable group of it is GPU-stepped with offloaded parameters (a group stepped on the device or on the
   host publishes into the host shard only);
 - this backward closes the window and its updates wait for `step()` (none starts during backward: [Note:
