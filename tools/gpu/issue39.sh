@@ -15,6 +15,9 @@
 #          step 2 against the steady step)
 # ab:      OLD_SRC's tree against this one, same call: the 9.2 B 8-bit row and GPT-2 XL ZeRO-2 offload 8-bit
 # ab3:     OLD_SRC's tree against this one, same call: GPT-2 XL ZeRO-3 full offload and ZeRO-2 offload, 8-bit
+# abissue: OLD_SRC's tree against this one: GPT-2 XL ZeRO-2 offload 8-bit with Python's profile of the issuing
+#          thread (where a tree's stream issue spends its time; e.g. OLD_SRC from `git archive e27021c src`, the
+#          bf16 block scales that made this row slower in session 20)
 set -uo pipefail
 . "$(dirname "$0")/../../benchmarks/preamble.sh" "${1:-}" out/issue39
 shift || true
@@ -102,6 +105,19 @@ PYEOF
           --timeout 190 --out "$OUT_DIR/ab_big_$tree" | head -3
         PYTHONPATH=$src timeout 200 $B --methods zerofit-s2-offload --optimizer-state 8bit --timeout 140 \
           --out "$OUT_DIR/ab_xl_$tree" | head -3
+      done ;;
+    abissue)  # OLD_SRC against this tree, GPT-2 XL ZeRO-2 offload 8-bit, the issuing thread profiled, new first
+      for tree in new old; do
+        src="$PWD/src"; [ "$tree" = old ] && src=$(cd "$OLD_SRC" && pwd)
+        PYTHONPATH=$src timeout 200 $B --methods zerofit-s2-offload --optimizer-state 8bit --profile-issue \
+          --timeout 140 --out "$OUT_DIR/abissue_$tree" | head -3
+        "$PY" - "$OUT_DIR/abissue_$tree/results.json" "$tree" <<'PYEOF'
+import json, sys
+for r in json.load(open(sys.argv[1]))["rows"]:
+    for name, lines in r.get("issue_profile", {}).items():
+        print(f"== {sys.argv[2]} tree, issuing thread: {name}")
+        print("\n".join(lines[:30]))
+PYEOF
       done ;;
     ab3)  # OLD_SRC against this tree, each in its own process, the new one first
       for tree in new old; do
