@@ -4,11 +4,13 @@ On CPU the memory rule is replaced by `handover.CPU_BUDGET` (bytes a backward ma
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
 
 import pytest
 import torch
-from engine_cases import Case, max_diff, run_engine
+from engine_cases import Case, batches, loss_fn, max_diff, run_engine
 
 from zerofit.engine.offload import handover
 from zerofit.testing.distributed import run_distributed
@@ -22,17 +24,24 @@ BUDGETS = (None, 1 << 40, 3000)
 """Keep nothing (the reference), every eligible unit, a few (the tiny model's units are ~1 KB each)."""
 
 
+@contextlib.contextmanager
+def cpu_budget(budget: int | None):
+    """`handover.CPU_BUDGET` set to `budget` inside, None again after."""
+    handover.CPU_BUDGET = budget
+    try:
+        yield
+    finally:
+        handover.CPU_BUDGET = None
+
+
 def _runs(rank: int, world: int, nvme_path: str) -> dict:
     out = {}
-    for case in CASES:
+    for index, case in enumerate(CASES):
         if case.offload == "nvme":
             case = dataclasses.replace(case, nvme_path=nvme_path)
         for budget in BUDGETS:
-            handover.CPU_BUDGET = budget
-            try:
-                out[CASES.index(case) if case in CASES else len(CASES) - 1, budget] = run_engine(rank, world, case)
-            finally:
-                handover.CPU_BUDGET = None
+            with cpu_budget(budget):
+                out[index, budget] = run_engine(rank, world, case)
     return out
 
 
@@ -82,9 +91,6 @@ def _around_the_loop(rank: int, world: int, root: str) -> dict:
     """Between steps a script evaluates, saves, trains on and loads the checkpoint back, then trains again: with
     units kept, each of these sees the weights of the last update (a load writes the parameters and releases every
     gathered unit)."""
-    import os
-
-    from engine_cases import batches, loss_fn
     from test_checkpoint_support import build
 
     from zerofit.checkpoint import load_state, save_state
@@ -102,8 +108,7 @@ def _around_the_loop(rank: int, world: int, root: str) -> dict:
 
     out = {}
     for budget in (None, 1 << 40):
-        handover.CPU_BUDGET = budget
-        try:
+        with cpu_budget(budget):
             case, model, _, engine = build(3, precision="bf16", offload=True, step_on="device", chunk=64,
                                            optimizer_state="8bit", steps=8)
             losses = train(engine, model, case, rank, world, range(3))
@@ -117,8 +122,6 @@ def _around_the_loop(rank: int, world: int, root: str) -> dict:
             losses += train(engine, model, case, rank, world, range(3, 8))
             out[budget] = {"losses": losses, "evaluated": evaluated, "kept": engine.offload.gpu.handover.kept,
                            "masters": {k: v.clone() for k, v in engine.named_full_tensors("master").items()}}
-        finally:
-            handover.CPU_BUDGET = None
     return out
 
 
@@ -142,8 +145,7 @@ def _checkpointed(rank: int, world: int) -> dict:
     from zerofit.engine import ZeroEngine
     out = {}
     for budget in (None, 1 << 40):
-        handover.CPU_BUDGET = budget
-        try:
+        with cpu_budget(budget):
             torch.manual_seed(0)
             model = GPT2LMHeadModel(GPT2Config(n_layer=3, n_embd=32, n_head=2, vocab_size=64, n_positions=16,
                                                resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
@@ -165,8 +167,6 @@ def _checkpointed(rank: int, world: int) -> dict:
                 losses.append(loss.item())
             out[budget] = {"losses": losses, "kept": engine.offload.gpu.handover.kept,
                            "masters": {k: v.clone() for k, v in engine.named_full_tensors("master").items()}}
-        finally:
-            handover.CPU_BUDGET = None
     return out
 
 
