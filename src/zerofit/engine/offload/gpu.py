@@ -112,7 +112,8 @@ def stream_pool_bytes(largest_piece: int, *, state_tensors: int, compact: bool,
     with param offload, + the packed master when it travels split, and the carries' scratch unless `fused`: the
     fused kernels need none). `largest_piece`: the largest run of an offloaded group (at most its shard)."""
     n = min(STREAM_CHUNK, largest_piece)
-    per_slot = n * 4 * (1 + state_tensors + (1 if compact else 0)) + (n * compute_bytes if offload_params else 0)
+    per_slot = (home_slot_bytes(largest_piece, state_tensors=state_tensors, compact=compact)
+                + (n * compute_bytes if offload_params else 0))
     if split:
         per_slot += master_split.packed_bytes(n) + (0 if fused else master_split.scratch_bytes(n))
     return STREAM_SLOTS * per_slot
@@ -120,8 +121,9 @@ def stream_pool_bytes(largest_piece: int, *, state_tensors: int, compact: bool,
 
 def home_slot_bytes(largest_piece: int, *, state_tensors: int, compact: bool) -> int:
     """Device bytes of the slot of chunks whose master and state stay on the device ([Note: resident chunks]): the
-    fp32 state chunks, the master (for a chunk not aligned as a slot's would be) and, compact, the upcast gradient.
-    `largest_piece`: the largest run of such a group."""
+    fp32 state chunks, the master (for a chunk not aligned as a slot's would be) and, compact, the upcast gradient
+    - what every slot of the ring holds too (`stream_pool_bytes`). `largest_piece`: the largest run of such a
+    group."""
     return min(STREAM_CHUNK, largest_piece) * 4 * (1 + state_tensors + (1 if compact else 0))
 
 
