@@ -254,7 +254,7 @@ def measure(method: str, step, args) -> dict:
            "optimizer_state": args.optimizer_state}
     if method == "zerofit-auto":
         row["planned"] = _planned_zero.label
-    gpu_part = getattr(getattr(engine, "offload", None), "gpu", None)
+    gpu_part = _gpu_part(engine)
     if gpu_part is not None and hasattr(gpu_part, "handover"):  # [Note: handover] (an older tree's A/B: none)
         row["units_kept"] = gpu_part.handover.kept
     if phases:
@@ -270,6 +270,11 @@ def measure(method: str, step, args) -> dict:
     return row
 
 
+def _gpu_part(engine):
+    """A zerofit engine's GPU-stepped offload part (`GpuStep`), else None (a peer's engine, no GPU-stepped state)."""
+    return getattr(getattr(engine, "offload", None), "gpu", None)
+
+
 class _IssueProfile:
     """--profile-issue: Python's profile of the GPU-stepped stream's issuing thread while it issues the first
     step's stream and while it issues a steady one (the 4th step's): where the first step's issuing time goes."""
@@ -277,7 +282,7 @@ class _IssueProfile:
     def __init__(self, engine):
         import cProfile
 
-        gpu = getattr(getattr(engine, "offload", None), "gpu", None)
+        gpu = _gpu_part(engine)
         self.issuer = gpu.issuer if gpu is not None else None
         self.profiles = {"first": cProfile.Profile(), "steady": cProfile.Profile()}
         self._queue("first", "enable")
