@@ -155,7 +155,8 @@ def _checkpointed(rank: int, world: int) -> dict:
             engine = ZeroEngine(model, opt, zero=ZeroConfig(stage=3, param_persistence_threshold=0,
                                                             offload_optimizer=offload,
                                                             offload_param=OffloadConfig(device="cpu")),
-                                precision=PrecisionConfig(mixed_precision="bf16"), gradient_clipping=1.0)
+                                precision=PrecisionConfig(mixed_precision="bf16"), gradient_clipping=1.0,
+                                device=torch.device("cpu"))  # CPU_BUDGET's rule, on a GPU machine too
             model.train()
             g = torch.Generator().manual_seed(3)
             losses = []
