@@ -18,6 +18,10 @@
 # abissue: OLD_SRC's tree against this one: GPT-2 XL ZeRO-2 offload 8-bit with Python's profile of the issuing
 #          thread (where a tree's stream issue spends its time; e.g. OLD_SRC from `git archive e27021c src`, the
 #          bf16 block scales that made this row slower in session 20)
+# spread:  GPT-2 XL ZeRO-2 offload 8-bit in ROUNDS (3) fresh processes: the spread between runs of one tree on one
+#          box (session 21: 0.205-0.307 s, with the issuing thread's time); with OLD_SRC set, that tree takes turns
+# peers:   DeepSpeed's GPT-2 XL ZeRO-2 + offload and ZeRO-3 + full offload (its wheels carried in .whl/) beside
+#          zerofit's with fp32 and 8-bit state, all in this call (the same-call ratios)
 set -uo pipefail
 . "$(dirname "$0")/../../benchmarks/preamble.sh" "${1:-}" out/issue39
 shift || true
@@ -119,6 +123,21 @@ for r in json.load(open(sys.argv[1]))["rows"]:
         print("\n".join(lines[:30]))
 PYEOF
       done ;;
+    spread)
+      for i in $(seq "${ROUNDS:-3}"); do
+        for tree in new ${OLD_SRC:+old}; do
+          src="$PWD/src"; [ "$tree" = old ] && src=$(cd "$OLD_SRC" && pwd)
+          PYTHONPATH=$src timeout 120 $B --methods zerofit-s2-offload --optimizer-state 8bit --timeout 100 \
+            --out "$OUT_DIR/spread_${tree}_$i" | tail -1
+        done
+      done ;;
+    peers)  # needs .whl/ with ../shared/wheels' DeepSpeed and its dependencies (carry it)
+      use_wheels /tmp/site .whl/*.whl
+      timeout 420 $B --methods deepspeed-s2-offload deepspeed-s3-offload --timeout 300 --out "$OUT_DIR/peers_ds" | head -4
+      for st in 8bit fp32; do
+        timeout 300 $B --methods zerofit-s2-offload zerofit-s3-offload --optimizer-state "$st" --timeout 140 \
+          --out "$OUT_DIR/peers_zf_$st" | head -4
+      done ;;
     ab3)  # OLD_SRC against this tree, each in its own process, the new one first
       for tree in new old; do
         src="$PWD/src"; [ "$tree" = old ] && src=$(cd "$OLD_SRC" && pwd)
@@ -143,7 +162,9 @@ for f in sorted(pathlib.Path(sys.argv[1]).glob("*/results.json")):
             print(f"{f.parent.name:16s} {r['method']:22s} state={r.get('optimizer_state')} s/step={r['s_per_step']:.4f} "
                   f"every={[round(t, 3) for t in r.get('every_step_s', [])]} gpu={r['gpu_peak_gib']:.1f} "
                   f"host={r['host_rss_gib']:.1f} loss={r['losses'][-1]:.4f} planned={r.get('planned', '-')} "
-                  f"compiled={r.get('kernels_compiled_every_step', '-')} kept={r.get('units_kept', '-')}")
+                  f"compiled={r.get('kernels_compiled_every_step', '-')} kept={r.get('units_kept', '-')} "
+                  + " ".join(f"{k}={r.get('breakdown_s', {}).get(k, 0):.3f}"
+                             for k in ("stream_issue", "copy_to_gpu", "copy_to_host")))
 PYEOF
 rm -f "$OUT_DIR"/*/table.md  # the device returns 8 files: the results and traces
 echo "== done ($(date -u +%T))"
