@@ -19,7 +19,9 @@
 #          thread (where a tree's stream issue spends its time; e.g. OLD_SRC from `git archive e27021c src`, the
 #          bf16 block scales that made this row slower in session 20)
 # spread:  GPT-2 XL ZeRO-2 offload 8-bit in ROUNDS (3) fresh processes: the spread between runs of one tree on one
-#          box (session 21: 0.205-0.307 s, with the issuing thread's time); with OLD_SRC set, that tree takes turns
+#          box (session 21: 0.205-0.307 s, with the issuing thread's time); with OLD_SRC set, that tree takes turns;
+#          TRACE=1: each process also writes a Chrome trace of 3 more steps (all in traces.tar: a fast and a slow
+#          process side by side, the copies against the issuing)
 # peers:   DeepSpeed's GPT-2 XL ZeRO-2 + offload and ZeRO-3 + full offload (its wheels carried in .whl/) beside
 #          zerofit's with fp32 and 8-bit state, all in this call (the same-call ratios)
 set -uo pipefail
@@ -127,10 +129,12 @@ PYEOF
       for i in $(seq "${ROUNDS:-3}"); do
         for tree in new ${OLD_SRC:+old}; do
           src="$PWD/src"; [ "$tree" = old ] && src=$(cd "$OLD_SRC" && pwd)
+          trace=(); [ -n "${TRACE:-}" ] && mkdir -p "$OUT_DIR/tr" && trace=(--trace "$OUT_DIR/tr/spread_${tree}_$i")
           PYTHONPATH=$src timeout 120 $B --methods zerofit-s2-offload --optimizer-state 8bit --timeout 100 \
-            --out "$OUT_DIR/spread_${tree}_$i" | tail -1
+            "${trace[@]}" --out "$OUT_DIR/spread_${tree}_$i" | tail -1
         done
-      done ;;
+      done
+      [ -d "$OUT_DIR/tr" ] && tar -cf "$OUT_DIR/traces.tar" -C "$OUT_DIR" tr && rm -rf "$OUT_DIR/tr" ;;
     peers)  # needs .whl/ with ../shared/wheels' DeepSpeed and its dependencies (carry it)
       use_wheels /tmp/site .whl/*.whl
       timeout 420 $B --methods deepspeed-s2-offload deepspeed-s3-offload --timeout 300 --out "$OUT_DIR/peers_ds" | head -4
