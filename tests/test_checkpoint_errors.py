@@ -403,7 +403,10 @@ def test_a_checkpoint_error_never_echoes_a_huge_value_whole():
     error = str(CheckpointError(f"/ckpt/latest: names {value!r}: write a checkpoint name into it"))
     assert len(error) <= MAX_PROBLEM_CHARS and "more characters not shown" in error
     assert error.startswith("/ckpt/latest: names 'xxx") and error.endswith(": write a checkpoint name into it")
-    many = str(CheckpointError("\n".join(f"rank {r}: {value}: fix {r}" for r in range(200))))
+    # 200 lines of 10 KB each (2 MB whole) test the same per-line cap and line count as 5 MB lines would,
+    # without building a 1 GB string.
+    line = "x" * 10_000
+    many = str(CheckpointError("\n".join(f"rank {r}: {line}: fix {r}" for r in range(200))))
     assert len(many) < 60 * MAX_PROBLEM_CHARS and many.endswith("... and 150 more problems")
     assert str(CheckpointError(many)) == many  # a verdict re-raised from another's message is unchanged
     assert str(ConfigError([f"zero.stage is {value}: fix it"])).endswith(": fix it")
