@@ -95,7 +95,7 @@ def _around_the_loop(rank: int, world: int, root: str) -> dict:
 
     from zerofit.checkpoint import load_state, save_state
 
-    def train(engine, model, case, rank, world, steps):  # clipped: the updates wait for step()
+    def train(engine, model, case, steps):  # clipped: the updates wait for step()
         data, losses = batches(case), []
         for step in steps:
             x, y = data[step]
@@ -111,15 +111,15 @@ def _around_the_loop(rank: int, world: int, root: str) -> dict:
         with cpu_budget(budget):
             case, model, _, engine = build(3, precision="bf16", offload=True, step_on="device", chunk=64,
                                            optimizer_state="8bit", steps=8)
-            losses = train(engine, model, case, rank, world, range(3))
+            losses = train(engine, model, case, range(3))
             x = torch.randint(0, 37, (4, 5), generator=torch.Generator().manual_seed(7))
             with torch.no_grad():
                 evaluated = model(x).float()
             path = os.path.join(root, str(budget))
             save_state(path, engine, update_latest=False)
-            losses += train(engine, model, case, rank, world, range(3, 5))
+            losses += train(engine, model, case, range(3, 5))
             load_state(path, engine)
-            losses += train(engine, model, case, rank, world, range(3, 8))
+            losses += train(engine, model, case, range(3, 8))
             out[budget] = {"losses": losses, "evaluated": evaluated, "kept": engine.offload.gpu.handover.kept,
                            "masters": {k: v.clone() for k, v in engine.named_full_tensors("master").items()}}
     return out
