@@ -31,6 +31,7 @@ WHAT="${*:-tests xl}"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 "$PY" -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'
 B="$PY benchmarks/engine_step.py --steps 6"
+tree_src() { if [ "$1" = old ]; then (cd "$OLD_SRC" && pwd); else echo "$PWD/src"; fi; }  # the A/B modes' two trees
 for what in $WHAT; do
   echo "== $what ($(date -u +%T))"
   case "$what" in
@@ -106,7 +107,7 @@ PYEOF
          # big) and GPT-2 XL ZeRO-2 offload 8-bit, each tree in its own process, the new one first
       L="--model llama --n_embd 5120 --n_layer 28 --n_head 40 --intermediate 13824 --batch 8 --seq 512 --meta"
       for tree in new old; do
-        src="$PWD/src"; [ "$tree" = old ] && src=$(cd "$OLD_SRC" && pwd)
+        src=$(tree_src "$tree")
         PYTHONPATH=$src timeout 200 $B --methods zerofit-auto $L --steps 5 --optimizer-state 8bit --clip "${CLIP:-1.0}" \
           --timeout 190 --out "$OUT_DIR/ab_big_$tree" | head -3
         PYTHONPATH=$src timeout 200 $B --methods zerofit-s2-offload --optimizer-state 8bit --timeout 140 \
@@ -114,7 +115,7 @@ PYEOF
       done ;;
     abissue)  # OLD_SRC against this tree, GPT-2 XL ZeRO-2 offload 8-bit, the issuing thread profiled, new first
       for tree in new old; do
-        src="$PWD/src"; [ "$tree" = old ] && src=$(cd "$OLD_SRC" && pwd)
+        src=$(tree_src "$tree")
         PYTHONPATH=$src timeout 200 $B --methods zerofit-s2-offload --optimizer-state 8bit --profile-issue \
           --timeout 140 --out "$OUT_DIR/abissue_$tree" | head -3
         "$PY" - "$OUT_DIR/abissue_$tree/results.json" "$tree" <<'PYEOF'
@@ -128,7 +129,7 @@ PYEOF
     spread)
       for i in $(seq "${ROUNDS:-3}"); do
         for tree in new ${OLD_SRC:+old}; do
-          src="$PWD/src"; [ "$tree" = old ] && src=$(cd "$OLD_SRC" && pwd)
+          src=$(tree_src "$tree")
           trace=(); [ -n "${TRACE:-}" ] && mkdir -p "$OUT_DIR/tr" && trace=(--trace "$OUT_DIR/tr/spread_${tree}_$i")
           PYTHONPATH=$src timeout 120 $B --methods zerofit-s2-offload --optimizer-state 8bit --timeout 100 \
             "${trace[@]}" --out "$OUT_DIR/spread_${tree}_$i" | tail -1
@@ -144,7 +145,7 @@ PYEOF
       done ;;
     ab3)  # OLD_SRC against this tree, each in its own process, the new one first
       for tree in new old; do
-        src="$PWD/src"; [ "$tree" = old ] && src=$(cd "$OLD_SRC" && pwd)
+        src=$(tree_src "$tree")
         PYTHONPATH=$src timeout 250 $B --methods zerofit-s3-offload zerofit-s2-offload --optimizer-state 8bit \
           --timeout 120 --out "$OUT_DIR/ab3_xl_$tree" | head -4
       done ;;
