@@ -12,10 +12,10 @@ import json
 import os
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from parallel_runs import two_at_a_time
 
 from zerofit.bench import report
 from zerofit.bench.methods import parse
@@ -101,24 +101,9 @@ def bench_runs(request, tmp_path_factory):
     much of the time (a two-process run, some of it), two runs keep both busy. Each test reads only its own."""
     wanted = [item.originalname for item in request.session.items
               if item.path == Path(__file__).resolve() and item.originalname in BENCH_RUNS]
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {name: pool.submit(_bench, tmp_path_factory.mktemp("bench"), *BENCH_RUNS[name])
-                   for name in dict.fromkeys(wanted)}
-    done = {}
-    for name, future in futures.items():
-        try:
-            done[name] = future.result()
-        except Exception as e:  # a run that timed out fails only the test that reads it
-            done[name] = e
-
-    def get(name: str):
-        if name not in done:
-            done[name] = _bench(tmp_path_factory.mktemp("bench"), *BENCH_RUNS[name])
-        if isinstance(done[name], Exception):
-            raise done[name]
-        return done[name]
-
-    return get
+    # a run that timed out fails only the test that reads it
+    return two_at_a_time(wanted, lambda name: _bench(tmp_path_factory.mktemp("bench"), *BENCH_RUNS[name]),
+                         kept=(Exception,))
 
 
 @pytest.mark.slow

@@ -12,10 +12,10 @@ import os
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from parallel_runs import two_at_a_time
 
 pytestmark = pytest.mark.slow
 
@@ -87,7 +87,6 @@ def runs(request, tmp_path_factory):
     5 s a hung run waits for its timeout, the seconds an uneven one takes to find its ranks apart), two keep
     both busy. Each waits for itself only."""
     root = tmp_path_factory.mktemp("faults")
-    done: dict[str, Run] = {}
 
     def run(key: str) -> Run:
         out = root / key
@@ -99,16 +98,7 @@ def runs(request, tmp_path_factory):
     for item in request.session.items:
         if item.path == Path(__file__).resolve() and item.originalname in READS:
             wanted.update(READS[item.originalname](getattr(item, "callspec", None) and item.callspec.params))
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {key: pool.submit(run, key) for key in RUNS if key in wanted}  # RUNS' order: hung, uneven early
-    done.update((key, future.result()) for key, future in futures.items())
-
-    def get(key: str) -> Run:
-        if key not in done:
-            done[key] = run(key)
-        return done[key]
-
-    return get
+    return two_at_a_time([key for key in RUNS if key in wanted], run)  # RUNS' order: hung, uneven early
 
 
 @pytest.fixture(scope="module")

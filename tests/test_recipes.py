@@ -17,10 +17,10 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from parallel_runs import two_at_a_time
 from recipe_commands import script_args
 
 transformers = pytest.importorskip("transformers")
@@ -131,29 +131,15 @@ def runs(request, tmp_path_factory, assets):
     on first use, two launches at a time: a launch alone leaves a core idle much of the time (start-up,
     tokenizing, the launcher's own import), two keep both busy."""
     root = tmp_path_factory.mktemp("runs")
-    done: dict[tuple[str, str], tuple[dict, Path]] = {}
 
-    def run(recipe: str, stage: str) -> tuple[dict, Path]:
+    def run(key: tuple[str, str]) -> tuple[dict, Path]:
+        recipe, stage = key
         script, args, _ = RECIPES[recipe]
         out = root / f"{recipe}_{stage}"
         return launch(STAGES[stage](root), script, out, args(assets), root), out
 
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {key: pool.submit(run, *key) for key in _selected_runs(request.session.items)}
-    for key, future in futures.items():
-        try:
-            done[key] = future.result()
-        except AssertionError as e:  # a failed launch fails only the tests that read it
-            done[key] = e
-
-    def get(recipe: str, stage: str) -> tuple[dict, Path]:
-        if (recipe, stage) not in done:
-            done[recipe, stage] = run(recipe, stage)
-        if isinstance(done[recipe, stage], AssertionError):
-            raise done[recipe, stage]
-        return done[recipe, stage]
-
-    return get
+    get = two_at_a_time(_selected_runs(request.session.items), run, kept=(AssertionError,))  # a failed launch
+    return lambda recipe, stage: get((recipe, stage))  # fails only the tests that read it
 
 
 def _close(got: float, want: float) -> bool:
